@@ -1,0 +1,74 @@
+"""The ``kvbench`` command line: a click group; each command lives in a cli_* module of its own.
+
+Errors: InputError and click usage errors print one line on stderr and exit 2; RunError exits 1
+(2 where it blames the settings). Data goes to stdout, progress and logs to stderr.
+"""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvbench import __version__
+from kvbench.errors import InputError, RunError
+
+EXAMPLES = """
+\b
+Examples:
+  kvbench trace inspect traces/chat.jsonl --block-size 16
+  kvbench replay traces/chat.jsonl --executor sim --model llama-3-8b
+  kvbench sweep traces/chat.jsonl --block-size 8,16,32 --layout paged,slab -j 2
+  kvbench report runs/* --out reports/mine
+"""
+
+
+@click.group(epilog=EXAMPLES, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvbench")
+def cli():
+    """Replay LLM request traces through a real paged-KV engine and compare KV-cache choices."""
+
+
+def _register() -> None:
+    from kvbench import cli_trace
+    cli.add_command(cli_trace.trace)
+    for modname in ("cli_run", "cli_report", "cli_model"):
+        try:
+            mod = __import__(f"kvbench.{modname}", fromlist=["COMMANDS"])
+        except ModuleNotFoundError as e:  # a layer not built yet in this checkout
+            if e.name != f"kvbench.{modname}":
+                raise
+            continue
+        for cmd in mod.COMMANDS:
+            cli.add_command(cmd)
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"kvbench: error: {message}", err=True)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    _register()
+    try:
+        rv = cli.main(args=argv, prog_name="kvbench", standalone_mode=False)
+    except InputError as e:
+        _fail(str(e), 2)
+    except click.exceptions.Abort:
+        _fail("interrupted", 130)
+    except click.exceptions.NoSuchOption as e:
+        _fail(e.format_message(), 2)
+    except click.ClickException as e:
+        code = e.exit_code if e.exit_code else 1
+        ctx = getattr(e, "ctx", None)
+        where = f"{ctx.command_path}: " if ctx is not None else ""
+        _fail(f"{where}{e.format_message()}", code)
+    except RunError as e:
+        _fail(str(e), 2 if e.usage else 1)
+    except BrokenPipeError:
+        sys.exit(0)
+    if isinstance(rv, int) and rv:
+        sys.exit(rv)
+
+
+if __name__ == "__main__":
+    main()

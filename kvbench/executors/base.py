@@ -1,0 +1,81 @@
+"""The executor interface (layer 5): what the scheduler hands over each step, and what comes back.
+
+A step's batch holds prefill chunks and decode sequences. Sequences are named by integer ``seq_id``;
+their KV lives in the pool through their block tables (lists of physical block ids, owned by the
+memory layer and passed by reference: an executor must not change them). For the slab layout every
+sequence has a one-entry table and ``block_size`` is the slab length, so the same kernels run both.
+
+Executors that need token ids and block tables (the model executor) set ``needs_tokens``; the sim
+executor does not, and the engine then skips building them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One engine step's work. Parallel lists, one entry per prefill chunk / per decode sequence.
+
+    Positions are absolute token positions in the sequence (rotary positions). A prefill chunk
+    computes positions [start, start + len) whose tokens are ``prefill_tokens[i]``; positions before
+    ``start`` are already in the KV cache (prefix hits or earlier chunks). A decode sequence feeds its
+    last token at ``decode_positions[i]`` and attends to positions [0, decode_positions[i]].
+    """
+
+    block_size: int
+    prefill_seq_ids: list[int] = field(default_factory=list)
+    prefill_starts: list[int] = field(default_factory=list)
+    prefill_lens: list[int] = field(default_factory=list)
+    prefill_last: list[bool] = field(default_factory=list)  # chunk ends the prompt: sample a token
+    prefill_tokens: list[np.ndarray] = field(default_factory=list)  # int32 [len]; needs_tokens only
+    decode_seq_ids: list[int] = field(default_factory=list)
+    decode_positions: list[int] = field(default_factory=list)
+    decode_tokens: list[int] = field(default_factory=list)  # needs_tokens only
+    block_tables: dict[int, list[int]] = field(default_factory=dict)  # needs_tokens only
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    # Token eviction: per sequence, a bool mask over its slots (True = token kept); None = all kept.
+    kept_masks: dict[int, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.prefill_lens)
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_seq_ids)
+
+    def __len__(self) -> int:
+        return len(self.prefill_seq_ids) + len(self.decode_seq_ids)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What an executor returns. ``duration_s`` advances the engine clock.
+
+    ``sampled`` maps seq_id -> next token for every decode sequence and every prefill chunk with
+    ``prefill_last`` (None from executors that produce no tokens). ``attention`` (optional) maps
+    seq_id -> float array of this step's attention weight per cached position, summed over heads,
+    for token-eviction policies.
+    """
+
+    duration_s: float
+    sampled: dict[int, int] | None = None
+    attention: dict[int, np.ndarray] | None = None
+
+
+class Executor(Protocol):
+    name: str
+    needs_tokens: bool
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token over all layers (what one pool slot costs)."""
+
+    def bind_pool(self, num_blocks: int, block_size: int) -> None:
+        """Allocate (model) or note (sim) a KV pool of ``num_blocks`` blocks of ``block_size`` slots."""
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        """Perform the copies, run the step's forward, return its duration (and tokens)."""

@@ -1,0 +1,239 @@
+"""The kvbench trace format (spec §2): one JSON request per line, read and validated as a stream.
+
+A request's prompt is a list of segments; token ids are produced lazily by ``kvbench.trace.tokens``.
+Every validation failure raises InputError naming the file, the 1-based line and the field.
+
+Rules this module defines where the spec leaves room:
+- unknown top-level keys are ignored (forward compatibility), but a segment must have exactly one of
+  the kinds ``tokens``, ``shared``, ``unique``, ``text``, and no keys beyond its kind's;
+- a shared stream is unbounded: ``{"shared": X, "len": L}`` is the first L tokens of stream X, so a
+  later, longer use of the same name extends an earlier one (they agree on the common prefix);
+- ``id`` may be a string or an integer (kept as its decimal string); ids must be unique in a trace;
+- requests need not be sorted by ``t``; the engine replays them in arrival order (stable).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import IO, Iterable, Iterator
+
+from kvbench.errors import InputError
+
+SEGMENT_KINDS = ("tokens", "shared", "unique", "text")
+MAX_TOKEN_ID = 2**31 - 1
+MAX_PROMPT_LEN = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One piece of a prompt. ``kind`` is one of SEGMENT_KINDS.
+
+    tokens: ``tokens`` holds the ids; shared: ``name`` and ``length``; unique: ``length``;
+    text: ``text`` (its length is known once tokenized, see kvbench.trace.tokens).
+    """
+
+    kind: str
+    length: int = 0
+    name: str | None = None
+    tokens: tuple[int, ...] | None = None
+    text: str | None = None
+
+    def to_json(self) -> dict:
+        if self.kind == "tokens":
+            return {"tokens": list(self.tokens)}
+        if self.kind == "shared":
+            return {"shared": self.name, "len": self.length}
+        if self.kind == "unique":
+            return {"unique": self.length}
+        return {"text": self.text}
+
+
+@dataclass(slots=True)
+class Request:
+    """One trace request. ``index`` is its 0-based position in the file, ``line`` its 1-based line."""
+
+    id: str
+    t: float
+    prompt: tuple[Segment, ...]
+    output_len: int
+    session: str | None = None
+    n: int = 1
+    output: str | None = None
+    meta: dict | None = None
+    index: int = 0
+    line: int = 0
+    prompt_len: int = field(default=-1)
+
+    def to_json(self) -> dict:
+        d: dict = {"id": self.id, "t": self.t}
+        if self.session is not None:
+            d["session"] = self.session
+        d["output_len"] = self.output_len
+        if self.n != 1:
+            d["n"] = self.n
+        if self.output is not None:
+            d["output"] = self.output
+        d["prompt"] = [s.to_json() for s in self.prompt]
+        if self.meta:
+            d["meta"] = self.meta
+        return d
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _length(v, where: dict, fld: str) -> int:
+    if not _is_int(v):
+        raise InputError(f"must be an integer, got {json.dumps(v)[:40]}", **where, field=fld)
+    if v < 1:
+        raise InputError(f"must be at least 1, got {v}", **where, field=fld)
+    return v
+
+
+def parse_segment(obj, where: dict, k: int, text_len=None) -> Segment:
+    """Validate one prompt segment. ``text_len(str) -> int`` measures text segments."""
+    fld = f"prompt[{k}]"
+    if not isinstance(obj, dict):
+        raise InputError("a segment must be an object", **where, field=fld)
+    kinds = [kk for kk in SEGMENT_KINDS if kk in obj]
+    if len(kinds) != 1:
+        extra = ", ".join(sorted(obj)) or "nothing"
+        raise InputError(f"a segment needs exactly one of tokens/shared/unique/text, got {extra}",
+                         **where, field=fld)
+    kind = kinds[0]
+    allowed = {"shared": {"shared", "len"}}.get(kind, {kind})
+    unknown = set(obj) - allowed
+    if unknown:
+        raise InputError(f"unknown key {sorted(unknown)[0]!r} in a {kind} segment", **where, field=fld)
+    if kind == "tokens":
+        toks = obj["tokens"]
+        if not isinstance(toks, list) or not toks:
+            raise InputError("must be a non-empty list of token ids", **where, field=f"{fld}.tokens")
+        for t in toks:
+            if not _is_int(t) or t < 0 or t > MAX_TOKEN_ID:
+                raise InputError(f"token ids are integers in [0, 2^31), got {json.dumps(t)[:40]}",
+                                 **where, field=f"{fld}.tokens")
+        return Segment("tokens", len(toks), tokens=tuple(toks))
+    if kind == "shared":
+        name = obj["shared"]
+        if not isinstance(name, str) or not name:
+            raise InputError("must be a non-empty string", **where, field=f"{fld}.shared")
+        if "len" not in obj:
+            raise InputError("required field missing", **where, field=f"{fld}.len")
+        return Segment("shared", _length(obj["len"], where, f"{fld}.len"), name=name)
+    if kind == "unique":
+        return Segment("unique", _length(obj["unique"], where, f"{fld}.unique"))
+    text = obj["text"]
+    if not isinstance(text, str) or not text:
+        raise InputError("must be a non-empty string", **where, field=f"{fld}.text")
+    n = text_len(text) if text_len is not None else len(text.encode("utf-8"))
+    if n < 1:
+        raise InputError("text tokenizes to no tokens", **where, field=f"{fld}.text")
+    return Segment("text", n, text=text)
+
+
+def parse_request(obj, where: dict, index: int, text_len=None) -> Request:
+    """Validate one decoded JSON line into a Request."""
+    if not isinstance(obj, dict):
+        raise InputError("a request must be a JSON object", **where)
+    for req in ("t", "prompt", "output_len"):
+        if req not in obj:
+            raise InputError("required field missing", **where, field=req)
+    t = obj["t"]
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        raise InputError(f"must be a number, got {json.dumps(t)[:40]}", **where, field="t")
+    if t < 0:
+        raise InputError(f"must be >= 0, got {t}", **where, field="t")
+    output_len = _length(obj["output_len"], where, "output_len")
+    prompt = obj["prompt"]
+    if not isinstance(prompt, list) or not prompt:
+        raise InputError("must be a non-empty list of segments", **where, field="prompt")
+    segs = tuple(parse_segment(s, where, k, text_len) for k, s in enumerate(prompt))
+    plen = sum(s.length for s in segs)
+    if plen > MAX_PROMPT_LEN:
+        raise InputError(f"prompt of {plen} tokens is too long", **where, field="prompt")
+    rid = obj.get("id", where.get("line"))
+    if _is_int(rid):
+        rid = str(rid)
+    if not isinstance(rid, str) or not rid:
+        raise InputError("must be a non-empty string", **where, field="id")
+    session = obj.get("session")
+    if session is not None and not isinstance(session, str):
+        if _is_int(session):
+            session = str(session)
+        else:
+            raise InputError("must be a string", **where, field="session")
+    n = obj.get("n", 1)
+    n = _length(n, where, "n")
+    output = obj.get("output")
+    if output is not None and (not isinstance(output, str) or not output):
+        raise InputError("must be a non-empty string", **where, field="output")
+    meta = obj.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise InputError("must be an object", **where, field="meta")
+    return Request(id=rid, t=float(t), prompt=segs, output_len=output_len, session=session, n=n,
+                   output=output, meta=meta, index=index, line=where.get("line", 0), prompt_len=plen)
+
+
+def iter_trace(path: str | os.PathLike, text_len=None) -> Iterator[Request]:
+    """Stream the requests of a JSONL trace, validating each; blank lines are skipped."""
+    path = os.fspath(path)
+    try:
+        fh: IO[str] = open(path, encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"cannot open trace: {e.strerror}", file=path) from None
+    seen: set[str] = set()
+    index = 0
+    with fh:
+        lineno = 0
+        while True:
+            try:
+                raw = fh.readline()
+            except UnicodeDecodeError:
+                raise InputError("not UTF-8 text", file=path, line=lineno + 1) from None
+            if not raw:
+                break
+            lineno += 1
+            s = raw.strip()
+            if not s:
+                continue
+            where = {"file": path, "line": lineno}
+            try:
+                obj = json.loads(s)
+            except json.JSONDecodeError as e:
+                raise InputError(f"malformed JSON ({e.msg} at column {e.colno})", **where) from None
+            r = parse_request(obj, where, index, text_len)
+            if r.id in seen:
+                raise InputError(f"duplicate request id {r.id!r}", **where, field="id")
+            seen.add(r.id)
+            index += 1
+            yield r
+    if index == 0:
+        raise InputError("trace has no requests", file=path)
+
+
+def load_trace(path: str | os.PathLike, text_len=None, limit: int | None = None) -> list[Request]:
+    """Read a whole trace (validated), optionally only its first ``limit`` requests."""
+    out = []
+    for r in iter_trace(path, text_len):
+        if limit is not None and len(out) >= limit:
+            break
+        out.append(r)
+    return out
+
+
+def write_trace(requests: Iterable[Request], path: str | os.PathLike) -> int:
+    """Write requests as JSONL (atomically: a temporary file renamed into place). Returns the count."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    n = 0
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for r in requests:
+            fh.write(json.dumps(r.to_json(), separators=(",", ":")))
+            fh.write("\n")
+            n += 1
+    os.replace(tmp, path)
+    return n
