@@ -1,0 +1,29 @@
+"""Layer 5, executors: ``sim`` (roofline cost model) and ``model`` (a real transformer on paged KV).
+Chosen by name (``--executor``) from EXECUTORS; both implement kvbench.executors.base.Executor."""
+from __future__ import annotations
+
+from kvbench.executors.base import Executor, StepBatch, StepResult
+
+
+def _make_sim(cfg, model):
+    from kvbench.executors.sim import make_sim
+    from kvbench.presets import get_gpu
+
+    return make_sim(model, get_gpu(cfg.gpu), cfg.calibration)
+
+
+def _make_model(cfg, model):
+    from kvbench.executors.model import make_model_executor
+
+    return make_model_executor(cfg, model)
+
+
+EXECUTORS = {"sim": _make_sim, "model": _make_model}
+
+
+def make_executor(cfg, model) -> Executor:
+    """The executor named by ``cfg.executor`` for a ModelSpec."""
+    return EXECUTORS[cfg.executor](cfg, model)
+
+
+__all__ = ["Executor", "StepBatch", "StepResult", "EXECUTORS", "make_executor"]

@@ -1,0 +1,21 @@
+"""Layer 2, KV memory: block pool and prefix index (block_pool), cache policies (policies), paged
+block tables (paged), the slab baseline (slab), belady's future (future). Pure Python/numpy."""
+from kvbench.memory.block_pool import BlockPool
+from kvbench.memory.paged import PagedKV, SeqKV
+from kvbench.memory.policies import POLICIES, make_policy
+from kvbench.memory.slab import SlabKV
+
+LAYOUTS = {"paged": PagedKV, "slab": SlabKV}
+
+
+def make_kv(layout: str, num_blocks: int, block_size: int, *, prefix_cache: bool = True,
+            cache_policy: str = "lru"):
+    """The KV manager for a layout name (``--layout``)."""
+    try:
+        cls = LAYOUTS[layout]
+    except KeyError:
+        raise ValueError(f"unknown layout {layout!r} (choose from {', '.join(LAYOUTS)})") from None
+    return cls(num_blocks, block_size, prefix_cache=prefix_cache, cache_policy=cache_policy)
+
+
+__all__ = ["BlockPool", "PagedKV", "SeqKV", "SlabKV", "POLICIES", "LAYOUTS", "make_kv", "make_policy"]

@@ -1,0 +1,102 @@
+"""ReplayConfig: every setting of one replay (spec §1 table), validated in one place.
+
+The CLI, the sweep and tests build it; the engine reads it; config.json records it. Choices that
+pick an implementation (layout, cache policy, eviction, executor) are registry names.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, fields
+
+from kvbench.errors import InputError
+
+LAYOUTS = ("paged", "slab")
+SLAB_RESERVES = ("max", "exact")
+PREFIX_MODES = ("hash", "radix")
+CACHE_POLICIES = ("lru", "fifo", "lfu", "belady")
+EVICTIONS = ("none", "streaming", "h2o", "infinigen")
+EXECUTORS = ("model", "sim")
+DEVICES = ("auto", "cuda", "cpu")
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str, field: str = "--kv-mem") -> int:
+    """'80GiB', '16GB', '512MiB', '1e9'-free plain bytes -> bytes. InputError when not a size."""
+    m = _SIZE.match(str(text))
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise InputError(f"not a size: {text!r} (e.g. 16GiB, 512MiB, 80GB)", field=field)
+    n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if n <= 0:
+        raise InputError(f"must be positive, got {text!r}", field=field)
+    return n
+
+
+@dataclass(slots=True)
+class ReplayConfig:
+    layout: str = "paged"
+    block_size: int = 16
+    slab_reserve: str = "max"
+    prefix_cache: bool = True
+    prefix_mode: str = "hash"
+    cache_policy: str = "lru"
+    eviction: str = "none"
+    kv_budget: float = 0.2  # < 1: share of the sequence; >= 1: tokens
+    sink_tokens: int = 4
+    executor: str = "model"
+    model: str = "tiny"
+    device: str = "auto"
+    gpu: str = "h200"
+    calibration: str | None = None
+    kv_mem: str | None = None
+    num_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    time_scale: float = 1.0
+    limit: int | None = None
+    seed: int = 0
+    attention: str = "auto"  # model executor: triton kernels or torch reference
+
+    def validate(self) -> "ReplayConfig":
+        def choice(name, allowed):
+            v = getattr(self, name)
+            if v not in allowed:
+                raise InputError(f"unknown value {v!r} (choose from {', '.join(allowed)})",
+                                 field="--" + name.replace("_", "-"))
+        for name, allowed in (("layout", LAYOUTS), ("slab_reserve", SLAB_RESERVES),
+                              ("prefix_mode", PREFIX_MODES), ("cache_policy", CACHE_POLICIES),
+                              ("eviction", EVICTIONS), ("executor", EXECUTORS), ("device", DEVICES)):
+            choice(name, allowed)
+
+        def positive(name, v, minimum=1):
+            if v is not None and v < minimum:
+                raise InputError(f"must be >= {minimum}, got {v}", field="--" + name.replace("_", "-"))
+        positive("block_size", self.block_size)
+        positive("max_num_seqs", self.max_num_seqs)
+        positive("max_batched_tokens", self.max_batched_tokens)
+        positive("max_model_len", self.max_model_len)
+        positive("num_blocks", self.num_blocks)
+        positive("limit", self.limit)
+        positive("sink_tokens", self.sink_tokens, 0)
+        if not self.time_scale > 0:
+            raise InputError(f"must be > 0, got {self.time_scale}", field="--time-scale")
+        if not self.kv_budget > 0:
+            raise InputError(f"must be > 0, got {self.kv_budget}", field="--kv-budget")
+        if self.kv_mem is not None:
+            parse_size(self.kv_mem)
+        return self
+
+    @property
+    def kv_mem_bytes(self) -> int | None:
+        return None if self.kv_mem is None else parse_size(self.kv_mem)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,287 @@
+"""Layer 6, the replay loop: admit arrivals up to the engine clock, schedule, execute, account, record.
+
+The clock advances by each step's duration (measured by the model executor, modelled by sim); when
+nothing is running or waiting it jumps to the next arrival, so a replay never sleeps. The same loop
+serves every layout, cache policy, eviction policy and executor: they are picked by name from
+registries, and the loop never branches on them.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from kvbench.config import ReplayConfig
+from kvbench.errors import RunError
+from kvbench.executors import make_executor
+from kvbench.memory import make_kv
+from kvbench.memory.future import next_uses
+from kvbench.presets import get_model
+from kvbench.results import RunWriter, distribution, environment
+from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig
+from kvbench.trace.format import Request, load_trace
+from kvbench.trace.ideal import cached_sequence, ideal_hits
+from kvbench.trace.tokens import TokenStreams
+
+KV_MEM_FRACTION = 0.9  # share of free device memory given to the KV pool when no size is asked
+
+
+@dataclass(slots=True)
+class Progress:
+    requests_total: int
+    requests_done: int = 0
+    clock_s: float = 0.0
+    output_tokens: int = 0
+    steps: int = 0
+
+
+def pool_blocks(cfg: ReplayConfig, executor, model) -> int:
+    """Blocks in the KV pool: --num-blocks, else --kv-mem, else the device's memory after weights."""
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    per_block = executor.kv_bytes_per_token() * cfg.block_size
+    if cfg.kv_mem_bytes is not None:
+        nbytes = cfg.kv_mem_bytes
+    else:
+        nbytes = executor.default_kv_bytes()
+    n = int(nbytes // per_block)
+    if n < 1:
+        raise RunError(f"a KV pool of {nbytes} bytes holds no block of {per_block} bytes", usage=True)
+    return n
+
+
+class Replay:
+    """One replay of a trace under one configuration, writing a run directory."""
+
+    def __init__(self, trace_path: str, cfg: ReplayConfig, out_dir: str,
+                 requests: list[Request] | None = None):
+        self.cfg = cfg.validate()
+        self.trace_path = trace_path
+        self.out_dir = out_dir
+        self.requests = requests if requests is not None else load_trace(trace_path, limit=cfg.limit)
+        # arrival order (stable: ties keep trace order)
+        self.requests = sorted(self.requests, key=lambda r: r.t)
+        self.model = get_model(cfg.model)
+        self.max_len = cfg.max_model_len or self.model.max_model_len
+        self.streams = TokenStreams()
+        self.executor = make_executor(cfg, self.model)
+        self.num_blocks = pool_blocks(cfg, self.executor, self.model)
+        paged = cfg.layout == "paged"
+        self.kv = make_kv(cfg.layout, self.num_blocks, cfg.block_size,
+                          prefix_cache=cfg.prefix_cache and paged, cache_policy=cfg.cache_policy)
+        self.executor.bind_pool(self.num_blocks, cfg.block_size)
+        self.sched = Scheduler(self.kv, SchedulerConfig(cfg.max_num_seqs, cfg.max_batched_tokens),
+                               needs_tokens=self.executor.needs_tokens, streams=self.streams)
+        self._lat: list[tuple[float, float, float, float]] = []  # ttft, tpot, e2e, queue (ms)
+
+    # -- checks before the run ----------------------------------------------------------------
+    def _reject_reason(self, r: Request) -> str | None:
+        if r.prompt_len + r.output_len > self.max_len:
+            return "max_model_len"
+        return None
+
+    def _check_fits(self, r: Request) -> None:
+        """A request that cannot fit in the empty pool would stall the replay: say so up front."""
+        bs = self.cfg.block_size
+        if self.cfg.layout == "slab":
+            need = -(-self._reserve(r) // bs)
+        else:
+            need = -(-(r.prompt_len + r.output_len) // bs) + (r.n - 1) * (-(-r.output_len // bs))
+        if need > self.num_blocks:
+            raise RunError(
+                f"{self.trace_path}:{r.line}: request {r.id!r} needs {need} KV blocks "
+                f"({need * bs} slots) but the pool holds {self.num_blocks}; "
+                "give more memory (--kv-mem/--num-blocks) or lower --max-model-len", usage=True)
+
+    def _reserve(self, r: Request) -> int:
+        return self.max_len if self.cfg.slab_reserve == "max" else r.prompt_len + r.output_len
+
+    # -- the loop -----------------------------------------------------------------------------
+    def run(self, on_progress: Callable[[Progress], None] | None = None) -> dict:
+        cfg, sched, kv, ex = self.cfg, self.sched, self.kv, self.executor
+        reqs = self.requests
+        bs = cfg.block_size
+        use_tokens = kv.prefix_cache or ex.needs_tokens
+        future = next_uses(reqs, bs, self.streams) if kv.prefix_cache and cfg.cache_policy == "belady" else None
+        for r in reqs:
+            if self._reject_reason(r) is None:
+                self._check_fits(r)
+        ideal = ideal_hits(reqs, bs, self.streams)
+        writer = RunWriter(self.out_dir, self._config_json())
+        self._writer = writer
+        st = _Totals(peak=0)
+        prog = Progress(len(reqs))
+        complete = False
+        clock = reqs[0].t * cfg.time_scale if reqs else 0.0
+        t0_s = clock
+        nxt = 0
+        step = 0
+        wall0 = time.perf_counter()
+        try:
+            while nxt < len(reqs) or sched.has_work():
+                while nxt < len(reqs) and reqs[nxt].t * cfg.time_scale <= clock:
+                    self._arrive(reqs[nxt], nxt, future, use_tokens, writer, st)
+                    nxt += 1
+                if not sched.has_work():
+                    if nxt < len(reqs):
+                        clock = max(clock, reqs[nxt].t * cfg.time_scale)
+                    continue
+                plan = sched.schedule(clock)
+                if not plan.seqs:
+                    raise RunError("the scheduler could not make progress: no running sequence "
+                                   "and the next waiting one does not fit", usage=True)
+                batch = sched.build_batch(plan)
+                result = ex.execute(batch)
+                start_s = clock
+                clock += result.duration_s
+                finished = sched.update(plan, result, clock)
+                self._record_step(writer, st, step, start_s, result.duration_s, batch, plan)
+                step += 1
+                for rs in finished:
+                    self._record_request(writer, rs)
+                    st.completed += 1
+                    st.output_tokens += rs.output_tokens
+                prog.steps = step
+                if on_progress is not None and (step & 63) == 0:
+                    prog.requests_done, prog.clock_s = st.completed + st.rejected, clock - t0_s
+                    prog.output_tokens = st.output_tokens
+                    on_progress(prog)
+            complete = True
+        finally:
+            summary = self._summary(st, ideal, clock - t0_s, step, complete,
+                                    time.perf_counter() - wall0)
+            writer.close(summary)
+        if on_progress is not None:
+            prog.requests_done, prog.clock_s, prog.output_tokens = st.completed + st.rejected, clock - t0_s, st.output_tokens
+            on_progress(prog)
+        return summary
+
+    def _arrive(self, r: Request, index: int, future, use_tokens: bool, writer, st) -> None:
+        arrival = r.t * self.cfg.time_scale
+        prompt = self.streams.expand(r)
+        rs = RequestState(req=r, arrival_s=arrival, prompt=prompt)
+        reason = self._reject_reason(r)
+        if reason is not None:
+            rs.reject_reason = reason
+            st.rejected += 1
+            self._record_request(writer, rs)
+            return
+        tokens = cached_sequence(r, prompt, self.streams) if use_tokens else None
+        seq = self.sched.new_seq(rs, tokens, None if future is None else future[index],
+                                 reserve=self._reserve(r))
+        self.sched.add(seq)
+
+    # -- records ------------------------------------------------------------------------------
+    def _record_step(self, writer, st, step, start_s, dur_s, batch, plan) -> None:
+        sched = self.sched
+        used, cached, free, slots, live = self.kv.stats()
+        running = len(sched.running)
+        frag = 1.0 - live / slots if slots else 0.0
+        util = live / self.kv.capacity_tokens
+        writer.steps.add((step, start_s, dur_s * 1e3, batch.num_prefill_tokens, batch.num_decodes,
+                          running, len(sched.waiting), self.num_blocks, used, cached, free, slots,
+                          live, frag, util, sched.hit_tokens, sched.query_tokens))
+        st.busy_s += dur_s
+        st.slots_t += slots * dur_s
+        st.live_t += live * dur_s
+        st.running_t += running * dur_s
+        st.util_t += util * dur_s
+        if running > st.peak:
+            st.peak = running
+        if slots > st.peak_slots:
+            st.peak_slots = slots
+        if live > st.peak_live:
+            st.peak_live = live
+
+    def _record_request(self, writer, rs: RequestState) -> None:
+        r = rs.req
+        nan = math.nan
+        done = rs.reject_reason is None
+        ttft = (rs.first_token_s - rs.arrival_s) * 1e3 if done else nan
+        e2e = (rs.finish_s - rs.arrival_s) * 1e3 if done else nan
+        tpot = ((rs.finish_s - rs.first_token_s) * 1e3 / (r.output_len - 1)
+                if done and r.output_len > 1 else nan)
+        queue = (rs.first_sched_s - rs.arrival_s) * 1e3 if done else nan
+        writer.requests.add((r.id, r.session, rs.arrival_s, rs.first_token_s, rs.finish_s,
+                             r.prompt_len, rs.cached_tokens, rs.output_tokens, r.n, ttft, tpot, e2e,
+                             queue, rs.preemptions, rs.recomputed_tokens, rs.evicted_tokens,
+                             rs.recalled_tokens, rs.reject_reason))
+        if done:
+            self._lat.append((ttft, tpot, e2e, queue))
+
+    def _summary(self, st, ideal, duration_s, steps, complete, wall_s) -> dict:
+        sched = self.sched
+        lat = np.array(self._lat, dtype=np.float64).reshape(-1, 4)
+        s = {"complete": complete, "requests": len(self.requests), "completed": st.completed,
+             "rejected": st.rejected, "duration_s": duration_s,
+             "output_tok_per_s": st.output_tokens / duration_s if duration_s > 0 else 0.0}
+        for k, name in enumerate(("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms")):
+            s.update(distribution(name, lat[:, k]))
+        q = sched.query_tokens
+        s.update({
+            "prefix_hit_rate": sched.hit_tokens / q if q else 0.0,
+            "ideal_hit_rate": ideal.hit_rate,
+            "resumed_hit_rate": (sched.resumed_hit_tokens / sched.resumed_query_tokens
+                                 if sched.resumed_query_tokens else 0.0),
+            "internal_frag": 1.0 - st.live_t / st.slots_t if st.slots_t else 0.0,
+            "kv_util": st.util_t / st.busy_s if st.busy_s else 0.0,
+            "peak_running": st.peak,
+            "mean_running": st.running_t / st.busy_s if st.busy_s else 0.0,
+            "preemptions": sched.preemptions,
+            "recomputed_tokens": sched.recomputed_tokens,
+            "evicted_tokens": 0, "recalled_tokens": 0, "attention_mass_kept": None,
+            "peak_slots_allocated": st.peak_slots, "peak_tokens_live": st.peak_live,
+            "output_tokens": st.output_tokens, "steps": steps,
+            "num_blocks": self.num_blocks, "block_size": self.cfg.block_size,
+            "kv_capacity_tokens": self.kv.capacity_tokens,
+            "kv_bytes_per_token": self.executor.kv_bytes_per_token(),
+            "cache_evictions": getattr(getattr(self.kv, "pool", None), "evictions", 0),
+            "cow_copies": getattr(self.kv, "cow_copies", 0),
+            "wall_s": wall_s,
+        })
+        return s
+
+    def _config_json(self) -> dict:
+        return {"settings": self.cfg.to_dict(), "max_model_len_effective": self.max_len,
+                "num_blocks": self.num_blocks, "model_spec": self.model.to_dict(),
+                "trace": {"path": os.path.abspath(self.trace_path), "sha256": _sha256(self.trace_path),
+                          "requests": len(self.requests)},
+                "environment": environment(getattr(self.executor, "device_name", None))}
+
+
+@dataclass(slots=True)
+class _Totals:
+    peak: int = 0
+    peak_slots: int = 0
+    peak_live: int = 0
+    completed: int = 0
+    rejected: int = 0
+    output_tokens: int = 0
+    busy_s: float = 0.0
+    slots_t: float = 0.0
+    live_t: float = 0.0
+    running_t: float = 0.0
+    util_t: float = 0.0
+
+
+def _sha256(path: str) -> str | None:
+    import hashlib
+
+    try:
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+    except OSError:
+        return None
+
+
+def replay(trace_path: str, cfg: ReplayConfig, out_dir: str, on_progress=None,
+           requests: list[Request] | None = None) -> dict:
+    """Replay a trace under one configuration into ``out_dir``; return summary.json's contents."""
+    return Replay(trace_path, cfg, out_dir, requests).run(on_progress)

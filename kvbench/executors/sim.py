@@ -1,0 +1,112 @@
+"""The sim executor: a roofline cost model of one engine step on a GPU preset (or calibration).
+
+step time = overhead + max(compute, memory), where
+  compute = FLOPs / matmul rate:  2 x non-embedding params x tokens computed
+                                  + 2 x hidden x vocab x tokens sampled (LM head)
+                                  + 4 x layers x heads x head_dim x attended (query, key) pairs
+  memory  = bytes / bandwidth:    weights once per step + KV read by every query + KV written
+A decode step of a big batch is memory bound (the KV read grows with context), a long prefill chunk
+compute bound. The coefficients (matmul_flops, mem_bw, step_overhead_s) come from the GPU preset,
+or from a calibration file written by ``kvbench calibrate`` on real hardware, which may also carry
+per-term scale factors fitted to measured steps. No tokens are produced: the memory behaviour is the
+engine's, identical to the model executor's.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from kvbench.errors import InputError
+from kvbench.executors.base import StepBatch, StepResult
+from kvbench.presets import GPUSpec, ModelSpec
+
+
+@dataclass(slots=True)
+class CostModel:
+    matmul_flops: float
+    mem_bw: float
+    step_overhead_s: float
+    pcie_bw: float
+
+    @classmethod
+    def from_gpu(cls, gpu: GPUSpec) -> "CostModel":
+        return cls(gpu.matmul_flops, gpu.mem_bw, gpu.step_overhead_s, gpu.pcie_bw)
+
+    @classmethod
+    def from_file(cls, path: str, fallback: GPUSpec) -> "CostModel":
+        try:
+            with open(path, encoding="utf-8") as fh:
+                c = json.load(fh)
+        except (OSError, json.JSONDecodeError) as e:
+            raise InputError(f"cannot read calibration: {e}", file=path, field="--calibration") from None
+        base = cls.from_gpu(fallback)
+        coef = c.get("coefficients", c)
+        for name in ("matmul_flops", "mem_bw", "step_overhead_s", "pcie_bw"):
+            if name in coef:
+                v = coef[name]
+                if not isinstance(v, (int, float)) or v < 0 or (name != "step_overhead_s" and v == 0):
+                    raise InputError(f"must be a positive number, got {v!r}", file=path, field=name)
+                setattr(base, name, float(v))
+        return base
+
+
+class SimExecutor:
+    name = "sim"
+    needs_tokens = False
+
+    def __init__(self, model: ModelSpec, cost: CostModel, gpu_mem_bytes: int, kv_dtype: str = "bf16",
+                 weight_dtype: str = "bf16"):
+        self.model = model
+        self.gpu_mem_bytes = gpu_mem_bytes
+        self.cost = cost
+        self.kv_dtype = kv_dtype
+        m = model
+        self._kv_tok = m.kv_bytes_per_token(kv_dtype)
+        self._weights = m.weight_bytes(weight_dtype)
+        emb = m.vocab_size * m.hidden_size
+        self._flops_tok = 2.0 * (m.num_params - emb * (1 if m.tie_word_embeddings else 2))
+        self._flops_head = 2.0 * emb
+        self._flops_pair = 4.0 * m.num_layers * m.num_heads * m.head_dim
+
+    def kv_bytes_per_token(self) -> int:
+        return self._kv_tok
+
+    def default_kv_bytes(self) -> int:
+        """KV pool bytes when none is asked: 90% of the GPU's memory, less the weights."""
+        return int(self.gpu_mem_bytes * 0.9) - self._weights
+
+    def bind_pool(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    def step_time(self, batch: StepBatch) -> float:
+        c = self.cost
+        n_pre = 0
+        pairs = 0.0
+        kv_read = 0
+        for start, n in zip(batch.prefill_starts, batch.prefill_lens):
+            n_pre += n
+            pairs += n * (start + (n + 1) / 2)  # causal: query i sees start + i + 1 keys
+            kv_read += start + n
+        ctx = sum(batch.decode_positions) + len(batch.decode_positions)
+        pairs += ctx
+        kv_read += ctx
+        n_tok = n_pre + len(batch.decode_positions)
+        n_sampled = len(batch.decode_positions) + sum(batch.prefill_last)
+        flops = self._flops_tok * n_tok + self._flops_head * n_sampled + self._flops_pair * pairs
+        mem = self._weights + self._kv_tok * (kv_read + n_tok)
+        mem += len(batch.copies) * batch.block_size * self._kv_tok * 2  # copy-on-write: read + write
+        return c.step_overhead_s + max(flops / c.matmul_flops, mem / c.mem_bw)
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        return StepResult(duration_s=self.step_time(batch))
+
+
+def make_sim(model: ModelSpec, gpu: GPUSpec, calibration: str | None = None,
+             kv_dtype: str = "bf16") -> SimExecutor:
+    if calibration and not os.path.exists(calibration):
+        raise InputError("no such file", file=calibration, field="--calibration")
+    cost = CostModel.from_file(calibration, gpu) if calibration else CostModel.from_gpu(gpu)
+    ex = SimExecutor(model, cost, gpu.mem_bytes, kv_dtype)
+    ex.device_name = f"sim:{gpu.name}"
+    return ex

@@ -1,0 +1,158 @@
+"""The block pool: fixed-size KV blocks, refcounts, the free list and the prefix-cache index.
+
+A block is in exactly one of three states, and the counters follow every transition:
+- free: empty, on ``_free`` (a stack; any empty block is as good as another);
+- used: refcount > 0, held by one or more block tables;
+- cached: refcount 0 but still indexed under its prefix key, held by the cache policy, which picks
+  the victim when a block is needed and no free one is left.
+
+Prefix keys are the chained block keys of kvbench.trace.tokens. A lookup trusts a key only after the
+block's stored tokens and its parent's key match, so a hash collision can never return wrong KV.
+All per-block state is in flat lists indexed by block id: no per-block Python objects, O(1) work per
+block for alloc, incref, decref and register.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kvbench.memory.policies import NEVER, CachePolicy, make_policy
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_cache: bool = True,
+                 policy: str | CachePolicy = "lru"):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_cache = enable_cache
+        self.policy = make_policy(policy, num_blocks) if isinstance(policy, str) else policy
+        self.refcnt = [0] * num_blocks
+        self.fill = [0] * num_blocks  # tokens whose KV is written in the block
+        self.key: list[int | None] = [None] * num_blocks
+        self.parent: list[int] = [0] * num_blocks
+        # Tokens of registered blocks, to confirm hits. Rows are written on register only.
+        self.tokens = np.zeros((num_blocks, block_size), dtype=np.int32) if enable_cache else None
+        self.index: dict[int, int] = {}  # prefix key -> block
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        # counters (spec §4), kept incrementally
+        self.num_used = 0
+        self.tokens_live = 0  # sum of fill over used blocks (a shared block counted once)
+        self.evictions = 0  # cached blocks reclaimed for new content
+        self.clock = 0  # logical time for policies (request index or step)
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.policy)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks that can be handed out now: free plus evictable cached ones."""
+        return len(self._free) + len(self.policy)
+
+    @property
+    def slots_allocated(self) -> int:
+        return self.num_used * self.block_size
+
+    # -- transitions ------------------------------------------------------------------------
+    def alloc(self) -> int:
+        """Take a block for new content (refcount 1). Evicts a cached block when none is free."""
+        if self._free:
+            b = self._free.pop()
+        else:
+            b = self.policy.pop()  # raises IndexError/KeyError when nothing is evictable
+            del self.index[self.key[b]]
+            self.key[b] = None
+            self.fill[b] = 0
+            self.evictions += 1
+        self.refcnt[b] = 1
+        self.num_used += 1
+        return b
+
+    def incref(self, b: int) -> None:
+        """Take another reference to a block; a cached one becomes used again."""
+        if self.refcnt[b] == 0:
+            self.policy.reuse(b)
+            self.num_used += 1
+            self.tokens_live += self.fill[b]
+        self.refcnt[b] += 1
+
+    def decref(self, b: int) -> None:
+        """Drop a reference. At 0 the block becomes cached (if registered) or free."""
+        r = self.refcnt[b] - 1
+        self.refcnt[b] = r
+        if r:
+            return
+        self.num_used -= 1
+        self.tokens_live -= self.fill[b]
+        if self.key[b] is not None:
+            self.policy.release(b)
+        else:
+            self.fill[b] = 0
+            self._free.append(b)
+
+    def add_fill(self, b: int, n: int) -> None:
+        """``n`` more tokens of KV were written into used block ``b``."""
+        self.fill[b] += n
+        self.tokens_live += n
+
+    # -- prefix cache -----------------------------------------------------------------------
+    def register(self, b: int, key: int, parent_key: int, tokens: np.ndarray,
+                 next_use: int = NEVER) -> bool:
+        """Index a full, computed block under ``key``. False when the key is already cached
+        (another sequence computed the same block first): this block then stays private."""
+        if not self.enable_cache or key in self.index or self.key[b] is not None:
+            return False
+        self.index[key] = b
+        self.key[b] = key
+        self.parent[b] = parent_key
+        self.tokens[b] = tokens
+        self.policy.on_insert(b, self.clock, next_use)
+        return True
+
+    def match(self, keys: list[int], tokens: np.ndarray, n_max: int, parent_key: int) -> list[int]:
+        """The blocks caching the longest run of ``keys[:n_max]``, confirmed against tokens.
+
+        ``tokens`` must hold at least ``n_max * block_size`` ids. Takes no references.
+        """
+        if not self.enable_cache or n_max <= 0:
+            return []
+        index, parent_of = self.index, self.parent
+        hits: list[int] = []
+        parent = parent_key
+        for j in range(n_max):
+            b = index.get(keys[j])
+            if b is None or parent_of[b] != parent:
+                break
+            hits.append(b)
+            parent = keys[j]
+        if hits:
+            bs = self.block_size
+            n = len(hits)
+            same = (self.tokens[hits] == tokens[: n * bs].reshape(n, bs)).all(axis=1)
+            if not same.all():
+                hits = hits[: int(np.argmin(same))]
+        return hits
+
+    def touch(self, blocks: list[int], next_uses=None) -> None:
+        """Tell the policy these cached blocks were just used (hit)."""
+        pol, now = self.policy, self.clock
+        if next_uses is None:
+            for b in blocks:
+                pol.on_use(b, now)
+        else:
+            for b, nu in zip(blocks, next_uses):
+                pol.on_use(b, now, int(nu))
+
+    # -- checks -----------------------------------------------------------------------------
+    def recount(self) -> dict:
+        """Recompute the counters from scratch (for tests; O(num_blocks))."""
+        used = [b for b in range(self.num_blocks) if self.refcnt[b] > 0]
+        cached = [b for b in range(self.num_blocks) if self.refcnt[b] == 0 and self.key[b] is not None]
+        return {"num_used": len(used), "tokens_live": sum(self.fill[b] for b in used),
+                "num_cached": len(cached), "num_free": self.num_blocks - len(used) - len(cached)}

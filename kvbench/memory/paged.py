@@ -1,0 +1,166 @@
+"""Paged KV: per-sequence block tables over a BlockPool, with prefix hits, fork and copy-on-write.
+
+The scheduler drives one ``SeqKV`` per running sequence through four calls:
+``lookup`` (cached prefix blocks, no references taken) -> ``allocate`` (take the hits, then blocks
+for the tokens about to be computed; False when memory is short) -> ``commit`` (the step wrote KV
+for n more tokens: fill counters, register newly full blocks in the prefix cache) -> ``free``.
+``fork`` shares every block of a sequence by refcount (parallel sampling); the first append into a
+shared partial tail copies it (copy-on-write), and the (src, dst) copy is queued in ``copies`` for the
+executor to perform before the step's forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbench.memory.block_pool import BlockPool
+from kvbench.memory.policies import NEVER
+from kvbench.trace.tokens import ROOT_KEY, block_keys
+
+
+@dataclass(slots=True, eq=False)
+class SeqKV:
+    """A sequence's KV state. ``tokens``: the ids known in advance (prompt, plus a named answer),
+    the only ones whose blocks can ever be hit; None when prefix caching is off.
+    ``next_use``: per full block of ``tokens``, the next request index that looks it up (belady)."""
+
+    tokens: np.ndarray | None = None
+    next_use: np.ndarray | None = None
+    table: list[int] = field(default_factory=list)
+    num_kv: int = 0  # tokens whose KV is written
+    keys: list[int] | None = None
+    num_registered: int = 0  # leading blocks already offered to the prefix cache
+    reserve: int = 0  # slab: slots to reserve (max_model_len or prompt+output)
+    base: int = -1  # slab: first block of the reservation
+
+
+class PagedKV:
+    layout = "paged"
+
+    def __init__(self, num_blocks: int, block_size: int, *, prefix_cache: bool = True,
+                 cache_policy: str = "lru"):
+        self.pool = BlockPool(num_blocks, block_size, enable_cache=prefix_cache, policy=cache_policy)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.prefix_cache = prefix_cache
+        self.copies: list[tuple[int, int]] = []  # copy-on-write copies not yet handed to an executor
+        self.cow_copies = 0
+
+    # -- what the scheduler reads ------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def blocks_needed(self, s: SeqKV, num_tokens: int) -> int:
+        """Blocks a table must hold for ``num_tokens`` tokens, minus those it has."""
+        return max(0, -(-num_tokens // self.block_size) - len(s.table))
+
+    def stats(self) -> tuple[int, int, int, int, int]:
+        """(blocks_used, blocks_cached, blocks_free, slots_allocated, tokens_live), O(1)."""
+        p = self.pool
+        return p.num_used, p.num_cached, p.num_free, p.num_used * self.block_size, p.tokens_live
+
+    # -- prefix cache ------------------------------------------------------------------------
+    def _keys(self, s: SeqKV) -> list[int]:
+        if s.keys is None:
+            s.keys = block_keys(s.tokens, self.block_size)
+        return s.keys
+
+    def lookup(self, s: SeqKV, num_tokens: int) -> list[int]:
+        """Blocks caching the longest prefix of the sequence's first ``num_tokens`` tokens, never
+        the block holding the last of them (its KV must be computed to sample the next token)."""
+        if not self.prefix_cache or s.tokens is None:
+            return []
+        n_max = min((num_tokens - 1) // self.block_size, len(s.tokens) // self.block_size)
+        if n_max <= 0:
+            return []
+        return self.pool.match(self._keys(s), s.tokens, n_max, ROOT_KEY)
+
+    # -- allocation --------------------------------------------------------------------------
+    def allocate(self, s: SeqKV, num_new: int, hits: list[int] = (), watermark: int = 0) -> bool:
+        """Make the table cover ``num_kv + len(hits)*block_size + num_new`` tokens.
+
+        ``hits`` (from ``lookup``, only for an empty table) are taken first and count as computed.
+        Returns False, changing nothing, when fewer than ``watermark`` blocks would remain.
+        """
+        p, bs = self.pool, self.block_size
+        n_hit = len(hits)
+        have = len(s.table) + n_hit
+        total = s.num_kv + n_hit * bs + num_new
+        need = max(0, -(-total // bs) - have)
+        tail_shared = (num_new > 0 and s.num_kv % bs != 0 and n_hit == 0
+                       and p.refcnt[s.table[-1]] > 1)
+        revived = sum(1 for b in hits if p.refcnt[b] == 0)  # cached hits leave the evictable set
+        if need + tail_shared + revived > p.num_available - watermark:
+            return False
+        if n_hit:
+            assert not s.table and s.num_kv == 0, "hits are only taken by an empty table"
+            for b in hits:
+                p.incref(b)
+            p.touch(hits, None if s.next_use is None else s.next_use[:n_hit])
+            s.table.extend(hits)
+            s.num_kv = n_hit * bs
+            s.num_registered = n_hit
+        if tail_shared:
+            src = s.table[-1]
+            dst = p.alloc()
+            p.add_fill(dst, p.fill[src])
+            p.decref(src)
+            s.table[-1] = dst
+            self.copies.append((src, dst))
+            self.cow_copies += 1
+        alloc, table = p.alloc, s.table
+        for _ in range(need):
+            table.append(alloc())
+        return True
+
+    def commit(self, s: SeqKV, n: int) -> None:
+        """The step wrote KV for the next ``n`` tokens of the sequence."""
+        p, bs = self.pool, self.block_size
+        start = s.num_kv
+        end = start + n
+        table = s.table
+        j = start // bs
+        while start < end:  # usually one block (decode) or a few (prefill chunk)
+            take = min(end, (j + 1) * bs) - start
+            p.add_fill(table[j], take)
+            start += take
+            j += 1
+        s.num_kv = end
+        if self.prefix_cache and s.tokens is not None:
+            full = min(end, len(s.tokens)) // bs
+            if full > s.num_registered:
+                self._register(s, full)
+
+    def _register(self, s: SeqKV, full: int) -> None:
+        keys, p, bs, tokens = self._keys(s), self.pool, self.block_size, s.tokens
+        nu = s.next_use
+        for j in range(s.num_registered, full):
+            parent = keys[j - 1] if j else ROOT_KEY
+            p.register(s.table[j], keys[j], parent, tokens[j * bs:(j + 1) * bs],
+                       NEVER if nu is None else int(nu[j]))
+        s.num_registered = full
+
+    def free(self, s: SeqKV) -> None:
+        """Drop the sequence's references, tail first so its last blocks are evicted first."""
+        decref = self.pool.decref
+        for b in reversed(s.table):
+            decref(b)
+        s.table = []
+        s.num_kv = 0
+        s.num_registered = 0
+
+    def fork(self, s: SeqKV, child: SeqKV) -> bool:
+        """Make ``child`` (an empty SeqKV) share every block, full and partial, of ``s``.
+        Never fails: sharing takes no new block."""
+        for b in s.table:
+            self.pool.incref(b)
+        child.table = list(s.table)
+        child.num_kv = s.num_kv
+        child.num_registered = s.num_registered
+        return True
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        c, self.copies = self.copies, []
+        return c

@@ -1,0 +1,112 @@
+"""The slab baseline: one contiguous reservation per sequence, no sharing, no prefix cache.
+
+The pool has the same bytes as the paged one and is addressed in the same blocks, so the same
+executor kernels read it through a table of consecutive block ids. A sequence reserves
+``SeqKV.reserve`` slots at admission (``max_model_len``, or prompt+output with ``--slab-reserve
+exact``), rounded up to whole blocks; reservations are placed first-fit in the address space, so
+variable-size (exact) slabs also show external fragmentation. Free extents are kept sorted and
+merged on release: O(number of holes) per reservation, once per sequence, never per token.
+"""
+from __future__ import annotations
+
+import bisect
+
+from kvbench.memory.paged import SeqKV
+
+
+class SlabKV:
+    layout = "slab"
+    prefix_cache = False
+
+    def __init__(self, num_blocks: int, block_size: int, **_ignored):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._starts: list[int] = [0]  # free extents, sorted by start
+        self._lens: list[int] = [num_blocks]
+        self.blocks_reserved = 0
+        self.tokens_live = 0
+        self.copies: list[tuple[int, int]] = []
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def stats(self) -> tuple[int, int, int, int, int]:
+        r = self.blocks_reserved
+        return r, 0, self.num_blocks - r, r * self.block_size, self.tokens_live
+
+    def blocks_needed(self, s: SeqKV, num_tokens: int) -> int:
+        return 0 if s.base >= 0 else -(-s.reserve // self.block_size)
+
+    def lookup(self, s: SeqKV, num_tokens: int) -> list[int]:
+        return []
+
+    def _take(self, n: int) -> int:
+        for i, ln in enumerate(self._lens):
+            if ln >= n:
+                start = self._starts[i]
+                if ln == n:
+                    del self._starts[i], self._lens[i]
+                else:
+                    self._starts[i] += n
+                    self._lens[i] -= n
+                return start
+        return -1
+
+    def _give(self, start: int, n: int) -> None:
+        i = bisect.bisect_left(self._starts, start)
+        starts, lens = self._starts, self._lens
+        if i > 0 and starts[i - 1] + lens[i - 1] == start:  # merge with the hole before
+            i -= 1
+            lens[i] += n
+        else:
+            starts.insert(i, start)
+            lens.insert(i, n)
+        if i + 1 < len(starts) and starts[i] + lens[i] == starts[i + 1]:  # and the one after
+            lens[i] += lens[i + 1]
+            del starts[i + 1], lens[i + 1]
+
+    def allocate(self, s: SeqKV, num_new: int, hits: list[int] = (), watermark: int = 0) -> bool:
+        """Reserve the sequence's slab on first call; later calls only check it fits."""
+        if s.base < 0:
+            n = -(-s.reserve // self.block_size)
+            if n > self.num_blocks - self.blocks_reserved - watermark:
+                return False
+            base = self._take(n)
+            if base < 0:
+                return False
+            s.base = base
+            s.table = range(base, base + n)
+            self.blocks_reserved += n
+        if s.num_kv + num_new > len(s.table) * self.block_size:
+            raise ValueError(f"sequence outgrew its slab of {s.reserve} slots")
+        return True
+
+    def commit(self, s: SeqKV, n: int) -> None:
+        s.num_kv += n
+        self.tokens_live += n
+
+    def free(self, s: SeqKV) -> None:
+        if s.base >= 0:
+            self._give(s.base, len(s.table))
+            self.blocks_reserved -= len(s.table)
+            self.tokens_live -= s.num_kv
+        s.base = -1
+        s.table = []
+        s.num_kv = 0
+
+    def fork(self, s: SeqKV, child: SeqKV) -> bool:
+        """Give ``child`` (an empty SeqKV) its own slab holding a copy of the parent's KV;
+        False when no slab fits now."""
+        child.reserve = s.reserve
+        if not self.allocate(child, 0):
+            return False
+        nb = -(-s.num_kv // self.block_size)
+        self.copies.extend(zip(s.table[:nb], child.table[:nb]))
+        child.num_kv = s.num_kv
+        self.tokens_live += s.num_kv
+        return True
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        c, self.copies = self.copies, []
+        return c

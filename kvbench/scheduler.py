@@ -1,0 +1,264 @@
+"""Layer 4, the scheduler: continuous batching over a KV manager, as vLLM v1 does it.
+
+Each step has a token budget (``max_batched_tokens``) and a sequence cap (``max_num_seqs``).
+Running sequences go first, each asking for what it lacks (1 token when decoding, a chunk of its
+prompt when prefilling: chunked prefill); when one cannot get a block, the most recently admitted
+running sequence is preempted (freed, to be recomputed later) until it can. Then waiting sequences
+are admitted in arrival order while blocks allow, above a small watermark; admission looks the prompt
+up in the prefix cache so cached tokens skip prefill. A request with n > 1 is prefilled once and
+forked into n samples when its first token is sampled. The slab layout runs through the same code:
+its ``allocate`` reserves a whole slab at admission and never fails afterwards.
+
+Hot path: per step, O(1) work per scheduled sequence plus O(blocks it gains); no per-token objects.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbench.executors.base import StepBatch, StepResult
+from kvbench.memory.paged import SeqKV
+from kvbench.trace.format import Request
+
+NAN = math.nan
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """A request's life in the engine; becomes one row of requests.parquet."""
+
+    req: Request
+    arrival_s: float
+    prompt: np.ndarray  # int32 prompt token ids
+    first_sched_s: float = NAN
+    first_token_s: float = NAN
+    finish_s: float = NAN
+    cached_tokens: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    evicted_tokens: int = 0
+    recalled_tokens: int = 0
+    live_seqs: int = 1
+    output_tokens: int = 0
+    reject_reason: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Sequence(SeqKV):
+    """One sample of a request being generated. ``num_tokens`` = prompt + generated tokens."""
+
+    seq_id: int = 0
+    rs: RequestState | None = None
+    num_tokens: int = 0
+    num_out: int = 0
+    last_token: int = 0
+    out_tokens: list[int] | None = None  # generated ids, kept only when the executor needs tokens
+    computed_before: int = 0  # KV tokens held before its last preemption (recompute accounting)
+    resumed: bool = False
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 8192
+    watermark_frac: float = 0.01  # keep this share of blocks free when admitting (vLLM's default)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What the scheduler decided this step: (sequence, tokens to compute) pairs."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    preempted: int = 0
+
+
+class Scheduler:
+    def __init__(self, kv, cfg: SchedulerConfig, *, needs_tokens: bool = False, streams=None):
+        self.kv = kv
+        self.cfg = cfg
+        self.needs_tokens = needs_tokens
+        self.streams = streams
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.watermark = int(cfg.watermark_frac * kv.num_blocks)
+        self._next_id = 0
+        # prefix-cache counters in tokens (spec §4): first admissions, and resumptions apart
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        self.resumed_query_tokens = 0
+        self.resumed_hit_tokens = 0
+        self.preemptions = 0
+        self.recomputed_tokens = 0
+
+    # -- queues -----------------------------------------------------------------------------
+    def new_seq(self, rs: RequestState, tokens: np.ndarray | None, next_use=None,
+                keys: list[int] | None = None, reserve: int = 0) -> Sequence:
+        self._next_id += 1
+        return Sequence(tokens=tokens, next_use=next_use, keys=keys, reserve=reserve,
+                        seq_id=self._next_id, rs=rs, num_tokens=len(rs.prompt),
+                        out_tokens=[] if self.needs_tokens else None)
+
+    def add(self, s: Sequence) -> None:
+        self.waiting.append(s)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ---------------------------------------------------------------------------
+    def schedule(self, now_s: float) -> StepPlan:
+        kv, cfg = self.kv, self.cfg
+        plan = StepPlan()
+        budget = cfg.max_batched_tokens
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            s = running[i]
+            num_new = min(s.num_tokens - s.num_kv, budget)
+            while not kv.allocate(s, num_new):
+                victim = running.pop()
+                self._preempt(victim)
+                plan.preempted += 1
+                if victim is s:
+                    break
+            else:
+                plan.seqs.append(s)
+                plan.num_new.append(num_new)
+                budget -= num_new
+                i += 1
+                continue
+            break
+        if plan.preempted:  # memory is short: admit nothing new this step
+            return plan
+        waiting = self.waiting
+        while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+            s = waiting[0]
+            hits = kv.lookup(s, s.num_tokens)
+            cached = len(hits) * kv.block_size
+            num_new = min(s.num_tokens - cached, budget)
+            if not kv.allocate(s, num_new, hits, self.watermark):
+                break
+            waiting.popleft()
+            rs = s.rs
+            if s.resumed:
+                self.resumed_query_tokens += s.num_tokens
+                self.resumed_hit_tokens += cached
+                recompute = max(0, s.computed_before - cached)
+                rs.recomputed_tokens += recompute
+                self.recomputed_tokens += recompute
+                s.resumed = False
+            else:
+                self.query_tokens += s.num_tokens
+                self.hit_tokens += cached
+                rs.cached_tokens = cached
+                if rs.first_sched_s != rs.first_sched_s:  # NaN: first time scheduled
+                    rs.first_sched_s = now_s
+            running.append(s)
+            plan.seqs.append(s)
+            plan.num_new.append(num_new)
+            budget -= num_new
+        return plan
+
+    def _preempt(self, s: Sequence) -> None:
+        """Free a running sequence; it waits at the head of the queue to be recomputed."""
+        s.computed_before = s.num_kv
+        self.kv.free(s)
+        s.resumed = True
+        s.rs.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(s)
+
+    # -- building the executor's batch ---------------------------------------------------------
+    def build_batch(self, plan: StepPlan) -> StepBatch:
+        batch = StepBatch(block_size=self.kv.block_size, copies=self.kv.take_copies())
+        tokens = self.needs_tokens
+        for s, n in zip(plan.seqs, plan.num_new):
+            start = s.num_kv
+            if start + n == s.num_tokens and start == s.num_tokens - 1 and s.num_out > 0:
+                batch.decode_seq_ids.append(s.seq_id)
+                batch.decode_positions.append(start)
+                if tokens:
+                    batch.decode_tokens.append(s.last_token)
+            else:
+                batch.prefill_seq_ids.append(s.seq_id)
+                batch.prefill_starts.append(start)
+                batch.prefill_lens.append(n)
+                batch.prefill_last.append(start + n == s.num_tokens)
+                if tokens:
+                    batch.prefill_tokens.append(self._token_ids(s, start, n))
+            if tokens:
+                batch.block_tables[s.seq_id] = s.table
+        return batch
+
+    def _token_ids(self, s: Sequence, start: int, n: int) -> np.ndarray:
+        prompt = s.rs.prompt
+        if start + n <= len(prompt):
+            return prompt[start:start + n]
+        gen = np.asarray(s.out_tokens, dtype=np.int32)
+        return np.concatenate([prompt, gen])[start:start + n]
+
+    # -- after the executor ran ----------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult, now_s: float) -> list[RequestState]:
+        """Commit the step (KV written, tokens sampled, forks, finishes); return finished requests."""
+        kv = self.kv
+        sampled = result.sampled
+        finished: list[RequestState] = []
+        done_seqs = False
+        for s, n in zip(plan.seqs, plan.num_new):
+            kv.commit(s, n)
+            if s.num_kv < s.num_tokens:
+                continue  # a prefill chunk that did not reach the end
+            rs = s.rs
+            req = rs.req
+            # a token was sampled
+            if s.out_tokens is not None or req.output is not None:
+                tok = self._emitted_token(s, sampled)
+                s.last_token = tok
+                if s.out_tokens is not None:
+                    s.out_tokens.append(tok)
+            s.num_out += 1
+            s.num_tokens += 1
+            rs.output_tokens += 1
+            if s.num_out == 1 and rs.first_token_s != rs.first_token_s:
+                rs.first_token_s = now_s
+                if req.n > 1:
+                    self._fork(s, req.n - 1)
+            if s.num_out >= req.output_len:
+                kv.free(s)
+                s.num_tokens = -1  # marks finished for the sweep below
+                done_seqs = True
+                rs.live_seqs -= 1
+                if rs.live_seqs == 0:
+                    rs.finish_s = now_s
+                    finished.append(rs)
+        if done_seqs:
+            self.running = [s for s in self.running if s.num_tokens >= 0]
+        return finished
+
+    def _emitted_token(self, s: Sequence, sampled) -> int:
+        req = s.rs.req
+        if req.output is not None and self.streams is not None:
+            return int(self.streams.output_tokens(req, 1, s.num_out)[0])
+        if sampled is not None:
+            return int(sampled.get(s.seq_id, 0))
+        return 0
+
+    def _fork(self, parent: Sequence, n_children: int) -> None:
+        """Parallel samples: children share the parent's KV (paged) or get a copy (slab)."""
+        rs = parent.rs
+        for _ in range(n_children):
+            self._next_id += 1
+            child = Sequence(tokens=parent.tokens, next_use=parent.next_use, keys=parent.keys,
+                             seq_id=self._next_id, rs=rs, num_tokens=parent.num_tokens,
+                             num_out=parent.num_out, last_token=parent.last_token,
+                             out_tokens=None if parent.out_tokens is None else list(parent.out_tokens))
+            rs.live_seqs += 1
+            rs.output_tokens += 1
+            if self.kv.fork(parent, child):
+                self.running.append(child)
+            else:  # slab: no room for another slab now; recompute the sample when there is
+                child.resumed = True
+                self.waiting.appendleft(child)
