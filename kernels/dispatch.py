@@ -1,0 +1,80 @@
+"""Chooses, per call, the Triton kernel or its torch reference, so callers never branch on the device.
+
+``backend``: "triton", "torch", or "auto" (Triton on CUDA tensors, torch elsewhere). Triton modules
+are imported on first use: `triton.jit` decides at decoration time whether to build GPU kernels or
+the CPU interpreter (``TRITON_INTERPRET=1``), so importing them early would freeze that choice.
+Triton on CPU tensors therefore needs TRITON_INTERPRET=1 set before the first Triton call.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvbench.kernels import reference as ref
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def use_triton(backend: str, device: torch.device) -> bool:
+    """Resolve a backend name for tensors on ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before they are used")
+        return True
+    return device.type == "cuda"
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor, backend: str = "auto") -> None:
+    """k, v: [T, Hkv, D] -> their slots (int64 [T], -1 = skip) of k_cache, v_cache [NB, BS, Hkv, D]."""
+    if use_triton(backend, k.device):
+        from kvbench.kernels import cache_ops
+        cache_ops.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    else:
+        ref.write_kv_ref(k_cache, v_cache, k, v, slot_mapping)
+
+
+def copy_blocks(pool: torch.Tensor, pairs: torch.Tensor, backend: str = "auto") -> None:
+    """Copy blocks (src, dst) in every plane. pool: [planes, NB, ...]; pairs: int64 [P, 2]."""
+    if use_triton(backend, pool.device):
+        from kvbench.kernels import cache_ops
+        cache_ops.copy_blocks(pool, pairs)
+    else:
+        ref.copy_blocks_ref(pool, pairs)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, starts: torch.Tensor, scale: float, max_q_len: int,
+                      kept: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """q: [T, Hq, D] of chunks starting at ``starts`` -> out [T, Hq, D] (causal over cache, GQA)."""
+    if use_triton(backend, q.device):
+        from kvbench.kernels import paged_attention
+        return paged_attention.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, starts,
+                                                 scale, max_q_len, kept)
+    return ref.prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, starts, scale, kept)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, max_seq_len: int, num_splits: int | None = None,
+                     kept: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [S, Hq, D] at positions seq_lens-1 -> out [S, Hq, D], lse f32 [S, Hq]."""
+    if use_triton(backend, q.device):
+        from kvbench.kernels import paged_attention
+        return paged_attention.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                max_seq_len, num_splits, kept)
+    return ref.decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, kept)
+
+
+def attention_weights(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      lse: torch.Tensor, scale: float, max_len: int, kept: torch.Tensor | None = None,
+                      backend: str = "auto") -> torch.Tensor:
+    """Second pass after decode: probabilities per position summed per KV group -> f32 [S, Hkv, max_len]."""
+    if use_triton(backend, q.device):
+        from kvbench.kernels import paged_attention
+        return paged_attention.attention_weights(q, k_cache, block_tables, seq_lens, lse, scale, max_len, kept)
+    return ref.attention_weights_ref(q, k_cache, block_tables, seq_lens, lse, scale, max_len, kept)

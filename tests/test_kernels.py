@@ -1,0 +1,189 @@
+"""Triton kernels against their torch references, float32, tiny shapes.
+
+Without a GPU the kernels run in Triton's interpreter: TRITON_INTERPRET must be set before any kernel
+module is imported (triton.jit picks interpreter or compiler when it decorates), hence the top lines.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from kvbench.kernels import cache_ops, paged_attention  # noqa: E402
+from kvbench.kernels import reference as ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+HEAD_DIM = 16
+
+
+def _paged(ctx_lens: list[int], block_size: int, hkv: int, gen: torch.Generator, spare: int = 3):
+    """Random K/V in a pool whose blocks are handed out shuffled.
+
+    -> k_cache, v_cache [NB, BS, Hkv, D], block_tables int32 [S, MB] (padding entries -1)
+    """
+    nblk = [(n + block_size - 1) // block_size for n in ctx_lens]
+    total = sum(nblk) + spare
+    perm = torch.randperm(total, generator=gen).tolist()
+    tables = torch.full((len(ctx_lens), max(nblk)), -1, dtype=torch.int32)
+    for s, n in enumerate(nblk):
+        tables[s, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
+    shape = (total, block_size, hkv, HEAD_DIM)
+    k = torch.randn(shape, generator=gen)
+    v = torch.randn(shape, generator=gen)
+    return k.to(DEV), v.to(DEV), tables.to(DEV)
+
+
+def _kept(ctx_lens: list[int], gen: torch.Generator) -> torch.Tensor:
+    """Random kept mask, always keeping each sequence's last position (the token being decoded)."""
+    width = max(ctx_lens)
+    kept = torch.rand(len(ctx_lens), width, generator=gen) > 0.3
+    for s, n in enumerate(ctx_lens):
+        kept[s, n - 1] = True
+    return kept.to(DEV)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+def test_write_kv_matches_reference(block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    hkv, nb, t = 2, 12, 9
+    base = torch.randn(nb, block_size, hkv, HEAD_DIM, generator=gen)
+    slots = torch.randperm(nb * block_size, generator=gen)[:t]
+    slots[3] = -1  # padding token: written nowhere
+    k = torch.randn(t, hkv, HEAD_DIM, generator=gen)
+    v = torch.randn(t, hkv, HEAD_DIM, generator=gen)
+    got_k, got_v = base.clone().to(DEV), base.clone().to(DEV)
+    cache_ops.write_kv(got_k, got_v, k.to(DEV), v.to(DEV), slots.to(DEV))
+    exp_k, exp_v = base.clone(), base.clone()
+    ref.write_kv_ref(exp_k, exp_v, k, v, slots)
+    torch.testing.assert_close(got_k.cpu(), exp_k, rtol=0, atol=0)
+    torch.testing.assert_close(got_v.cpu(), exp_v, rtol=0, atol=0)
+    # The reference itself: the slot of token 0 holds k[0], untouched slots keep their values.
+    s0 = int(slots[0])
+    torch.testing.assert_close(exp_k.view(-1, hkv, HEAD_DIM)[s0], k[0])
+    untouched = sorted(set(range(nb * block_size)) - set(slots.tolist()))
+    torch.testing.assert_close(exp_k.view(-1, hkv, HEAD_DIM)[untouched], base.view(-1, hkv, HEAD_DIM)[untouched])
+
+
+def test_copy_blocks_matches_reference():
+    gen = torch.Generator().manual_seed(1)
+    pool = torch.randn(4, 7, 5, 2, HEAD_DIM, generator=gen)  # [layers*2, NB, BS, Hkv, D]
+    pairs = torch.tensor([[0, 3], [5, 1], [2, 6]], dtype=torch.int64)
+    got = pool.clone().to(DEV)
+    cache_ops.copy_blocks(got, pairs.to(DEV))
+    exp = pool.clone()
+    ref.copy_blocks_ref(exp, pairs)
+    torch.testing.assert_close(got.cpu(), exp, rtol=0, atol=0)
+    assert torch.equal(exp[:, 3], pool[:, 0]) and torch.equal(exp[:, 4], pool[:, 4])
+
+
+def _decode_case(block_size: int, group: int, num_splits: int, with_kept: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    hkv = 2 if group < 8 else 1
+    ctx_lens = [1, block_size * 2 + 3, 37, 5 * block_size]  # partial tails, a 1-token sequence
+    k_cache, v_cache, tables = _paged(ctx_lens, block_size, hkv, gen)
+    q = torch.randn(len(ctx_lens), hkv * group, HEAD_DIM, generator=gen).to(DEV)
+    seq_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=DEV)
+    kept = _kept(ctx_lens, gen) if with_kept else None
+    scale = HEAD_DIM ** -0.5
+    out, lse = paged_attention.decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, max(ctx_lens),
+                                                num_splits=num_splits, kept=kept, block_n=16)
+    exp_out, exp_lse = ref.decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, scale, kept)
+    torch.testing.assert_close(out, exp_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, exp_lse, rtol=1e-4, atol=1e-4)
+    return q, k_cache, tables, seq_lens, exp_lse, kept, scale, ctx_lens
+
+
+@pytest.mark.parametrize("block_size,group,num_splits", [
+    (1, 1, 3), (4, 4, 1), (8, 8, 4), (16, 4, 2), (32, 1, 5), (16, 8, 7),
+])
+def test_decode_matches_reference(block_size, group, num_splits):
+    _decode_case(block_size, group, num_splits, with_kept=False, seed=block_size * 10 + group)
+
+
+def test_decode_honours_kept_mask_and_weights_second_pass():
+    q, k_cache, tables, seq_lens, lse, kept, scale, ctx_lens = _decode_case(8, 4, 3, True, seed=7)
+    got = paged_attention.attention_weights(q, k_cache, tables, seq_lens, lse, scale, max(ctx_lens), kept,
+                                            block_n=16)
+    exp = ref.attention_weights_ref(q, k_cache, tables, seq_lens, lse, scale, max(ctx_lens), kept)
+    torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-5)
+    # Every head's probabilities sum to 1 over kept positions: per KV group that is the group size.
+    torch.testing.assert_close(exp.sum(-1), torch.full_like(exp.sum(-1), q.shape[1] // k_cache.shape[2]))
+    assert float(exp[~kept[:, None, :].expand_as(exp)].abs().max()) == 0.0
+
+
+def test_reference_decode_equals_dense_softmax():
+    """The reference against plain softmax over contiguous K/V: the references are not just self-consistent."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache, tables = _paged([11], 4, 2, gen)
+    q = torch.randn(1, 4, HEAD_DIM, generator=gen).to(DEV)
+    slots = ref.gather_slots(tables[0], 11, 4)
+    k = k_cache.view(-1, 2, HEAD_DIM)[slots].repeat_interleave(2, dim=1)  # [11, Hq, D]
+    v = v_cache.view(-1, 2, HEAD_DIM)[slots].repeat_interleave(2, dim=1)
+    p = torch.softmax(torch.einsum("hd,nhd->hn", q[0], k) * HEAD_DIM ** -0.5, dim=-1)
+    out, _ = ref.decode_attention_ref(q, k_cache, v_cache, tables, torch.tensor([11], device=DEV),
+                                      HEAD_DIM ** -0.5)
+    torch.testing.assert_close(out[0], torch.einsum("hn,nhd->hd", p, v), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size,group", [(1, 4), (4, 1), (8, 8), (16, 4), (32, 1)])
+def test_prefill_with_cached_prefix_matches_reference(block_size, group):
+    gen = torch.Generator().manual_seed(100 + block_size + group)
+    hkv = 2 if group < 8 else 1
+    starts = [0, 2 * block_size, 13, 3]  # cached tokens before each chunk
+    lens = [9, block_size + 5, 1, 20]
+    ctx_lens = [s + n for s, n in zip(starts, lens)]
+    k_cache, v_cache, tables = _paged(ctx_lens, block_size, hkv, gen)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(lens), hkv * group, HEAD_DIM, generator=gen).to(DEV)
+    st = torch.tensor(starts, dtype=torch.int32, device=DEV)
+    scale = HEAD_DIM ** -0.5
+    got = paged_attention.prefill_attention(q, k_cache, v_cache, tables, cu, st, scale, max(lens),
+                                            block_m=16, block_n=16)
+    exp = ref.prefill_attention_ref(q, k_cache, v_cache, tables, cu, st, scale)
+    torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4)
+    # The last token of each chunk sees the whole context: it equals a decode at that length.
+    last = cu[1:].long() - 1
+    dec, _ = ref.decode_attention_ref(q[last], k_cache, v_cache, tables,
+                                      torch.tensor(ctx_lens, dtype=torch.int32, device=DEV), scale)
+    torch.testing.assert_close(exp[last], dec, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_honours_kept_mask():
+    gen = torch.Generator().manual_seed(5)
+    starts, lens = [6, 0], [5, 7]
+    ctx_lens = [s + n for s, n in zip(starts, lens)]
+    k_cache, v_cache, tables = _paged(ctx_lens, 4, 2, gen)
+    kept = _kept(ctx_lens, gen)
+    for s, (st, n) in enumerate(zip(starts, lens)):  # a query always sees itself
+        kept[s, st:st + n] = True
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEV)
+    q = torch.randn(12, 4, HEAD_DIM, generator=gen).to(DEV)
+    st = torch.tensor(starts, dtype=torch.int32, device=DEV)
+    got = paged_attention.prefill_attention(q, k_cache, v_cache, tables, cu, st, 0.25, 7, kept,
+                                            block_m=16, block_n=16)
+    exp = ref.prefill_attention_ref(q, k_cache, v_cache, tables, cu, st, 0.25, kept)
+    torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(exp, ref.prefill_attention_ref(q, k_cache, v_cache, tables, cu, st, 0.25))
+
+
+def test_slab_table_with_huge_block_equals_paged():
+    """One block per sequence (slab) and 4-token blocks hold the same tokens: same attention output."""
+    gen = torch.Generator().manual_seed(9)
+    ctx_lens, slab = [70, 33], 96
+    k_p, v_p, tables_p = _paged(ctx_lens, 4, 2, gen)
+    k_s = torch.zeros(2, slab, 2, HEAD_DIM, device=DEV)
+    v_s = torch.zeros_like(k_s)
+    for s, n in enumerate(ctx_lens):
+        slots = ref.gather_slots(tables_p[s], n, 4)
+        k_s[1 - s, :n] = k_p.view(-1, 2, HEAD_DIM)[slots]  # slabs in swapped order
+        v_s[1 - s, :n] = v_p.view(-1, 2, HEAD_DIM)[slots]
+    tables_s = torch.tensor([[1], [0]], dtype=torch.int32, device=DEV)
+    q = torch.randn(2, 8, HEAD_DIM, generator=gen).to(DEV)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=DEV)
+    paged, _ = paged_attention.decode_attention(q, k_p, v_p, tables_p, lens, 0.25, 70, num_splits=2, block_n=16)
+    slab_out, _ = paged_attention.decode_attention(q, k_s, v_s, tables_s, lens, 0.25, 70, num_splits=2, block_n=16)
+    torch.testing.assert_close(paged, slab_out, rtol=1e-5, atol=1e-5)
