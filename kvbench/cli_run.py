@@ -1,0 +1,155 @@
+"""``kvbench replay``: one configuration, one run directory (spec §1, §3).
+
+The replay options are declared once, in REPLAY_OPTIONS; ``replay`` takes them typed and ``sweep``
+takes each as a comma list (a grid), so the two commands can never disagree on a name or default.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import click
+
+from kvbench import config as C
+from kvbench.config import ReplayConfig
+from kvbench.errors import InputError
+
+
+@dataclass(frozen=True)
+class Opt:
+    name: str  # ReplayConfig field
+    kind: object  # click type, or "flag" for on/off
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+REPLAY_OPTIONS: list[Opt] = [
+    Opt("layout", click.Choice(C.LAYOUTS), "paged blocks, or the slab baseline"),
+    Opt("block_size", click.IntRange(min=1), "tokens per KV block (paged)"),
+    Opt("slab_reserve", click.Choice(C.SLAB_RESERVES), "slab size: max_model_len, or the request's own prompt+output"),
+    Opt("prefix_cache", "flag", "reuse cached prompt blocks across requests"),
+    Opt("prefix_mode", click.Choice(C.PREFIX_MODES), "block-hash chain (vLLM) or token radix tree (SGLang)"),
+    Opt("cache_policy", click.Choice(C.CACHE_POLICIES), "which unused cached block to reclaim first"),
+    Opt("eviction", click.Choice(C.EVICTIONS), "token-level KV eviction inside a sequence"),
+    Opt("kv_budget", click.FloatRange(min=0, min_open=True), "per-sequence KV budget: tokens (>= 1) or a fraction (< 1)"),
+    Opt("sink_tokens", click.IntRange(min=0), "first tokens every eviction policy keeps"),
+    Opt("executor", click.Choice(C.EXECUTORS), "real model forward, or the calibrated cost model"),
+    Opt("model", str, "preset (tiny, llama-3-8b, llama-3-70b, qwen2.5-7b, mistral-7b) or a local HF model folder"),
+    Opt("device", click.Choice(C.DEVICES), "where the model executor runs"),
+    Opt("gpu", str, "hardware preset for the sim cost model (h200, h100, a100, l40s)"),
+    Opt("calibration", click.Path(dir_okay=False), "sim coefficients written by `kvbench calibrate`"),
+    Opt("kv_mem", str, "KV pool size, e.g. 16GiB [default: 90% of free device memory after weights]"),
+    Opt("num_blocks", click.IntRange(min=1), "KV pool size in blocks (overrides --kv-mem)"),
+    Opt("max_num_seqs", click.IntRange(min=1), "most sequences running at once"),
+    Opt("max_batched_tokens", click.IntRange(min=1), "token budget per engine step"),
+    Opt("max_model_len", click.IntRange(min=1), "longest request (prompt + output) [default: the model's]"),
+    Opt("time_scale", click.FloatRange(min=0, min_open=True), "multiply arrival times (0.5 = twice the rate)"),
+    Opt("limit", click.IntRange(min=1), "replay only the first N requests"),
+    Opt("seed", int, "seed for every random choice"),
+]
+DEFAULTS = ReplayConfig()
+
+
+def replay_options(fn):
+    """Add every replay option, typed, with ReplayConfig's defaults."""
+    for o in reversed(REPLAY_OPTIONS):
+        default = getattr(DEFAULTS, o.name)
+        if o.kind == "flag":
+            fn = click.option(f"{o.flag}/--no-{o.flag[2:]}", o.name, default=default,
+                              show_default=True, help=o.help)(fn)
+        else:
+            fn = click.option(o.flag, o.name, type=o.kind, default=default,
+                              show_default=default is not None, help=o.help)(fn)
+    return fn
+
+
+def default_run_dir(trace: str) -> str:
+    stem = os.path.splitext(os.path.basename(trace))[0]
+    return os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+HEADLINE = [
+    ("requests", "requests", "{:.0f}"), ("completed", "completed", "{:.0f}"),
+    ("rejected", "rejected", "{:.0f}"), ("duration_s", "engine time (s)", "{:.2f}"),
+    ("output_tok_per_s", "output tok/s", "{:.1f}"), ("ttft_ms_p50", "TTFT p50 (ms)", "{:.1f}"),
+    ("ttft_ms_p99", "TTFT p99 (ms)", "{:.1f}"), ("tpot_ms_p50", "TPOT p50 (ms)", "{:.2f}"),
+    ("e2e_ms_p50", "E2E p50 (ms)", "{:.1f}"), ("prefix_hit_rate", "prefix hit rate", "{:.4f}"),
+    ("ideal_hit_rate", "ideal hit rate", "{:.4f}"), ("internal_frag", "internal fragmentation", "{:.4f}"),
+    ("kv_util", "KV utilisation", "{:.4f}"), ("mean_running", "mean running seqs", "{:.1f}"),
+    ("peak_running", "peak running seqs", "{:.0f}"), ("preemptions", "preemptions", "{:.0f}"),
+    ("evicted_tokens", "evicted tokens", "{:.0f}"), ("recalled_tokens", "recalled tokens", "{:.0f}"),
+]
+
+
+def print_summary(summary: dict, run_dir: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"kvbench replay -> {run_dir}", show_header=True)
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for key, label, fmt in HEADLINE:
+        v = summary.get(key)
+        t.add_row(label, "-" if v is None else fmt.format(v))
+    Console(file=sys.stdout).print(t)
+
+
+def run_with_progress(trace: str, cfg: ReplayConfig, out: str, quiet: bool = False) -> dict:
+    """Replay with a rich progress bar on stderr when stderr is a terminal."""
+    from kvbench.engine import Replay
+
+    rp = Replay(trace, cfg, out)
+    if quiet or not sys.stderr.isatty():
+        return rp.run()
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("replay", total=len(rp.requests), info="")
+
+        def tick(p):
+            tps = p.output_tokens / p.clock_s if p.clock_s > 0 else 0.0
+            bar.update(task, completed=p.requests_done,
+                       info=f"engine {p.clock_s:8.1f}s  {tps:9.0f} tok/s  step {p.steps}")
+        return rp.run(tick)
+
+
+@click.command(epilog="""
+\b
+Examples:
+  kvbench replay traces/chat.jsonl --executor sim --model llama-3-8b --gpu h200
+  kvbench replay traces/chat.jsonl --layout slab --max-model-len 8192 --executor sim
+  kvbench replay traces/agent.jsonl --executor model --device cpu --limit 50
+""")
+@click.argument("trace", type=click.Path(exists=True, dir_okay=False))
+@replay_options
+@click.option("--out", "out", type=click.Path(file_okay=False), default=None,
+              help="run directory [default: runs/<trace>-<timestamp>]")
+@click.option("--json", "as_json", is_flag=True, help="print the summary as one JSON object on stdout")
+def replay(trace, out, as_json, **opts):
+    """Replay TRACE under one configuration and write a run directory (config.json, summary.json,
+    requests.parquet, steps.parquet)."""
+    cfg = ReplayConfig(**opts).validate()
+    out = out or default_run_dir(trace)
+    try:
+        summary = run_with_progress(trace, cfg, out, quiet=as_json)
+    except KeyboardInterrupt:
+        click.echo(f"kvbench: interrupted; partial run (complete=false) in {out}", err=True)
+        sys.exit(130)
+    if as_json:
+        click.echo(json.dumps({"run_dir": out, **summary}, default=str))
+    else:
+        print_summary(summary, out)
+        click.echo(f"run directory: {out}", err=True)
+
+
+COMMANDS = [replay]
+
+__all__ = ["REPLAY_OPTIONS", "replay_options", "replay", "COMMANDS", "InputError"]

@@ -1,0 +1,266 @@
+"""KV memory layer: invariants under random operation sequences (hypothesis), the published
+best-of-8 sharing figure, prefix hits against the ideal on the real Mooncake trace, and policies."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbench.memory import BlockPool, PagedKV, SeqKV, SlabKV
+from kvbench.memory.future import next_uses_from_keys
+from kvbench.memory.policies import POLICIES
+from kvbench.trace.ideal import IdealHits, cached_sequence, ideal_hits, lookup_blocks
+from kvbench.trace.tokens import TokenStreams, block_keys
+
+STREAMS = TokenStreams()
+
+
+def check_invariants(kv: PagedKV, seqs: list[SeqKV]) -> None:
+    p = kv.pool
+    held: dict[int, int] = {}
+    for s in seqs:
+        for b in s.table:
+            held[b] = held.get(b, 0) + 1
+    free = set(p._free)
+    for b in range(p.num_blocks):
+        assert p.refcnt[b] == held.get(b, 0), f"block {b}: refcount {p.refcnt[b]} != holders {held.get(b, 0)}"
+        assert not (b in free and p.refcnt[b] > 0), f"block {b} is free and referenced"
+        if b in free:
+            assert p.key[b] is None
+    rc = p.recount()
+    assert (p.num_used, p.tokens_live, p.num_cached, p.num_free) == (
+        rc["num_used"], rc["tokens_live"], rc["num_cached"], rc["num_free"])
+    assert p.num_used + p.num_cached + p.num_free == p.num_blocks
+    for s in seqs:  # every token of a sequence has a slot
+        assert len(s.table) * kv.block_size >= s.num_kv
+
+
+ops = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free"]),
+                         st.integers(0, 7), st.integers(1, 40)), min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, policy=st.sampled_from(sorted(POLICIES)), bs=st.sampled_from([1, 4, 16]),
+       n_blocks=st.integers(8, 64))
+def test_pool_invariants_random_ops(ops, policy, bs, n_blocks):
+    kv = PagedKV(n_blocks, bs, prefix_cache=True, cache_policy=policy)
+    prompts = [STREAMS.stream(f"p{k % 3}", 200) for k in range(8)]  # 3 distinct prompt streams
+    seqs: list[SeqKV] = []
+    hit = query = 0
+    for op, k, n in ops:
+        if op == "new":
+            s = SeqKV(tokens=prompts[k])
+            plen = min(len(prompts[k]), n * 3)
+            hits = kv.lookup(s, plen)
+            if kv.allocate(s, plen - len(hits) * bs, hits):
+                query += plen
+                hit += len(hits) * bs
+                kv.commit(s, plen - len(hits) * bs)
+                seqs.append(s)
+        elif op == "append" and seqs:
+            s = seqs[k % len(seqs)]
+            if kv.allocate(s, n):
+                kv.commit(s, n)
+        elif op == "fork" and seqs:
+            s = seqs[k % len(seqs)]
+            child = SeqKV(tokens=s.tokens)
+            assert kv.fork(s, child)
+            seqs.append(child)
+        elif op == "free" and seqs:
+            kv.free(seqs.pop(k % len(seqs)))
+        check_invariants(kv, seqs)
+    for s in seqs:
+        kv.free(s)
+    check_invariants(kv, [])
+    assert kv.pool.num_used == 0 and kv.pool.tokens_live == 0
+    assert kv.pool.num_free + kv.pool.num_cached == n_blocks
+
+
+@settings(max_examples=60, deadline=None)
+@given(order=st.lists(st.integers(0, 5), min_size=1, max_size=25), bs=st.sampled_from([4, 16]))
+def test_hits_never_exceed_ideal(order, bs):
+    """Processed one after another, cache hits are bounded by the ideal of the same order,
+    and equal it when the pool never has to evict."""
+    from kvbench.trace.format import Request, Segment
+
+    reqs = [Request(id=str(i), t=0.0, output_len=1, prompt_len=0,
+                    prompt=(Segment("shared", 64, name="sys"), Segment("shared", 8 * (k + 1), name=f"d{k % 3}"),
+                            Segment("unique", 5)))
+            for i, k in enumerate(order)]
+    for r in reqs:
+        r.prompt_len = sum(s.length for s in r.prompt)
+    ideal = ideal_hits(reqs, bs, STREAMS)
+    for n_blocks, exact in ((10_000, True), (32, False)):
+        kv = PagedKV(n_blocks, bs)
+        hit = 0
+        for r in reqs:
+            s = SeqKV(tokens=STREAMS.expand(r))
+            hits = kv.lookup(s, r.prompt_len)
+            assert kv.allocate(s, r.prompt_len - len(hits) * bs, hits)
+            kv.commit(s, r.prompt_len - len(hits) * bs)
+            hit += len(hits) * bs
+            kv.free(s)
+        assert hit <= ideal.hit_tokens
+        if exact:
+            assert hit == ideal.hit_tokens
+
+
+def test_best_of_8_sharing_figure():
+    """design.md: best-of-8, 2,000-token prompt, 100 output tokens each: 125 + 8 x 7 = 181 blocks
+    (2,896 slots, 2,800 live tokens) with sharing; 16,800 live tokens without."""
+    prompt = STREAMS.stream("bo8", 2000)
+    kv = PagedKV(4096, 16)
+    parent = SeqKV(tokens=prompt)
+    assert kv.allocate(parent, 2000)
+    kv.commit(parent, 2000)
+    seqs = [parent]
+    for _ in range(7):
+        child = SeqKV(tokens=prompt)
+        kv.fork(parent, child)
+        seqs.append(child)
+    for s in seqs:
+        for _ in range(100):
+            assert kv.allocate(s, 1)
+            kv.commit(s, 1)
+    used, cached, free, slots, live = kv.stats()
+    assert (used, slots, live) == (181, 2896, 2800)
+
+    # without sharing: every sample holds its own copy of the prompt
+    kv2 = PagedKV(4096, 16, prefix_cache=False)
+    for _ in range(8):
+        s = SeqKV(tokens=prompt)
+        assert kv2.allocate(s, 2100)
+        kv2.commit(s, 2100)
+    used2, _, _, slots2, live2 = kv2.stats()
+    assert live2 == 16800 and slots2 == 8 * 132 * 16
+
+
+def test_fork_copy_on_write_reports_copies():
+    prompt = STREAMS.stream("cow", 40)  # 2 full blocks + 8 tokens in a partial tail
+    kv = PagedKV(64, 16)
+    a = SeqKV(tokens=prompt)
+    kv.allocate(a, 40)
+    kv.commit(a, 40)
+    b = SeqKV(tokens=prompt)
+    kv.fork(a, b)
+    tail = a.table[-1]
+    assert kv.pool.refcnt[tail] == 2
+    assert kv.allocate(b, 1)  # b appends into the shared partial tail: copy it first
+    assert kv.take_copies() == [(tail, b.table[-1])]
+    assert b.table[:2] == a.table[:2] and b.table[-1] != tail
+    kv.commit(b, 1)
+    assert kv.allocate(a, 1) and kv.take_copies() == []  # a now owns the tail alone: in place
+    kv.commit(a, 1)
+    assert kv.pool.fill[tail] == 9 and kv.pool.fill[b.table[-1]] == 9
+
+
+def test_hash_collision_cannot_return_wrong_kv():
+    """A forged index entry whose key matches but whose tokens differ is not a hit."""
+    kv = PagedKV(64, 4)
+    t1 = STREAMS.stream("x", 16)
+    s = SeqKV(tokens=t1)
+    kv.allocate(s, 16)
+    kv.commit(s, 16)
+    other = STREAMS.stream("y", 16)
+    s2 = SeqKV(tokens=other, keys=block_keys(t1, 4))  # same keys, different tokens: a collision
+    assert kv.lookup(s2, 16) == []
+    s3 = SeqKV(tokens=t1)
+    assert len(kv.lookup(s3, 16)) == 3  # never the block holding the last token
+
+
+def test_lookup_never_takes_last_token_block():
+    kv = PagedKV(64, 4)
+    t = STREAMS.stream("z", 12)
+    s = SeqKV(tokens=t)
+    kv.allocate(s, 12)
+    kv.commit(s, 12)
+    assert len(kv.lookup(SeqKV(tokens=t), 12)) == 2
+    assert len(kv.lookup(SeqKV(tokens=t), 13)) == 3 == lookup_blocks(13, 4)
+
+
+def test_slab_first_fit_and_fragmentation():
+    slab = SlabKV(100, 16)
+    seqs = []
+    for reserve in (480, 800, 320):  # 30, 50, 20 blocks: the pool is full
+        s = SeqKV(reserve=reserve)
+        assert slab.allocate(s, 10)
+        slab.commit(s, 10)
+        seqs.append(s)
+    assert not slab.allocate(SeqKV(reserve=16), 1)
+    slab.free(seqs[0])  # a 30-block hole at the front
+    assert not slab.allocate(SeqKV(reserve=16 * 31), 1)  # 30 free blocks, but no 31-block hole
+    big = SeqKV(reserve=16 * 30)
+    assert slab.allocate(big, 1) and big.table == range(0, 30)
+    slab.free(seqs[1])
+    slab.free(seqs[2])
+    slab.free(big)
+    assert slab._starts == [0] and slab._lens == [100]  # holes merged back into one
+    used, cached, free, slots, live = slab.stats()
+    assert (used, free, slots, live) == (0, 100, 0, 0)
+
+
+def _mooncake_requests(limit=None):
+    from pathlib import Path
+
+    from kvbench.trace.format import Request, Segment
+
+    path = Path(__file__).resolve().parents[2] / "shared" / "traces" / "real" / "mooncake_conversation.jsonl"
+    if not path.exists():
+        pytest.skip(f"real trace not found at {path}")
+    import json
+
+    out = []
+    with open(path) as fh:
+        for i, line in enumerate(fh):
+            if limit is not None and i >= limit:
+                break
+            o = json.loads(line)
+            k = len(o["hash_ids"])
+            segs = [Segment("shared", 512, name=f"mooncake/{h}") for h in o["hash_ids"]]
+            segs[-1] = Segment("shared", o["input_length"] - 512 * (k - 1), name=f"mooncake/{o['hash_ids'][-1]}")
+            out.append(Request(id=str(i), t=o["timestamp"] / 1000, prompt=tuple(segs),
+                               output_len=max(1, o["output_length"]), prompt_len=o["input_length"]))
+    return out
+
+
+def _sequential_hits(reqs, bs, n_blocks, policy, future=None) -> int:
+    kv = PagedKV(n_blocks, bs, cache_policy=policy)
+    hit = 0
+    for i, r in enumerate(reqs):
+        s = SeqKV(tokens=STREAMS.expand(r), next_use=None if future is None else future[i])
+        hits = kv.lookup(s, r.prompt_len)
+        n_new = r.prompt_len - len(hits) * bs
+        if not kv.allocate(s, n_new, hits):  # a prompt larger than the pool: skip it
+            continue
+        kv.pool.clock = i
+        kv.commit(s, n_new)
+        hit += len(hits) * bs
+        kv.free(s)
+    return hit
+
+
+def test_real_mooncake_hits_equal_ideal_with_a_large_pool():
+    reqs = _mooncake_requests(limit=1500)
+    ideal = ideal_hits(reqs, 16, STREAMS)
+    assert ideal.hit_tokens > 0
+    assert _sequential_hits(reqs, 16, ideal.distinct_blocks + 16, "lru") == ideal.hit_tokens
+
+
+def test_real_mooncake_belady_beats_online_policies_with_a_small_pool():
+    reqs = _mooncake_requests(limit=1500)
+    bs = 64
+    keys, looks = [], []
+    for r in reqs:
+        p = STREAMS.expand(r)
+        keys.append(block_keys(cached_sequence(r, p, STREAMS), bs))
+        looks.append(lookup_blocks(len(p), bs))
+    future = next_uses_from_keys(keys, looks)
+    n_blocks = 3000  # ~190k tokens: a fraction of the distinct prefix blocks
+    hits = {p: _sequential_hits(reqs, bs, n_blocks, p, future if p == "belady" else None)
+            for p in POLICIES}
+    ideal = ideal_hits(reqs, bs, STREAMS).hit_tokens
+    assert hits["belady"] <= ideal
+    for p in ("lru", "fifo", "lfu"):
+        assert hits["belady"] >= hits[p], hits
+    assert hits["belady"] > hits["fifo"]  # the small pool makes the choice matter
