@@ -1,0 +1,404 @@
+"""A Llama-family transformer (Llama, Qwen2, Mistral) whose attention reads and writes paged KV.
+
+One forward takes a flattened batch: prefill chunks first, then one token per decoding sequence
+(``ForwardInputs``, built by ``build_inputs``), writes every token's K/V into its slot, and attends
+through block tables with kvbench.kernels (Triton on GPU, torch references on CPU, or forced with
+``attention=``). Parameter names are transformers' LlamaForCausalLM / Qwen2ForCausalLM names, so a
+state dict moves between the two unchanged (the selfcheck relies on it).
+
+Not modelled: sliding-window attention (Mistral v0.1, some Qwen2 configs; windows are larger than
+our contexts in practice) and rope scaling other than Llama 3's ("llama3", read from a model folder's
+config.json; presets carry none, which changes nothing for random weights).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvbench import kernels
+from kvbench.errors import InputError
+from kvbench.presets import ModelSpec, get_model
+
+log = logging.getLogger(__name__)
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """bf16 on GPU (what serving uses); float32 on CPU (no fast bf16 there, and exact checks)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Flattened step inputs
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token's K/V goes and what each query attends to. T = P prefill tokens + D decodes."""
+
+    slot_mapping: torch.Tensor  # int64 [T]
+    num_prefill_tokens: int  # P: rows [0, P) are prefill tokens, rows [P, T) decode tokens
+    prefill_cu_seqlens: torch.Tensor  # int32 [C+1], chunk boundaries in rows
+    prefill_starts: torch.Tensor  # int32 [C], tokens already cached before each chunk
+    prefill_block_tables: torch.Tensor  # int32 [C, MB]
+    max_prefill_len: int
+    decode_block_tables: torch.Tensor  # int32 [D, MB]
+    decode_seq_lens: torch.Tensor  # int32 [D], context length including the new token
+    max_decode_len: int
+    sample_indices: torch.Tensor  # int64 [N], rows whose logits the forward returns
+    prefill_kept: torch.Tensor | None = None  # int8 [C, >= max ctx], 1 = token kept
+    decode_kept: torch.Tensor | None = None  # int8 [D, >= max_decode_len]
+    # When set, each layer appends (q [D, Hq, D_h], lse f32 [D, Hq]) of its decode rows here.
+    decode_records: list | None = None
+
+
+@dataclass
+class ForwardInputs:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T], absolute (rotary) positions
+    meta: AttentionMetadata
+
+
+def _slots(table: Sequence[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Slots of logical positions through a block table. positions: int64 [n] -> int64 [n]."""
+    tbl = np.asarray(table, dtype=np.int64)
+    return tbl[positions // block_size] * block_size + positions % block_size
+
+
+def _table_tensor(tables: Sequence[Sequence[int]], device) -> torch.Tensor:
+    """Ragged block tables -> int32 [n, max_blocks], padded with block 0 (never read: masked by length)."""
+    width = max((len(t) for t in tables), default=0)
+    out = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return torch.from_numpy(out).to(device)
+
+
+def _kept_tensor(masks: Sequence[np.ndarray | None], ctx_lens: Sequence[int], device) -> torch.Tensor | None:
+    """Per-sequence kept masks over logical positions -> int8 [n, max ctx]; positions past a mask's
+    end (tokens written this step) count as kept."""
+    if not masks or all(m is None for m in masks):
+        return None
+    out = np.ones((len(masks), max(ctx_lens)), dtype=np.int8)
+    for i, m in enumerate(masks):
+        if m is not None:
+            n = min(len(m), out.shape[1])
+            out[i, :n] = np.asarray(m[:n], dtype=np.int8)
+    return torch.from_numpy(out).to(device)
+
+
+def build_inputs(block_size: int, device: torch.device | str,
+                 prefill_tokens: Sequence[np.ndarray] = (), prefill_starts: Sequence[int] = (),
+                 prefill_tables: Sequence[Sequence[int]] = (), prefill_sample: Sequence[bool] = (),
+                 decode_tokens: Sequence[int] = (), decode_positions: Sequence[int] = (),
+                 decode_tables: Sequence[Sequence[int]] = (),
+                 prefill_kept: Sequence[np.ndarray | None] = (), decode_kept: Sequence[np.ndarray | None] = (),
+                 logits_for_all_tokens: bool = False) -> ForwardInputs:
+    """Flatten one step's prefill chunks and decodes (parallel lists, as in StepBatch).
+
+    Logits come back for the last token of each chunk with ``prefill_sample`` set, then for every
+    decode, in that order (or for every row with ``logits_for_all_tokens``).
+    """
+    ids, pos, slots, sample = [], [], [], []
+    row = 0
+    for tokens, start, table, want in zip(prefill_tokens, prefill_starts, prefill_tables, prefill_sample):
+        p = np.arange(start, start + len(tokens), dtype=np.int64)
+        ids.append(np.asarray(tokens, dtype=np.int64))
+        pos.append(p)
+        slots.append(_slots(table, p, block_size))
+        row += len(tokens)
+        if want:
+            sample.append(row - 1)
+    num_prefill = row
+    dpos = np.asarray(decode_positions, dtype=np.int64)
+    ids.append(np.asarray(decode_tokens, dtype=np.int64))
+    pos.append(dpos)
+    slots.append(np.array([_slots(t, dpos[i:i + 1], block_size)[0] for i, t in enumerate(decode_tables)],
+                          dtype=np.int64))
+    sample.extend(range(num_prefill, num_prefill + len(dpos)))
+    if logits_for_all_tokens:
+        sample = list(range(num_prefill + len(dpos)))
+    lens = [len(t) for t in prefill_tokens]
+    prefill_ctx = [s + n for s, n in zip(prefill_starts, lens)]
+    decode_ctx = (dpos + 1).tolist()
+
+    def t(a, dtype):
+        return torch.as_tensor(np.asarray(a), dtype=dtype).to(device)
+
+    meta = AttentionMetadata(
+        slot_mapping=t(np.concatenate(slots), torch.int64),
+        num_prefill_tokens=num_prefill,
+        prefill_cu_seqlens=t(np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]), torch.int32),
+        prefill_starts=t(list(prefill_starts), torch.int32),
+        prefill_block_tables=_table_tensor(prefill_tables, device),
+        max_prefill_len=max(lens, default=0),
+        decode_block_tables=_table_tensor(decode_tables, device),
+        decode_seq_lens=t(decode_ctx, torch.int32),
+        max_decode_len=max(decode_ctx, default=0),
+        sample_indices=t(sample, torch.int64),
+        prefill_kept=_kept_tensor(prefill_kept, prefill_ctx, device),
+        decode_kept=_kept_tensor(decode_kept, decode_ctx, device),
+    )
+    return ForwardInputs(t(np.concatenate(ids), torch.int64), t(np.concatenate(pos), torch.int64), meta)
+
+
+def make_kv_pool(spec: ModelSpec, num_blocks: int, block_size: int, device, dtype: torch.dtype) -> torch.Tensor:
+    """The whole KV pool as one tensor [2 * layers, num_blocks, block_size, Hkv, D]: plane 2l is layer
+    l's K, 2l+1 its V. One tensor lets a block copy move a block in every layer with one launch."""
+    return torch.zeros(2 * spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
+                       dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies, float32 [head_dim / 2]; ``scaling`` = a config's llama3 rope scaling."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind != "llama3":
+        log.warning("rope scaling %r is not modelled; using plain rotary frequencies", kind)
+        return inv
+    # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between.
+    factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    ramp = ((old_len / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)
+    return inv / factor * (1 - ramp) + inv * ramp
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, scale in the model dtype (as transformers does, so bf16 matches too).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, attention: str):
+        super().__init__()
+        hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
+        self.q_proj = nn.Linear(spec.hidden_size, hq * d, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, hkv * d, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, hkv * d, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(hq * d, spec.hidden_size, bias=False)
+        self.scale = d ** -0.5
+        self.backend = attention
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, hidden]; cos, sin: [T, D]; k_cache, v_cache: [NB, BS, Hkv, D] -> [T, hidden]
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        # Write first: every query then reads its own chunk's K/V from the cache like any cached token.
+        kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, backend=self.backend)
+        p = meta.num_prefill_tokens
+        parts = []
+        if p:
+            parts.append(kernels.prefill_attention(
+                q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens,
+                meta.prefill_starts, self.scale, meta.max_prefill_len, meta.prefill_kept, backend=self.backend))
+        if t > p:
+            q_dec = q[p:].contiguous()
+            out, lse = kernels.decode_attention(
+                q_dec, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
+                meta.max_decode_len, kept=meta.decode_kept, backend=self.backend)
+            if meta.decode_records is not None:
+                meta.decode_records.append((q_dec, lse))
+            parts.append(out)
+        o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, attention: str):
+        super().__init__()
+        self.self_attn = PagedAttention(spec, attention)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, h, cos, sin, k_cache, v_cache, meta):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, spec: ModelSpec, attention: str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, attention) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class PagedLlama(nn.Module):
+    """Llama-family causal LM over a paged KV pool. Submodule names match transformers'."""
+
+    def __init__(self, spec: ModelSpec, attention: str = "auto", rope_scaling: dict | None = None):
+        super().__init__()
+        if attention not in kernels.BACKENDS:
+            raise InputError(f"unknown attention {attention!r} (choose from {', '.join(kernels.BACKENDS)})",
+                             field="--attention")
+        self.spec = spec
+        self.model = Backbone(spec, attention)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(spec.head_dim, spec.rope_theta, rope_scaling),
+                             persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, inputs: ForwardInputs, kv_pool: torch.Tensor) -> torch.Tensor:
+        """inputs: T flattened tokens; kv_pool: [2L, NB, BS, Hkv, D] -> float32 logits [N, vocab]
+        for the rows in inputs.meta.sample_indices."""
+        h = self.model.embed_tokens(inputs.input_ids)  # [T, hidden]
+        # Angles in float32, then the model dtype, as transformers does.
+        freqs = inputs.positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, kv_pool[2 * i], kv_pool[2 * i + 1], inputs.meta)
+        h = self.model.norm(h[inputs.meta.sample_indices])  # [N, hidden]
+        return self.lm_head(h).float()
+
+
+def decode_attention_stats(model: PagedLlama, kv_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Attention weight of each decode query on each cached position, per layer and KV group, recomputed
+    from the lse the forward recorded (meta.decode_records) without a full attention matrix in the forward.
+
+    -> float32 [L, D, Hkv, max_decode_len]: each entry sums the probabilities of the group's query heads.
+    """
+    if not meta.decode_records:
+        raise ValueError("the forward did not record decode lse: set meta.decode_records = [] before it")
+    layers = []
+    for i, (q, lse) in enumerate(meta.decode_records):
+        attn = model.model.layers[i].self_attn
+        layers.append(kernels.attention_weights(q, kv_pool[2 * i], meta.decode_block_tables, meta.decode_seq_lens,
+                                                lse, attn.scale, meta.max_decode_len, meta.decode_kept,
+                                                backend=attn.backend))
+    return torch.stack(layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+
+
+@torch.no_grad()
+def init_random(model: PagedLlama, seed: int) -> None:
+    """Random weights from ``seed``: matrices N(0, 0.02), biases N(0, 0.02), norm scales 1 + N(0, 0.1).
+
+    Norm scales and biases are not left at 1 and 0 so that a misplaced one changes the logits
+    (the selfcheck would miss it otherwise)."""
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):  # shared (tied) weights appear once
+        if name.endswith("norm.weight"):
+            p.normal_(0.0, 0.1, generator=gen).add_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+
+
+def rope_from_config(folder: str) -> tuple[float | None, dict | None]:
+    """(rope_theta, rope scaling) from a model folder's config.json, in either transformers 4 style
+    (``rope_theta`` + ``rope_scaling``) or 5 style (``rope_parameters``)."""
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    params = cfg.get("rope_parameters") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return (float(theta) if theta is not None else None), scaling
+
+
+@torch.no_grad()
+def load_weights(model: PagedLlama, folder: str) -> None:
+    """Copy a Hugging Face folder's *.safetensors tensors into the model (names as in transformers)."""
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise InputError("no *.safetensors weights in the model folder", file=folder)
+    params = dict(model.named_parameters())  # tied lm_head is absent here: it is embed_tokens
+    seen = set()
+    for f in files:
+        with safe_open(os.path.join(folder, f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                if name not in params:
+                    if name == "lm_head.weight" and model.spec.tie_word_embeddings:
+                        continue
+                    if "rotary_emb" in name:
+                        continue
+                    raise InputError(f"unexpected tensor {name!r} (not a Llama-family checkpoint?)", file=f)
+                t = st.get_tensor(name)
+                if t.shape != params[name].shape:
+                    raise InputError(f"tensor {name!r} has shape {tuple(t.shape)}, expected "
+                                     f"{tuple(params[name].shape)}", file=f)
+                params[name].copy_(t)
+                seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise InputError(f"weights missing from the folder: {', '.join(missing[:5])}", file=folder)
+
+
+def build_model(model: str | ModelSpec = "tiny", device: torch.device | str = "cpu", seed: int = 0,
+                attention: str = "auto", dtype: torch.dtype | None = None) -> PagedLlama:
+    """A preset name, a ModelSpec, or a Hugging Face folder (its safetensors weights are loaded).
+    Presets and specs are random-initialised from ``seed``; parameters are allocated once, on ``device``."""
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    spec = model if isinstance(model, ModelSpec) else get_model(model)
+    folder = model if isinstance(model, str) and os.path.isdir(model) else None
+    scaling = None
+    if folder:
+        theta, scaling = rope_from_config(folder)
+        if theta is not None:
+            spec = replace(spec, rope_theta=theta)
+    with torch.device("meta"):
+        net = PagedLlama(spec, attention, scaling)
+    net = net.to(dtype).to_empty(device=device)
+    if spec.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
+        net.lm_head.weight = net.model.embed_tokens.weight
+    # to_empty leaves the float32 rotary buffer uninitialised: recompute it.
+    net.inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, scaling).to(device)
+    if folder and any(f.endswith(".safetensors") for f in os.listdir(folder)):
+        load_weights(net, folder)
+    else:
+        init_random(net, seed)
+    return net.eval()

@@ -1,0 +1,178 @@
+"""Selfcheck (library part): our paged model against transformers' own implementation, same weights.
+
+Prompts run through kvbench's model by driving block tables by hand, as the engine would: a prefix
+computed once and reused by a second prompt through its blocks, chunked prefill of a long prompt mixed
+with decodes in the same forward, two samples sharing prompt blocks with a copy-on-write of the
+partial last block, and a sequence recomputed from scratch into fresh (stale) blocks as after a
+preemption. transformers then runs each final token list in one full forward; we report the largest
+logit difference over every position we computed and the share of our greedy tokens that are also
+transformers' argmax. ``kvbench selfcheck`` (the CLI) will drive the real engine; this module is
+the comparison and a hand-driven scenario.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvbench import kernels
+from kvbench.executors.model import resolve_device
+from kvbench.executors.modeling import PagedLlama, build_inputs, build_model, make_kv_pool
+from kvbench.presets import ModelSpec, get_model
+
+# Largest logit difference accepted, and the share of greedy tokens that must agree, per dtype.
+# bf16 (GPU): transformers runs in bf16 too; near-ties may flip a token, so 95% must agree.
+TOLERANCE = {torch.float32: (1e-3, 1.0), torch.bfloat16: (5e-2, 0.95)}
+
+
+def hf_model(spec: ModelSpec, state_dict: dict, device: torch.device, dtype: torch.dtype):
+    """transformers' LlamaForCausalLM (Qwen2ForCausalLM for qwen2) of the same shape, loaded with
+    ``state_dict``. Mistral is built as Llama: without sliding windows the two are the same network."""
+    import transformers
+
+    common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                  intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                  num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                  head_dim=spec.head_dim, max_position_embeddings=spec.max_model_len,
+                  rms_norm_eps=spec.rms_norm_eps, rope_theta=spec.rope_theta,
+                  tie_word_embeddings=spec.tie_word_embeddings)
+    if spec.architecture == "qwen2":
+        cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    else:
+        cfg, cls = transformers.LlamaConfig(attention_bias=spec.qkv_bias, **common), transformers.LlamaForCausalLM
+    cfg._attn_implementation = "eager"
+    with torch.device(device):
+        m = cls(cfg).to(dtype)
+    m.load_state_dict(state_dict, strict=True)
+    return m.eval()
+
+
+@dataclass
+class _Seq:
+    """A hand-driven sequence: its tokens, how many have KV in the cache, its block table."""
+
+    name: str
+    tokens: list[int]
+    new_tokens: int  # tokens still to generate
+    chunk: int = 1 << 30  # most prefill tokens per step
+    computed: int = 0
+    table: list[int] = field(default_factory=list)
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> our logits [vocab]
+    sampled: dict[int, int] = field(default_factory=dict)  # position -> our greedy token
+
+    @property
+    def done(self) -> bool:
+        return self.new_tokens == 0
+
+
+class _Driver:
+    """Plays the engine's part: block allocation, batching of chunks and decodes, sampling."""
+
+    def __init__(self, net: PagedLlama, pool: torch.Tensor, block_size: int, rng: random.Random):
+        self.net, self.pool, self.bs = net, pool, block_size
+        self.free = list(range(pool.shape[1]))
+        rng.shuffle(self.free)  # block tables point all over the pool
+        self.rng = rng
+
+    def grow(self, s: _Seq, upto: int) -> None:
+        while len(s.table) * self.bs < upto:
+            s.table.append(self.free.pop())
+
+    def release(self, blocks: list[int]) -> None:
+        self.free.extend(blocks)
+        self.rng.shuffle(self.free)
+
+    def step(self, seqs: list[_Seq]) -> None:
+        """One forward over every unfinished sequence: a prefill chunk, or a decode of its last token."""
+        pre, dec = [], []
+        for s in seqs:
+            if s.done:
+                continue
+            n = min(s.chunk, len(s.tokens) - s.computed)
+            self.grow(s, s.computed + n)
+            (dec if n == 1 and s.computed > 0 else pre).append((s, n))
+        inputs = build_inputs(
+            self.bs, self.pool.device,
+            prefill_tokens=[np.array(s.tokens[s.computed:s.computed + n]) for s, n in pre],
+            prefill_starts=[s.computed for s, _ in pre], prefill_tables=[s.table for s, _ in pre],
+            prefill_sample=[True] * len(pre),
+            decode_tokens=[s.tokens[-1] for s, _ in dec], decode_positions=[s.computed for s, _ in dec],
+            decode_tables=[s.table for s, _ in dec], logits_for_all_tokens=True)
+        logits = self.net(inputs, self.pool).cpu()  # [T, vocab], rows in batch order
+        row = 0
+        for s, n in pre + dec:
+            for i in range(n):
+                s.logits[s.computed + i] = logits[row + i]
+            row += n
+            s.computed += n
+            if s.computed == len(s.tokens):  # the chunk ended the known tokens: sample the next one
+                tok = int(s.logits[s.computed - 1].argmax())
+                s.sampled[s.computed - 1] = tok
+                s.tokens.append(tok)
+                s.new_tokens -= 1
+
+
+def _scenario(drv: _Driver, vocab: int, rng: random.Random) -> list[_Seq]:
+    """Runs the hand-driven scenario; returns every sequence whose logits are to be checked."""
+    bs = drv.bs
+    tok = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
+    a = _Seq("prompt", tok(3 * bs + 5), new_tokens=8)
+    c = _Seq("chunked-prefill", tok(9 * bs - 2), new_tokens=4, chunk=3 * bs)
+    d1 = _Seq("sample-1", tok(2 * bs + 5), new_tokens=6)
+    drv.step([a, c, d1])
+    # A prefix hit: B reuses A's first 3 full blocks and computes only its own suffix.
+    b = _Seq("prefix-hit", a.tokens[:3 * bs] + tok(bs + 3), new_tokens=6, computed=3 * bs, table=a.table[:3])
+    # Second sample of D1's prompt: shares its full blocks, copies the partial tail (copy-on-write),
+    # and starts from the same first token (sampled from the shared prefill).
+    d2 = _Seq("sample-2", list(d1.tokens), new_tokens=d1.new_tokens, computed=d1.computed,
+              table=d1.table[:2] + [drv.free.pop()])
+    kernels.copy_blocks(drv.pool, torch.tensor([[d1.table[2], d2.table[2]]], device=drv.pool.device),
+                        backend=drv.net.model.layers[0].self_attn.backend)
+    d2.logits = dict(d1.logits)
+    live = [a, b, c, d1, d2]
+    while not a.done:
+        drv.step(live)
+    # Preemption of A: its private blocks go back (B still holds the shared ones) and A is recomputed
+    # from scratch, prompt and generated tokens together, into blocks that hold stale KV.
+    drv.release(a.table[3:])
+    e = _Seq("recomputed", list(a.tokens), new_tokens=3)
+    live = [b, c, d1, d2, e]
+    while not all(s.done for s in live):
+        drv.step(live)
+    return [a, b, c, d1, d2, e]
+
+
+def run_selfcheck(device: str = "cpu", model: str | ModelSpec = "tiny", seed: int = 0,
+                  attention: str = "auto", block_size: int = 8) -> dict:
+    """Compare our paged model with transformers on the hand-driven scenario.
+
+    -> {"ok", "max_logit_diff", "greedy_agree", "tolerance", "tokens_compared", "positions_compared",
+        "per_sequence": {name: max diff}, "model", "device", "dtype", "attention"}
+    """
+    dev = resolve_device(device)
+    spec = model if isinstance(model, ModelSpec) else get_model(model)
+    net = build_model(spec, dev, seed, attention)
+    dtype = next(net.parameters()).dtype
+    ref = hf_model(spec, net.state_dict(), dev, dtype)
+    pool = make_kv_pool(spec, 96, block_size, dev, dtype)
+    rng = random.Random(seed)
+    seqs = _scenario(_Driver(net, pool, block_size, rng), spec.vocab_size, rng)
+    worst, agree, sampled, positions, per_seq = 0.0, 0, 0, 0, {}
+    for s in seqs:
+        with torch.inference_mode():
+            ids = torch.tensor([s.tokens[:-1]], device=dev)  # the last sampled token was never fed
+            hf = ref(input_ids=ids).logits[0].float().cpu()  # [len, vocab]
+        diff = max(float((ours - hf[p]).abs().max()) for p, ours in s.logits.items())
+        per_seq[s.name] = diff
+        worst = max(worst, diff)
+        positions += len(s.logits)
+        agree += sum(int(hf[p].argmax()) == t for p, t in s.sampled.items())
+        sampled += len(s.sampled)
+    tol, need = TOLERANCE[dtype]
+    share = agree / sampled
+    return {"ok": worst <= tol and share >= need, "max_logit_diff": worst, "greedy_agree": share,
+            "tolerance": tol, "tokens_compared": sampled, "positions_compared": positions,
+            "per_sequence": per_seq, "model": spec.name, "device": str(dev),
+            "dtype": str(dtype).replace("torch.", ""), "attention": net.model.layers[0].self_attn.backend}
