@@ -1,9 +1,224 @@
-"""``kvbench trace ...``: generate, convert and inspect traces."""
+"""``kvbench trace ...``: generate (``gen``), ``convert`` and ``inspect`` request traces.
+
+Each command is a thin shell over the trace layer (kvbench.workloads, kvbench.trace.importers,
+kvbench.trace.stats): it parses flags, calls one function, and prints data to stdout and a one-line
+summary to stderr. Bad values raise click.BadParameter/UsageError or InputError; cli.main turns
+them into one line and exit 2.
+"""
 from __future__ import annotations
+
+import dataclasses
+import json
+import sys
 
 import click
 
+from kvbench.trace.format import write_trace
 
-@click.group()
+_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def _note(message: str) -> None:
+    click.echo(f"kvbench: {message}", err=True)
+
+
+@click.group(context_settings=_SETTINGS)
 def trace():
-    """Generate, convert and inspect request traces."""
+    """Generate, convert and inspect request traces (spec §2: JSONL, one request per line)."""
+
+
+# ------------------------------------------------------------------------------------------- gen
+
+_ARRIVAL_OPTIONS = [
+    click.Option(["--arrival"], type=click.Choice(["poisson", "gamma"]), default="poisson",
+                 show_default=True, help="arrival process of requests (sessions for chat/agent)"),
+    click.Option(["-o", "--out"], required=True, type=click.Path(dir_okay=False),
+                 help="trace file to write (JSONL)"),
+]
+
+
+def _knob_option(f: dataclasses.Field) -> click.Option:
+    """A click option from a generator's dataclass field (its type, default, help and minimum)."""
+    meta = f.metadata
+    kind = type(f.default)
+    if kind is int:
+        ptype = click.IntRange(min=meta.get("min"), min_open=meta.get("min_open", False))
+    else:
+        ptype = click.FloatRange(min=meta.get("min"), min_open=meta.get("min_open", False))
+    return click.Option([f"--{f.name.replace('_', '-')}"], type=ptype, default=f.default,
+                        show_default=True, help=meta.get("help"))
+
+
+def _gen_command(workload) -> click.Command:
+    from kvbench.workloads import Common, generate
+
+    common_fields = [f for f in dataclasses.fields(Common) if f.metadata]
+    param_fields = dataclasses.fields(workload.params)
+
+    def run(**kw):
+        out = kw.pop("out")
+        src = click.get_current_context().get_parameter_source("burstiness")
+        if kw["arrival"] == "poisson" and src is not click.core.ParameterSource.DEFAULT:
+            raise click.BadParameter("needs --arrival gamma (Poisson gaps have CV 1)",
+                                     param_hint="--burstiness")
+        common = Common(**{f.name: kw.pop(f.name) for f in common_fields}, arrival=kw.pop("arrival"))
+        try:
+            reqs = generate(workload, common, workload.params(**kw))
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        n = write_trace(reqs, out)
+        tokens = sum(r.prompt_len for r in reqs)
+        _note(f"wrote {n} {workload.name} requests ({tokens} prompt tokens, "
+              f"{reqs[-1].t:.1f} s of arrivals) to {out}")
+
+    params = ([_knob_option(f) for f in common_fields] + _ARRIVAL_OPTIONS
+              + [_knob_option(f) for f in param_fields])
+    epilog = f"\b\nExample:\n  {workload.example}\n  kvbench trace inspect {workload.example.split()[-1]}"
+    doc = (sys.modules[workload.build.__module__].__doc__ or workload.summary).replace("``", "")
+    return click.Command(workload.name, params=params, callback=run, help=doc,
+                         short_help=workload.summary, epilog=epilog, context_settings=_SETTINGS)
+
+
+class _GenGroup(click.Group):
+    """Commands built from the workload registry on first use (keeps ``kvbench --help`` fast)."""
+
+    def _commands(self) -> dict:
+        if not self.commands:
+            from kvbench.workloads import WORKLOADS
+            for w in WORKLOADS.values():
+                self.add_command(_gen_command(w))
+        return self.commands
+
+    def list_commands(self, ctx):
+        return list(self._commands())
+
+    def get_command(self, ctx, name):
+        return self._commands().get(name)
+
+
+@trace.group(cls=_GenGroup, context_settings=_SETTINGS, epilog="""
+\b
+Examples:
+  kvbench trace gen chat --requests 250 --rate 2 --seed 1 -o chat.jsonl
+  kvbench trace gen rag --requests 250 --zipf 1.2 --arrival gamma --burstiness 3 -o rag.jsonl
+  kvbench trace gen best-of-n --requests 30 --n 8 -o bon.jsonl
+""")
+def gen():
+    """Generate a synthetic trace: chat, rag, agent or best-of-n.
+
+    Every length is lognormal around the mean its flag sets (spread --len-sigma); arrivals are
+    Poisson or gamma at --rate requests per second; the same flags and --seed give the same file.
+    """
+
+
+# --------------------------------------------------------------------------------------- convert
+
+_SHAREGPT_ONLY = ("tokenizer", "rate", "think_s", "seed", "arrival", "burstiness")
+
+
+@trace.command(context_settings=_SETTINGS, epilog="""
+\b
+Examples:
+  kvbench trace convert --from mooncake conversation_trace.jsonl -o mooncake.jsonl
+  kvbench trace convert --from mooncake conversation_trace.jsonl --limit 200 -o slice.jsonl
+  kvbench trace convert --from azure AzureLLMInferenceTrace_conv.csv -o azure.jsonl
+  kvbench trace convert --from burstgpt BurstGPT_1.csv -o burstgpt.jsonl
+  kvbench trace convert --from sharegpt sharegpt.json --tokenizer ./llama3-tokenizer --rate 2 -o sg.jsonl
+""")
+@click.option("--from", "fmt", required=True,
+              type=click.Choice(["mooncake", "azure", "burstgpt", "sharegpt"]),
+              help="format of SRC")
+@click.argument("src", type=click.Path(dir_okay=False))
+@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False),
+              help="kvbench trace to write (JSONL)")
+@click.option("--limit", type=click.IntRange(min=1), help="write only the first N requests")
+@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False),
+              help="sharegpt: local Hugging Face tokenizer folder for token counts; without one "
+                   "a text of C characters counts ceil(C / 4) tokens")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="sharegpt: mean request rate, per second (conversations start at rate / turns)")
+@click.option("--think-s", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="sharegpt: mean think time between a conversation's turns, seconds")
+@click.option("--seed", type=int, default=0, show_default=True, help="sharegpt: seed of arrivals")
+@click.option("--arrival", type=click.Choice(["poisson", "gamma"]), default="poisson",
+              show_default=True, help="sharegpt: arrival process of conversations")
+@click.option("--burstiness", type=click.FloatRange(min=0, min_open=True), default=1.0,
+              show_default=True, help="sharegpt: CV of gamma gaps")
+def convert(fmt, src, out, limit, **sharegpt):
+    """Convert a public trace (Mooncake, Azure, BurstGPT, ShareGPT) into a kvbench trace.
+
+    \b
+    mooncake  JSONL with timestamp (ms), input_length, output_length, hash_ids (512-token blocks):
+              hash id h becomes the shared segment mooncake/<h>; rows with 0 output are skipped.
+    azure     CSV TIMESTAMP,ContextTokens,GeneratedTokens: one unique segment per request.
+    burstgpt  CSV, columns by header name (6- or 8-column release): failed rows (0 response
+              tokens) are skipped; Session ID, when present, becomes the session.
+    sharegpt  JSON list of {id, conversations: [{from, value}]}: turn k re-sends turns 1..k-1 as
+              shared segments and names its answer (output) so the next turn hits it. Token
+              counts: --tokenizer, or about 4 characters per token without one. Arrivals are
+              made up: --rate, --arrival, --think-s.
+    """
+    from kvbench.trace.importers import convert as run_convert
+
+    ctx = click.get_current_context()
+    if fmt != "sharegpt":
+        given = [k for k in _SHAREGPT_ONLY
+                 if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise click.UsageError(f"--{given[0].replace('_', '-')} applies to --from sharegpt only")
+        sharegpt = {}
+    report = run_convert(fmt, src, out, limit=limit, **sharegpt)
+    for line in report.notes:
+        _note(f"note: {line}")
+    _note(report.summary(fmt, out))
+
+
+# --------------------------------------------------------------------------------------- inspect
+
+@trace.command(context_settings=_SETTINGS, epilog="""
+\b
+Examples:
+  kvbench trace inspect traces/chat.jsonl
+  kvbench trace inspect traces/mooncake_slice.jsonl --block-size 32 --json
+""")
+@click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
+@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True,
+              help="tokens per KV block for the ideal prefix hit rate")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of a table")
+def inspect(trace_path, block_size, as_json):
+    """Validate a trace and print its statistics and ideal prefix hit rate.
+
+    The ideal hit rate is the ceiling a prefix cache can reach on this trace: an infinite cache,
+    requests one at a time in trace order, whole blocks only, the last prompt token always computed.
+    """
+    from kvbench.trace.stats import inspect_trace
+
+    stats = inspect_trace(trace_path, block_size)
+    if as_json:
+        click.echo(json.dumps(stats.to_dict()))
+        return
+    _print_table(trace_path, stats)
+
+
+def _print_table(title: str, s) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def dist(d: dict) -> str:
+        return (f"p50 {d['p50']:.0f} · p90 {d['p90']:.0f} · p99 {d['p99']:.0f} · max {d['max']} "
+                f"· mean {d['mean']:.0f}")
+
+    table = Table(title=title, show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for name, value in [
+        ("requests", f"{s.requests:,}"), ("sessions", f"{s.sessions:,}"),
+        ("samples (sum of n)", f"{s.samples:,}"), ("duration", f"{s.duration_s:,.1f} s"),
+        ("prompt tokens", f"{s.prompt_tokens:,}"), ("output tokens", f"{s.output_tokens:,}"),
+        ("prompt length", dist(s.prompt_len)), ("output length", dist(s.output_len)),
+        ("shared segments", f"{s.shared_segments:,} names, {s.shared_tokens:,} tokens"),
+        (f"ideal hit rate (block {s.block_size})", f"{s.ideal_hit_rate:.4f}"),
+    ]:
+        table.add_row(name, value)
+    width = None if sys.stdout.isatty() else 110  # rich assumes 80 columns when piped
+    Console(file=sys.stdout, width=width).print(table)

@@ -178,39 +178,49 @@ def parse_request(obj, where: dict, index: int, text_len=None) -> Request:
                    output=output, meta=meta, index=index, line=where.get("line", 0), prompt_len=plen)
 
 
-def iter_trace(path: str | os.PathLike, text_len=None) -> Iterator[Request]:
-    """Stream the requests of a JSONL trace, validating each; blank lines are skipped."""
+def json_lines(path: str | os.PathLike, what: str = "trace") -> Iterator[tuple[int, object]]:
+    """Stream ``(1-based line, decoded JSON)`` from a JSON-lines file, skipping blank lines.
+
+    ``what`` names the expected format in errors ("not UTF-8 text", malformed JSON), so an importer
+    fed the wrong file says what it expected.
+    """
     path = os.fspath(path)
     try:
-        fh: IO[str] = open(path, encoding="utf-8")
+        # Binary lines, decoded one at a time: a text-mode reader decodes ahead in chunks and would
+        # blame a bad byte on the wrong line.
+        fh: IO[bytes] = open(path, "rb")
     except OSError as e:
-        raise InputError(f"cannot open trace: {e.strerror}", file=path) from None
-    seen: set[str] = set()
-    index = 0
+        raise InputError(f"cannot open {what}: {e.strerror}", file=path) from None
     with fh:
-        lineno = 0
-        while True:
+        for lineno, raw in enumerate(fh, start=1):
             try:
-                raw = fh.readline()
-            except UnicodeDecodeError:
-                raise InputError("not UTF-8 text", file=path, line=lineno + 1) from None
-            if not raw:
-                break
-            lineno += 1
-            s = raw.strip()
+                s = raw.decode("utf-8").strip().lstrip("\ufeff")
+            except UnicodeDecodeError as e:
+                raise InputError(f"not UTF-8 text (byte {e.start + 1} of the line; expected {what})",
+                                 file=path, line=lineno) from None
             if not s:
                 continue
-            where = {"file": path, "line": lineno}
             try:
                 obj = json.loads(s)
             except json.JSONDecodeError as e:
-                raise InputError(f"malformed JSON ({e.msg} at column {e.colno})", **where) from None
-            r = parse_request(obj, where, index, text_len)
-            if r.id in seen:
-                raise InputError(f"duplicate request id {r.id!r}", **where, field="id")
-            seen.add(r.id)
-            index += 1
-            yield r
+                raise InputError(f"malformed JSON ({e.msg} at column {e.colno}; expected {what})",
+                                 file=path, line=lineno) from None
+            yield lineno, obj
+
+
+def iter_trace(path: str | os.PathLike, text_len=None) -> Iterator[Request]:
+    """Stream the requests of a JSONL trace, validating each; blank lines are skipped."""
+    path = os.fspath(path)
+    seen: set[str] = set()
+    index = 0
+    for lineno, obj in json_lines(path, "a kvbench JSONL trace"):
+        where = {"file": path, "line": lineno}
+        r = parse_request(obj, where, index, text_len)
+        if r.id in seen:
+            raise InputError(f"duplicate request id {r.id!r}", **where, field="id")
+        seen.add(r.id)
+        index += 1
+        yield r
     if index == 0:
         raise InputError("trace has no requests", file=path)
 
@@ -230,10 +240,19 @@ def write_trace(requests: Iterable[Request], path: str | os.PathLike) -> int:
     path = os.fspath(path)
     tmp = f"{path}.tmp{os.getpid()}"
     n = 0
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for r in requests:
-            fh.write(json.dumps(r.to_json(), separators=(",", ":")))
-            fh.write("\n")
-            n += 1
+    try:
+        fh = open(tmp, "w", encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"cannot write trace: {e.strerror}", file=path) from None
+    try:
+        with fh:
+            for r in requests:
+                fh.write(json.dumps(r.to_json(), separators=(",", ":")))
+                fh.write("\n")
+                n += 1
+    except BaseException:
+        # A failing source (bad input half-way through a conversion) leaves no partial file behind.
+        os.unlink(tmp)
+        raise
     os.replace(tmp, path)
     return n

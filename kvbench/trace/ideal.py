@@ -8,12 +8,12 @@ whose KV is computed during decode), are cached in whole blocks. Hit rate = hit 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
 from kvbench.trace.format import Request
-from kvbench.trace.tokens import TokenStreams, block_keys
+from kvbench.trace.tokens import ROOT_KEY, TokenStreams, block_keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,25 +40,105 @@ def cached_sequence(req: Request, prompt: np.ndarray, streams: TokenStreams) -> 
 
 
 def ideal_hits(requests: Iterable[Request], block_size: int,
-               streams: TokenStreams | None = None) -> IdealHits:
-    """Count ideal prefix hits over requests in the given (trace) order."""
+               streams: TokenStreams | None = None, *,
+               on_request: Callable[[Request, int], None] | None = None) -> IdealHits:
+    """Count ideal prefix hits over requests in the given (trace) order.
+
+    ``on_request(req, hit_tokens)`` is called once per request, for callers that break the rate down
+    (by turn, by session).
+    """
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
     streams = streams or TokenStreams()
+    memo: dict[tuple[int, str, int], np.ndarray] = {}
     seen: set[int] = set()
     hit = total = 0
     for req in requests:
-        prompt = streams.expand(req)
-        seq = cached_sequence(req, prompt, streams)
-        keys = block_keys(seq, block_size)
-        n_look = lookup_blocks(len(prompt), block_size)
-        h = 0
-        while h < n_look and keys[h] in seen:
-            h += 1
-        hit += h * block_size
-        total += len(prompt)
-        seen.update(keys)
+        keys, prompt_len = _sequence_keys(req, block_size, streams, memo)
+        m = _seen_prefix(keys, seen)
+        h = min(m, lookup_blocks(prompt_len, block_size)) * block_size
+        hit += h
+        total += prompt_len
+        # keys[:m] are in the set already (see _seen_prefix), so only the rest can be new.
+        seen.update(keys[m:].tolist())
+        if on_request is not None:
+            on_request(req, h)
     return IdealHits(hit, total, len(seen))
+
+
+def _seen_prefix(keys: np.ndarray, seen: set[int]) -> int:
+    """Length of the longest prefix of ``keys`` already in ``seen``, by binary search.
+
+    Valid because ``seen`` is prefix-closed: a chained key covers every block before it, and every
+    sequence caches all its leading whole blocks, so if key i was seen then keys 0..i were too.
+    """
+    lo, hi = 0, len(keys)
+    if hi == 0 or int(keys[0]) not in seen:
+        return 0
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if int(keys[mid - 1]) in seen:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _pieces(req: Request, streams: TokenStreams):
+    """The cached sequence (as in cached_sequence) in pieces: ``(name, length)`` for a named stream,
+    ``(None, tokens)`` for any other segment."""
+    for i, seg in enumerate(req.prompt):
+        if seg.kind == "shared":
+            yield seg.name, seg.length
+        else:
+            yield None, streams.segment(seg, req.id, i)
+    if req.output is not None and req.output_len > 1:
+        yield req.output, req.output_len - 1
+
+
+_NO_TOKENS = np.zeros(0, dtype=np.int32)
+
+
+def _sequence_keys(req: Request, block_size: int, streams: TokenStreams,
+                   memo: dict) -> tuple[np.ndarray, int]:
+    """Block keys of a request's cached sequence (identical to ``block_keys(cached_sequence(...))``)
+    and its prompt length in tokens.
+
+    A named stream that starts on a block boundary has keys fixed by (parent key, name, length), so
+    they are memoised: on a trace like Mooncake's, whose prompts are chains of shared 512-token
+    segments, each block is hashed once however many requests repeat it.
+    """
+    parts: list[np.ndarray] = []
+    parent = ROOT_KEY
+    carry = _NO_TOKENS  # tokens of a partial block waiting for the next piece
+    seq_len = 0
+    for name, what in _pieces(req, streams):
+        if name is not None and carry.size == 0:
+            length = what
+            n_full = length // block_size
+            ks = memo.get((parent, name, length))
+            if ks is None:
+                toks = streams.stream(name, n_full * block_size) if n_full else _NO_TOKENS
+                ks = np.array(block_keys(toks, block_size, n_full, parent), dtype=np.uint64)
+                memo[(parent, name, length)] = ks
+            rest = length - n_full * block_size
+            carry = streams.stream(name, rest, start=n_full * block_size) if rest else _NO_TOKENS
+        else:
+            toks = streams.stream(name, what) if name is not None else what
+            length = len(toks)
+            if carry.size:
+                toks = np.concatenate([carry, toks])
+            n_full = len(toks) // block_size
+            ks = np.array(block_keys(toks, block_size, n_full, parent), dtype=np.uint64)
+            carry = toks[n_full * block_size:]
+        seq_len += length
+        if ks.size:
+            parts.append(ks)
+            parent = int(ks[-1])
+    answer = req.output_len - 1 if req.output is not None and req.output_len > 1 else 0
+    keys = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
+    return keys, seq_len - answer
 
 
 def ideal_hit_rate(requests: Iterable[Request], block_size: int,
