@@ -57,6 +57,7 @@ class Sequence(SeqKV):
     last_token: int = 0
     out_tokens: list[int] | None = None  # generated ids, kept only when the executor needs tokens
     computed_before: int = 0  # KV tokens held before its last preemption (recompute accounting)
+    wait_for_blocks: int = 0  # admission failed: blocks that must be available to try again
     resumed: bool = False
 
 
@@ -136,11 +137,20 @@ class Scheduler:
         waiting = self.waiting
         while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             s = waiting[0]
+            floor, available = kv.admission_floor(s, s.num_tokens, budget)
+            if max(floor, s.wait_for_blocks) > available - (self.watermark if running else 0):
+                break  # plainly short of memory: spare the lookup
             hits = kv.lookup(s, s.num_tokens)
             cached = len(hits) * kv.block_size
             num_new = min(s.num_tokens - cached, budget)
-            if not kv.allocate(s, num_new, hits, self.watermark):
+            # the watermark keeps room for running sequences to grow; with none running, a request
+            # that needs nearly the whole pool must still be admitted
+            if not kv.allocate(s, num_new, hits, self.watermark if running else 0):
+                # retry only once that many blocks are available (hits may change meanwhile, but
+                # only by evictions, which do not make admission easier, or new registrations)
+                s.wait_for_blocks = kv.last_shortfall - (self.watermark if running else 0)
                 break
+            s.wait_for_blocks = 0
             waiting.popleft()
             rs = s.rs
             if s.resumed:

@@ -27,6 +27,9 @@ class BlockPool:
         self.block_size = block_size
         self.enable_cache = enable_cache
         self.policy = make_policy(policy, num_blocks) if isinstance(policy, str) else policy
+        # lru ignores insertions: skip the call on the hot path
+        self._on_insert = (None if type(self.policy).on_insert is CachePolicy.on_insert
+                           else self.policy.on_insert)
         self.refcnt = [0] * num_blocks
         self.fill = [0] * num_blocks  # tokens whose KV is written in the block
         self.key: list[int | None] = [None] * num_blocks
@@ -74,6 +77,31 @@ class BlockPool:
         self.num_used += 1
         return b
 
+    def alloc_into(self, table: list[int], n: int) -> None:
+        """Append ``n`` newly allocated blocks to ``table`` (alloc in bulk: the prefill path)."""
+        free = self._free
+        take = min(n, len(free))
+        if take:
+            got = free[len(free) - take:]
+            del free[len(free) - take:]
+            got.reverse()
+            refcnt = self.refcnt
+            for b in got:
+                refcnt[b] = 1
+            table.extend(got)
+            self.num_used += take
+        if n > take:  # evict cached blocks for the rest
+            pop, index, key, fill, refcnt = self.policy.pop, self.index, self.key, self.fill, self.refcnt
+            for _ in range(n - take):
+                b = pop()
+                del index[key[b]]
+                key[b] = None
+                fill[b] = 0
+                refcnt[b] = 1
+                table.append(b)
+            self.evictions += n - take
+            self.num_used += n - take
+
     def incref(self, b: int) -> None:
         """Take another reference to a block; a cached one becomes used again."""
         if self.refcnt[b] == 0:
@@ -96,6 +124,25 @@ class BlockPool:
             self.fill[b] = 0
             self._free.append(b)
 
+    def release_all(self, blocks) -> None:
+        """``decref`` every block of an iterable, in its order (inlined: the free path)."""
+        refcnt, fill, key, free, release = self.refcnt, self.fill, self.key, self._free, self.policy.release
+        used = live = 0
+        for b in blocks:
+            r = refcnt[b] - 1
+            refcnt[b] = r
+            if r:
+                continue
+            used += 1
+            live += fill[b]
+            if key[b] is not None:
+                release(b)
+            else:
+                fill[b] = 0
+                free.append(b)
+        self.num_used -= used
+        self.tokens_live -= live
+
     def add_fill(self, b: int, n: int) -> None:
         """``n`` more tokens of KV were written into used block ``b``."""
         self.fill[b] += n
@@ -114,6 +161,33 @@ class BlockPool:
         self.tokens[b] = tokens
         self.policy.on_insert(b, self.clock, next_use)
         return True
+
+    def register_run(self, blocks: list[int], keys: list[int], parent_key: int,
+                     tokens: np.ndarray, next_uses=None) -> None:
+        """Register consecutive full blocks (``tokens`` holds exactly their ids, in order);
+        ``keys[i]`` is ``blocks[i]``'s key and ``parent_key`` the key before the first."""
+        if not self.enable_cache or not blocks:
+            return
+        index, key_of, parent_of = self.index, self.key, self.parent
+        on_insert, now = self._on_insert, self.clock
+        rows = []
+        for i, b in enumerate(blocks):
+            k = keys[i]
+            if k not in index and key_of[b] is None:
+                index[k] = b
+                key_of[b] = k
+                parent_of[b] = parent_key
+                rows.append(i)
+                if on_insert is not None:
+                    on_insert(b, now, NEVER if next_uses is None else int(next_uses[i]))
+            parent_key = k
+        if rows:
+            bs = self.block_size
+            t = tokens.reshape(-1, bs)
+            if len(rows) == len(blocks):
+                self.tokens[blocks] = t
+            else:
+                self.tokens[[blocks[i] for i in rows]] = t[rows]
 
     def match(self, keys: list[int], tokens: np.ndarray, n_max: int, parent_key: int) -> list[int]:
         """The blocks caching the longest run of ``keys[:n_max]``, confirmed against tokens.

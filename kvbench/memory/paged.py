@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbench.memory.block_pool import BlockPool
-from kvbench.memory.policies import NEVER
 from kvbench.trace.tokens import ROOT_KEY, block_keys
 
 
@@ -46,6 +45,7 @@ class PagedKV:
         self.prefix_cache = prefix_cache
         self.copies: list[tuple[int, int]] = []  # copy-on-write copies not yet handed to an executor
         self.cow_copies = 0
+        self.last_shortfall = 0  # after a failed allocate: the blocks it would have needed free
 
     # -- what the scheduler reads ------------------------------------------------------------
     @property
@@ -55,6 +55,13 @@ class PagedKV:
     def blocks_needed(self, s: SeqKV, num_tokens: int) -> int:
         """Blocks a table must hold for ``num_tokens`` tokens, minus those it has."""
         return max(0, -(-num_tokens // self.block_size) - len(s.table))
+
+    def admission_floor(self, s: SeqKV, num_tokens: int, budget: int) -> tuple[int, int]:
+        """(a lower bound on the blocks admitting ``s`` takes, the blocks available): a cheap test
+        that spares the prefix lookup while memory is plainly short."""
+        bs = self.block_size
+        most_hit = (num_tokens - 1) // bs * bs if self.prefix_cache else 0
+        return -(-min(budget, num_tokens - most_hit) // bs), self.pool.num_available
 
     def stats(self) -> tuple[int, int, int, int, int]:
         """(blocks_used, blocks_cached, blocks_free, slots_allocated, tokens_live), O(1)."""
@@ -86,13 +93,20 @@ class PagedKV:
         """
         p, bs = self.pool, self.block_size
         n_hit = len(hits)
+        if not n_hit:  # fast path (every decode step): room in an unshared tail block
+            total = s.num_kv + num_new
+            if total <= len(s.table) * bs and (s.num_kv % bs == 0 or num_new == 0
+                                               or p.refcnt[s.table[-1]] == 1):
+                return True
         have = len(s.table) + n_hit
         total = s.num_kv + n_hit * bs + num_new
         need = max(0, -(-total // bs) - have)
         tail_shared = (num_new > 0 and s.num_kv % bs != 0 and n_hit == 0
                        and p.refcnt[s.table[-1]] > 1)
-        revived = sum(1 for b in hits if p.refcnt[b] == 0)  # cached hits leave the evictable set
+        # cached hits with no holder leave the evictable set when taken
+        revived = list(map(p.refcnt.__getitem__, hits)).count(0) if n_hit else 0
         if need + tail_shared + revived > p.num_available - watermark:
+            self.last_shortfall = need + tail_shared + revived + watermark
             return False
         if n_hit:
             assert not s.table and s.num_kv == 0, "hits are only taken by an empty table"
@@ -110,9 +124,8 @@ class PagedKV:
             s.table[-1] = dst
             self.copies.append((src, dst))
             self.cow_copies += 1
-        alloc, table = p.alloc, s.table
-        for _ in range(need):
-            table.append(alloc())
+        if need:
+            p.alloc_into(s.table, need)
         return True
 
     def commit(self, s: SeqKV, n: int) -> None:
@@ -121,32 +134,34 @@ class PagedKV:
         start = s.num_kv
         end = start + n
         table = s.table
-        j = start // bs
-        while start < end:  # usually one block (decode) or a few (prefill chunk)
-            take = min(end, (j + 1) * bs) - start
-            p.add_fill(table[j], take)
-            start += take
-            j += 1
+        if n == 1:  # decode
+            p.fill[table[start // bs]] += 1
+            p.tokens_live += 1
+        else:
+            fill = p.fill
+            j = start // bs
+            while start < end:
+                take = min(end, (j + 1) * bs) - start
+                fill[table[j]] += take
+                start += take
+                j += 1
+            p.tokens_live += n
         s.num_kv = end
-        if self.prefix_cache and s.tokens is not None:
-            full = min(end, len(s.tokens)) // bs
+        if end // bs > s.num_registered and self.prefix_cache and s.tokens is not None:
+            full = min(end, len(s.tokens)) // bs  # only blocks of known tokens can ever be hit
             if full > s.num_registered:
                 self._register(s, full)
 
     def _register(self, s: SeqKV, full: int) -> None:
-        keys, p, bs, tokens = self._keys(s), self.pool, self.block_size, s.tokens
-        nu = s.next_use
-        for j in range(s.num_registered, full):
-            parent = keys[j - 1] if j else ROOT_KEY
-            p.register(s.table[j], keys[j], parent, tokens[j * bs:(j + 1) * bs],
-                       NEVER if nu is None else int(nu[j]))
+        keys, bs, a = self._keys(s), self.block_size, s.num_registered
+        nu = None if s.next_use is None else s.next_use[a:full]
+        self.pool.register_run(s.table[a:full], keys[a:full], keys[a - 1] if a else ROOT_KEY,
+                               s.tokens[a * bs:full * bs], nu)
         s.num_registered = full
 
     def free(self, s: SeqKV) -> None:
         """Drop the sequence's references, tail first so its last blocks are evicted first."""
-        decref = self.pool.decref
-        for b in reversed(s.table):
-            decref(b)
+        self.pool.release_all(reversed(s.table))
         s.table = []
         s.num_kv = 0
         s.num_registered = 0

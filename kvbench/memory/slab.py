@@ -26,6 +26,7 @@ class SlabKV:
         self.blocks_reserved = 0
         self.tokens_live = 0
         self.copies: list[tuple[int, int]] = []
+        self.last_shortfall = 0
 
     @property
     def capacity_tokens(self) -> int:
@@ -37,6 +38,10 @@ class SlabKV:
 
     def blocks_needed(self, s: SeqKV, num_tokens: int) -> int:
         return 0 if s.base >= 0 else -(-s.reserve // self.block_size)
+
+    def admission_floor(self, s: SeqKV, num_tokens: int, budget: int) -> tuple[int, int]:
+        free = self.num_blocks - self.blocks_reserved
+        return (0 if s.base >= 0 else -(-s.reserve // self.block_size)), free
 
     def lookup(self, s: SeqKV, num_tokens: int) -> list[int]:
         return []
@@ -70,10 +75,12 @@ class SlabKV:
         """Reserve the sequence's slab on first call; later calls only check it fits."""
         if s.base < 0:
             n = -(-s.reserve // self.block_size)
+            self.last_shortfall = n + watermark
             if n > self.num_blocks - self.blocks_reserved - watermark:
                 return False
             base = self._take(n)
-            if base < 0:
+            if base < 0:  # enough free blocks, but no hole big enough: wait for a release
+                self.last_shortfall = self.num_blocks - self.blocks_reserved + 1
                 return False
             s.base = base
             s.table = range(base, base + n)
