@@ -24,7 +24,7 @@ from kvbench.presets import get_model
 from kvbench.results import RunWriter, distribution, environment
 from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig
 from kvbench.trace.format import Request, load_trace
-from kvbench.trace.ideal import cached_sequence, ideal_hits
+from kvbench.trace.ideal import IdealCounter, PrefixKeys, cached_sequence, ideal_hits
 from kvbench.trace.tokens import TokenStreams
 
 KV_MEM_FRACTION = 0.9  # share of free device memory given to the KV pool when no size is asked
@@ -110,7 +110,12 @@ class Replay:
         for r in reqs:
             if self._reject_reason(r) is None:
                 self._check_fits(r)
-        ideal = ideal_hits(reqs, bs, self.streams)
+        # The ideal hit rate counts requests in trace order; arrival order is the same unless the
+        # trace is unsorted, and then it gets a pass of its own.
+        in_order = all(reqs[i].index < reqs[i + 1].index for i in range(len(reqs) - 1))
+        self._keys_of = PrefixKeys(bs, self.streams)
+        self._ideal = IdealCounter(bs) if in_order else None
+        ideal = None if in_order else ideal_hits(sorted(reqs, key=lambda r: r.index), bs, self.streams)
         writer = RunWriter(self.out_dir, self._config_json())
         self._writer = writer
         st = _Totals(peak=0)
@@ -152,7 +157,7 @@ class Replay:
                     on_progress(prog)
             complete = True
         finally:
-            summary = self._summary(st, ideal, clock - t0_s, step, complete,
+            summary = self._summary(st, ideal or self._ideal.result(), clock - t0_s, step, complete,
                                     time.perf_counter() - wall0)
             writer.close(summary)
         if on_progress is not None:
@@ -164,6 +169,9 @@ class Replay:
         arrival = r.t * self.cfg.time_scale
         prompt = self.streams.expand(r)
         rs = RequestState(req=r, arrival_s=arrival, prompt=prompt)
+        keys, prompt_len = self._keys_of(r)
+        if self._ideal is not None:
+            self._ideal.add(keys, prompt_len)
         reason = self._reject_reason(r)
         if reason is not None:
             rs.reject_reason = reason
@@ -172,6 +180,7 @@ class Replay:
             return
         tokens = cached_sequence(r, prompt, self.streams) if use_tokens else None
         seq = self.sched.new_seq(rs, tokens, None if future is None else future[index],
+                                 keys=keys.tolist() if self.kv.prefix_cache else None,
                                  reserve=self._reserve(r))
         self.sched.add(seq)
 

@@ -12,8 +12,8 @@ import numpy as np
 
 from kvbench.memory.policies import NEVER
 from kvbench.trace.format import Request
-from kvbench.trace.ideal import cached_sequence, lookup_blocks
-from kvbench.trace.tokens import TokenStreams, block_keys
+from kvbench.trace.ideal import PrefixKeys, lookup_blocks
+from kvbench.trace.tokens import TokenStreams
 
 
 def next_uses_from_keys(keys_per_request: Sequence[list[int]], lookups: Sequence[int]) -> list[np.ndarray]:
@@ -33,10 +33,10 @@ def next_uses_from_keys(keys_per_request: Sequence[list[int]], lookups: Sequence
 def next_uses(requests: Sequence[Request], block_size: int,
               streams: TokenStreams | None = None) -> list[np.ndarray]:
     """Next-use arrays for requests in the order the engine will see them."""
-    streams = streams or TokenStreams()
+    keys_of = PrefixKeys(block_size, streams)
     keys, looks = [], []
     for r in requests:
-        prompt = streams.expand(r)
-        keys.append(block_keys(cached_sequence(r, prompt, streams), block_size))
-        looks.append(lookup_blocks(len(prompt), block_size))
+        k, prompt_len = keys_of(r)
+        keys.append(k.tolist())
+        looks.append(lookup_blocks(prompt_len, block_size))
     return next_uses_from_keys(keys, looks)

@@ -39,6 +39,45 @@ def cached_sequence(req: Request, prompt: np.ndarray, streams: TokenStreams) -> 
     return np.concatenate([prompt, streams.output_tokens(req, req.output_len - 1)])
 
 
+class PrefixKeys:
+    """Block keys of requests' cached sequences at one block size, memoising the keys of
+    block-aligned shared segments across requests (see ``_sequence_keys``)."""
+
+    def __init__(self, block_size: int, streams: TokenStreams | None = None):
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.block_size = block_size
+        self.streams = streams or TokenStreams()
+        self._memo: dict[tuple[int, str, int], np.ndarray] = {}
+
+    def __call__(self, req: Request) -> tuple[np.ndarray, int]:
+        """(uint64 keys of every whole block of the cached sequence, prompt length)."""
+        return _sequence_keys(req, self.block_size, self.streams, self._memo)
+
+
+class IdealCounter:
+    """The infinite cache of the ideal hit rate, fed one request at a time in trace order."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.seen: set[int] = set()
+        self.hit_tokens = 0
+        self.prompt_tokens = 0
+
+    def add(self, keys: np.ndarray, prompt_len: int) -> int:
+        """Look a request up, then cache it; returns its hit tokens."""
+        m = _seen_prefix(keys, self.seen)
+        h = min(m, lookup_blocks(prompt_len, self.block_size)) * self.block_size
+        self.hit_tokens += h
+        self.prompt_tokens += prompt_len
+        # keys[:m] are in the set already (see _seen_prefix), so only the rest can be new.
+        self.seen.update(keys[m:].tolist())
+        return h
+
+    def result(self) -> IdealHits:
+        return IdealHits(self.hit_tokens, self.prompt_tokens, len(self.seen))
+
+
 def ideal_hits(requests: Iterable[Request], block_size: int,
                streams: TokenStreams | None = None, *,
                on_request: Callable[[Request, int], None] | None = None) -> IdealHits:
@@ -47,23 +86,13 @@ def ideal_hits(requests: Iterable[Request], block_size: int,
     ``on_request(req, hit_tokens)`` is called once per request, for callers that break the rate down
     (by turn, by session).
     """
-    if block_size < 1:
-        raise ValueError("block_size must be >= 1")
-    streams = streams or TokenStreams()
-    memo: dict[tuple[int, str, int], np.ndarray] = {}
-    seen: set[int] = set()
-    hit = total = 0
+    keys_of = PrefixKeys(block_size, streams)
+    counter = IdealCounter(block_size)
     for req in requests:
-        keys, prompt_len = _sequence_keys(req, block_size, streams, memo)
-        m = _seen_prefix(keys, seen)
-        h = min(m, lookup_blocks(prompt_len, block_size)) * block_size
-        hit += h
-        total += prompt_len
-        # keys[:m] are in the set already (see _seen_prefix), so only the rest can be new.
-        seen.update(keys[m:].tolist())
+        h = counter.add(*keys_of(req))
         if on_request is not None:
             on_request(req, h)
-    return IdealHits(hit, total, len(seen))
+    return counter.result()
 
 
 def _seen_prefix(keys: np.ndarray, seen: set[int]) -> int:

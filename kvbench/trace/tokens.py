@@ -1,10 +1,12 @@
 """Segment expansion to token ids, and the chained block keys that prefix caching is built on.
 
-Token streams are deterministic across runs, processes and machines: a stream named X is cut in
-chunks of STREAM_CHUNK tokens, chunk k drawn from numpy's PCG64 seeded with (xxh64(X), k). Chunking
-makes every stream prefix-consistent (its first L tokens never depend on how far it was read) and lets
-streams be generated lazily. Generated chunks are memoised in a bounded LRU, so a 100-million-token
-trace never sits in memory as Python ints; prompts are int32 numpy arrays.
+Token streams are deterministic across runs, processes and machines: token i of the stream named X
+is a counter-based hash of (xxh64(X), i) (splitmix64's finaliser, vectorised in numpy) mapped into
+[TOKEN_LO, TOKEN_HI). Being a function of the position, a stream is prefix-consistent by construction
+(its first L tokens never depend on how far it was read), any range can be produced without the ones
+before it, and there is no generator to seed per stream. Stream prefixes read from position 0 are
+memoised in a bounded LRU, so a 100-million-token trace never sits in memory as Python ints; prompts
+are int32 numpy arrays.
 
 Block keys (vLLM's scheme): key_i = xxh3_64(token bytes of block i, seed=key_{i-1}), seeded with
 ROOT_KEY for block 0, so a block's key covers every token before it. Both the ideal hit rate here and
@@ -22,7 +24,6 @@ from kvbench.trace.format import Request, Segment
 # Token ids drawn for shared/unique streams lie in [TOKEN_LO, TOKEN_HI): below every real vocabulary
 # size we use, and above the ids tokenizers reserve for special tokens.
 TOKEN_LO, TOKEN_HI = 16, 32000
-STREAM_CHUNK = 1024
 ROOT_KEY = 0x6B7662656E6368  # "kvbench": the parent key of a sequence's first block
 _UNIQUE_PREFIX = "\x00unique/"
 
@@ -32,46 +33,56 @@ def stable_hash(name: str) -> int:
     return xxhash.xxh64_intdigest(name.encode("utf-8"))
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def stream_tokens(seed: int, start: int, length: int) -> np.ndarray:
+    """Tokens [start, start+length) of the stream whose name hashes to ``seed`` (int32)."""
+    x = np.arange(start + 1, start + length + 1, dtype=np.uint64)
+    x *= _GOLDEN
+    x += np.uint64(seed)
+    x ^= x >> np.uint64(30)
+    x *= _M1
+    x ^= x >> np.uint64(27)
+    x *= _M2
+    x ^= x >> np.uint64(31)
+    x %= np.uint64(TOKEN_HI - TOKEN_LO)
+    return (x.astype(np.int32) + TOKEN_LO)
+
+
 class TokenStreams:
     """Lazily generated, memoised, deterministic token streams by name.
 
-    ``max_cached_tokens`` bounds the memo (least recently used chunks are dropped and regenerated
-    on demand, identically).
+    ``max_cached_tokens`` bounds the memo of stream prefixes (the least recently used are dropped
+    and regenerated on demand, identically).
     """
 
     def __init__(self, max_cached_tokens: int = 64 * 2**20, tokenizer=None):
-        self._chunks: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-        self._budget = max(STREAM_CHUNK, max_cached_tokens) // STREAM_CHUNK
+        self._prefixes: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._cached_tokens = 0
+        self._budget = max_cached_tokens
         self.tokenizer = tokenizer
-
-    def _chunk(self, seed: int, k: int) -> np.ndarray:
-        key = (seed, k)
-        arr = self._chunks.get(key)
-        if arr is not None:
-            self._chunks.move_to_end(key)
-            return arr
-        # The same seed words as PCG64([lo, hi, k]) (a list of ints is split into uint32 words), given
-        # as an array: it skips numpy's per-element coercion, a fifth of the cost of a chunk.
-        words = np.array([seed & 0xFFFFFFFF, seed >> 32, k], dtype=np.uint32)
-        rng = np.random.Generator(np.random.PCG64(words))
-        arr = rng.integers(TOKEN_LO, TOKEN_HI, size=STREAM_CHUNK, dtype=np.int32)
-        self._chunks[key] = arr
-        if len(self._chunks) > self._budget:
-            self._chunks.popitem(last=False)
-        return arr
 
     def stream(self, name: str, length: int, start: int = 0) -> np.ndarray:
         """Tokens [start, start+length) of the stream called ``name`` (int32)."""
-        seed = stable_hash(name)
-        end = start + length
-        k0, k1 = start // STREAM_CHUNK, (end - 1) // STREAM_CHUNK
-        if k0 == k1:
-            off = start - k0 * STREAM_CHUNK
-            return self._chunk(seed, k0)[off:off + length]
-        parts = [self._chunk(seed, k) for k in range(k0, k1 + 1)]
-        full = np.concatenate(parts)
-        off = start - k0 * STREAM_CHUNK
-        return full[off:off + length]
+        if start:  # e.g. one answer token at a time: computed directly, not memoised
+            return stream_tokens(stable_hash(name), start, length)
+        memo = self._prefixes
+        arr = memo.get(name)
+        if arr is not None and len(arr) >= length:
+            memo.move_to_end(name)
+            return arr[:length]
+        have = 0 if arr is None else len(arr)
+        new = stream_tokens(stable_hash(name), 0, max(length, 2 * have))
+        memo[name] = new
+        memo.move_to_end(name)
+        self._cached_tokens += len(new) - have
+        while self._cached_tokens > self._budget and len(memo) > 1:
+            _, old = memo.popitem(last=False)
+            self._cached_tokens -= len(old)
+        return new[:length]
 
     def segment(self, seg: Segment, request_key: str, position: int) -> np.ndarray:
         """The token ids of one segment of a request (``position`` = the segment's index)."""
