@@ -31,7 +31,7 @@ def cli():
 def _register() -> None:
     from kvbench import cli_trace
     cli.add_command(cli_trace.trace)
-    for modname in ("cli_run", "cli_report", "cli_model"):
+    for modname in ("cli_run", "cli_sweep", "cli_report", "cli_model"):
         try:
             mod = __import__(f"kvbench.{modname}", fromlist=["COMMANDS"])
         except ModuleNotFoundError as e:  # a layer not built yet in this checkout
