@@ -77,6 +77,7 @@ class Replay:
         self.sched = Scheduler(self.kv, SchedulerConfig(cfg.max_num_seqs, cfg.max_batched_tokens),
                                needs_tokens=self.executor.needs_tokens, streams=self.streams)
         self._lat: list[tuple[float, float, float, float]] = []  # ttft, tpot, e2e, queue (ms)
+        self.finished: list[RequestState] | None = None  # set to [] to keep finished requests
 
     # -- checks before the run ----------------------------------------------------------------
     def _reject_reason(self, r: Request) -> str | None:
@@ -146,6 +147,8 @@ class Replay:
                 finished = sched.update(plan, result, clock)
                 self._record_step(writer, st, step, start_s, result.duration_s, batch, plan)
                 step += 1
+                if self.finished is not None:
+                    self.finished.extend(finished)
                 for rs in finished:
                     self._record_request(writer, rs)
                     st.completed += 1

@@ -44,6 +44,7 @@ class RequestState:
     live_seqs: int = 1
     output_tokens: int = 0
     reject_reason: str | None = None
+    samples: list[list[int]] | None = None  # generated ids of each finished sample (token executors)
 
 
 @dataclass(slots=True, eq=False)
@@ -237,6 +238,10 @@ class Scheduler:
                 if req.n > 1:
                     self._fork(s, req.n - 1)
             if s.num_out >= req.output_len:
+                if s.out_tokens is not None:
+                    if rs.samples is None:
+                        rs.samples = []
+                    rs.samples.append(s.out_tokens)
                 kv.free(s)
                 s.num_tokens = -1  # marks finished for the sweep below
                 done_seqs = True
