@@ -29,6 +29,10 @@ class CostModel:
     step_overhead_s: float
     pcie_bw: float
 
+    def time(self, flops: float, mem_bytes: float) -> float:
+        """The roofline: a fixed overhead plus the slower of compute and memory traffic."""
+        return self.step_overhead_s + max(flops / self.matmul_flops, mem_bytes / self.mem_bw)
+
     @classmethod
     def from_gpu(cls, gpu: GPUSpec) -> "CostModel":
         return cls(gpu.matmul_flops, gpu.mem_bw, gpu.step_overhead_s, gpu.pcie_bw)
@@ -79,8 +83,8 @@ class SimExecutor:
     def bind_pool(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
 
-    def step_time(self, batch: StepBatch) -> float:
-        c = self.cost
+    def step_work(self, batch: StepBatch) -> tuple[float, float]:
+        """(FLOPs, HBM bytes) of a step under the model above."""
         n_pre = 0
         pairs = 0.0
         kv_read = 0
@@ -96,7 +100,11 @@ class SimExecutor:
         flops = self._flops_tok * n_tok + self._flops_head * n_sampled + self._flops_pair * pairs
         mem = self._weights + self._kv_tok * (kv_read + n_tok)
         mem += len(batch.copies) * batch.block_size * self._kv_tok * 2  # copy-on-write: read + write
-        return c.step_overhead_s + max(flops / c.matmul_flops, mem / c.mem_bw)
+        return flops, mem
+
+    def step_time(self, batch: StepBatch) -> float:
+        flops, mem = self.step_work(batch)
+        return self.cost.time(flops, mem)
 
     def execute(self, batch: StepBatch) -> StepResult:
         return StepResult(duration_s=self.step_time(batch))
