@@ -1,0 +1,142 @@
+"""``kvbench sweep``: every replay option as a comma list, the grid run into one resumable directory.
+
+The options come from cli_run.REPLAY_OPTIONS, so sweep and replay share every name and type; the
+grid, the resume rule and the workers live in kvbench.sweep.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from kvbench.cli_run import REPLAY_OPTIONS
+from kvbench.errors import RunError
+from kvbench.sweep import Event, default_sweep_dir, expand, parse_grid, run_sweep
+
+TABLE = [("output_tok_per_s", "tok/s", "{:.0f}"), ("ttft_ms_p50", "TTFT p50 ms", "{:.1f}"),
+         ("e2e_ms_p50", "E2E p50 ms", "{:.0f}"), ("prefix_hit_rate", "hit rate", "{:.3f}"),
+         ("internal_frag", "int. frag", "{:.3f}"), ("kv_util", "KV util", "{:.3f}"),
+         ("mean_running", "mean running", "{:.1f}"), ("preemptions", "preempt", "{:.0f}")]
+
+
+def grid_options(fn):
+    """Every replay option, taking a comma list (default: replay's default)."""
+    for o in reversed(REPLAY_OPTIONS):
+        hint = "on,off" if o.kind == "flag" else "comma list"
+        fn = click.option(o.flag, o.name, type=str, default=None, metavar="LIST",
+                          help=f"{o.help} ({hint})")(fn)
+    return fn
+
+
+class _Display:
+    """Progress across the grid on stderr (a rich bar when stderr is a terminal, else nothing)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        self.running: list[str] = []
+        if not enabled:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
+                            console=Console(stderr=True), transient=True)
+        self.task = self.bar.add_task("sweep", total=total, info="")
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def __call__(self, e: Event) -> None:
+        if e.kind == "start":
+            self.running.append(e.name)
+        elif e.name in self.running:
+            self.running.remove(e.name)
+        if e.kind == "fail":
+            click.echo(f"kvbench: {e.name} failed: {e.error}", err=True)
+        if self.bar is None:
+            return
+        if e.kind in ("done", "skip", "fail"):
+            self.bar.advance(self.task)
+        self.bar.update(self.task, info="running: " + ", ".join(self.running[:3])
+                        + (" ..." if len(self.running) > 3 else ""))
+
+
+def _print_table(state, out_dir: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"kvbench sweep -> {out_dir}")
+    t.add_column("run")
+    for _, label, _ in TABLE:
+        t.add_column(label, justify="right")
+    t.add_column("status")
+    for c in state.configs:
+        s = state.summaries.get(c.name) or {}
+        cells = ["-" if s.get(k) is None else fmt.format(s[k]) for k, _, fmt in TABLE]
+        t.add_row(c.name, *cells, state.status.get(c.name, "pending").split(":")[0])
+    Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160).print(t)
+
+
+@click.command(epilog="""
+\b
+Examples:
+  kvbench sweep traces/chat.jsonl --executor sim --model llama-3-8b --block-size 8,16,32,64 \\
+      --layout paged,slab --prefix-cache on,off --max-model-len 8192 --kv-mem 8GiB -j 2
+  kvbench sweep traces/agent.jsonl --executor model --eviction none,h2o,infinigen \\
+      --backend ray --ray-address auto
+Re-running the same command resumes: finished configurations are kept, the rest are run again.
+""")
+@click.argument("trace", type=click.Path(exists=True, dir_okay=False))
+@grid_options
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="local worker processes")
+@click.option("--out", "out", type=click.Path(file_okay=False), default=None,
+              help="sweep directory [default: sweeps/<trace>-<hash of the grid>]")
+@click.option("--backend", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="local processes, or one Ray task per configuration (pip install 'kvbench[ray]')")
+@click.option("--ray-address", default=None,
+              help="Ray cluster to join (e.g. auto, ray://head:10001) [default: start a local one]; "
+                   "the sweep directory must be on a file system every node sees")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
+def sweep(trace, jobs, out, backend, ray_address, as_json, **raw):
+    """Replay TRACE under every configuration of a grid: one run directory per distinct
+    configuration, plus sweep.parquet (one row per configuration) and sweep.json (the grid)."""
+    from kvbench.trace.format import load_trace
+
+    grid = parse_grid(raw, REPLAY_OPTIONS)
+    total = len(expand(grid))  # checks every configuration before anything runs
+    load_trace(trace, limit=max(grid["limit"]) if "limit" in grid else None)  # bad trace: exit 2 now
+    out = out or default_sweep_dir(trace, grid)
+    click.echo(f"kvbench sweep: {total} configurations -> {out}", err=True)
+    display = _Display(total, enabled=sys.stderr.isatty() and not as_json)
+    try:
+        with display:
+            state = run_sweep(trace, grid, out, jobs=jobs, backend=backend,
+                              ray_address=ray_address, on_event=display)
+    except KeyboardInterrupt:
+        click.echo(f"kvbench: interrupted; finished runs kept in {out}; "
+                   "run the same command again to resume", err=True)
+        sys.exit(130)
+    failed = [n for n, st in state.status.items() if st.startswith("failed")]
+    if as_json:
+        click.echo(json.dumps({"sweep_dir": out, "configurations": total,
+                               "ran": sum(st == "done" for st in state.status.values()),
+                               "skipped": sum(st == "skipped" for st in state.status.values()),
+                               "failed": failed, "parquet": os.path.join(out, "sweep.parquet")}))
+    else:
+        _print_table(state, out)
+    if failed:
+        raise RunError(f"{len(failed)} of {total} configurations failed ({', '.join(failed[:3])}"
+                       f"{' ...' if len(failed) > 3 else ''}); see {os.path.join(out, 'sweep.json')}")
+
+
+COMMANDS = [sweep]

@@ -1,0 +1,377 @@
+"""The sweep runner (layer 7): a grid of replay configurations, run into one resumable directory.
+
+A grid is the product of the replay options' value lists. Settings that a configuration does not
+use collapse (NOT_APPLICABLE: slab has no block size or prefix cache, eviction ``none`` has no KV
+budget, ...), so the sweep holds one run directory per *distinct* configuration. A run directory is
+named from the layout and the grid's varying settings (``paged-bs16-pc_on``), a pure function of the
+configuration and the grid, so re-running the same command finds its runs again: a run whose
+summary.json says complete and whose config.json has the same settings is kept, anything else is
+deleted and run again. ``sweep.parquet`` (one row per finished configuration: settings, then every
+summary key) is rewritten after each run; ``sweep.json`` is the manifest of the grid.
+
+Runs go to local worker processes (forkserver; each calls kvbench.engine.replay) or to Ray tasks.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import click
+
+from kvbench import __version__
+from kvbench.config import ReplayConfig
+from kvbench.errors import InputError, RunError
+from kvbench.results import write_json
+
+DEFAULTS = ReplayConfig()
+SWEEP_PARQUET = "sweep.parquet"
+SWEEP_JSON = "sweep.json"
+
+# (setting, value) -> settings that a configuration with that value does not use. Collapsing them
+# to their defaults is what makes "--layout paged,slab --block-size 8,16" one slab run, not two.
+NOT_APPLICABLE: dict[tuple[str, object], tuple[str, ...]] = {
+    ("layout", "slab"): ("block_size", "prefix_cache", "prefix_mode", "cache_policy"),
+    ("layout", "paged"): ("slab_reserve",),
+    ("prefix_cache", False): ("prefix_mode", "cache_policy"),
+    ("eviction", "none"): ("kv_budget", "sink_tokens"),
+    ("executor", "sim"): ("device", "attention"),
+    ("executor", "model"): ("gpu", "calibration"),
+}
+
+# How a setting reads in a run directory's name; the default is "<short><value>".
+SHORT = {"layout": "", "block_size": "bs", "slab_reserve": "res_", "prefix_cache": "pc_", "prefix_mode": "",
+         "cache_policy": "", "eviction": "", "kv_budget": "kvb", "sink_tokens": "sink",
+         "executor": "", "model": "m_", "device": "dev_", "gpu": "gpu_", "calibration": "cal_",
+         "kv_mem": "mem", "num_blocks": "nb", "max_num_seqs": "seqs", "max_batched_tokens": "mbt",
+         "max_model_len": "mml", "time_scale": "ts", "limit": "lim", "seed": "seed"}
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def not_applicable(settings: dict) -> set[str]:
+    """Settings that a configuration (a ReplayConfig dict) does not use."""
+    out: set[str] = set()
+    for (name, value), unused in NOT_APPLICABLE.items():
+        if settings.get(name) == value:
+            out.update(unused)
+    return out
+
+
+# -- the grid ----------------------------------------------------------------------------------
+def _flag(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("on", "true", "yes", "1"):
+        return True
+    if low in ("off", "false", "no", "0"):
+        return False
+    raise ValueError("expected on or off")
+
+
+def parse_grid(raw: dict[str, str | None], options) -> dict[str, list]:
+    """Comma lists from the command line -> typed value lists, for the options that were given.
+
+    ``options`` is cli_run.REPLAY_OPTIONS: the same click types as ``kvbench replay``, so a value
+    that replay refuses, the sweep refuses too (InputError naming the flag: one line, exit 2).
+    """
+    grid: dict[str, list] = {}
+    for o in options:
+        text = raw.get(o.name)
+        if text is None:
+            continue
+        values = []
+        for part in str(text).split(","):
+            part = part.strip()
+            try:
+                if not part:
+                    raise ValueError("empty value in the list")
+                v = _flag(part) if o.kind == "flag" else (
+                    part if o.kind is str else o.kind.convert(part, None, None))
+            except (ValueError, click.BadParameter) as e:
+                msg = e.message if isinstance(e, click.BadParameter) else str(e)
+                raise InputError(f"bad value {part!r} in {text!r}: {msg}", field=o.flag) from None
+            if v not in values:
+                values.append(v)
+        grid[o.name] = values
+    return grid
+
+
+def collapse(settings: dict) -> dict:
+    """The configuration with every setting it does not use put back to its default."""
+    out = dict(settings)
+    for name in not_applicable(settings):
+        out[name] = getattr(DEFAULTS, name)
+    return out
+
+
+@dataclass
+class Config:
+    name: str  # run directory name inside the sweep
+    cfg: ReplayConfig
+
+    @property
+    def settings(self) -> dict:
+        return self.cfg.to_dict()
+
+
+def _token(name: str, value) -> str:
+    if isinstance(value, bool):
+        text = "on" if value else "off"
+    elif isinstance(value, float):
+        text = f"{value:g}"
+    else:
+        text = str(value)
+    if name in ("model", "calibration") and os.sep in text:
+        text = os.path.basename(os.path.normpath(text))
+    safe = _UNSAFE.sub("_", text)
+    if safe != text:  # a lossy rename must not make two values share a directory
+        safe += "_" + hashlib.sha256(str(value).encode()).hexdigest()[:6]
+    return SHORT.get(name, name + "_") + safe
+
+
+def run_name(settings: dict, varying: Iterable[str]) -> str:
+    """``paged-bs16-pc_on``: the layout, then each varying setting this configuration uses."""
+    skip = not_applicable(settings)
+    parts = [_token("layout", settings["layout"])]
+    parts += [_token(n, settings[n]) for n in varying if n != "layout" and n not in skip]
+    return "-".join(parts)
+
+
+def expand(grid: dict[str, list]) -> list[Config]:
+    """Every distinct configuration of the grid, in grid order (first option varies slowest)."""
+    names = list(grid)
+    seen: dict[tuple, Config] = {}
+    varying = [n for n in names if len(grid[n]) > 1]
+    for combo in itertools.product(*(grid[n] for n in names)):
+        settings = collapse({**DEFAULTS.to_dict(), **dict(zip(names, combo))})
+        key = tuple(sorted(settings.items(), key=lambda kv: kv[0]))
+        if key in seen:
+            continue
+        cfg = ReplayConfig(**settings).validate()
+        seen[key] = Config(run_name(settings, varying), cfg)
+    configs = list(seen.values())
+    dupes = {c.name for c in configs if sum(d.name == c.name for d in configs) > 1}
+    if dupes:  # cannot happen while every varying setting is in the name; guard the invariant
+        raise RunError(f"two configurations share the run name {sorted(dupes)[0]!r}")
+    return configs
+
+
+def default_sweep_dir(trace: str, grid: dict[str, list]) -> str:
+    """sweeps/<trace>-<hash of the grid>: the same command always finds the same directory."""
+    stem = os.path.splitext(os.path.basename(trace))[0]
+    digest = hashlib.sha256(json.dumps(grid, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return os.path.join("sweeps", f"{stem}-{digest}")
+
+
+# -- running -----------------------------------------------------------------------------------
+def run_one(trace: str, settings: dict, run_dir: str) -> dict:
+    """One configuration into ``run_dir`` (in a worker process or a Ray task); its summary."""
+    from kvbench.engine import replay
+
+    return replay(trace, ReplayConfig(**settings), run_dir)
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def finished_summary(run_dir: str, settings: dict) -> dict | None:
+    """The summary of a complete run of exactly these settings in ``run_dir``, else None."""
+    summary = _read_json(os.path.join(run_dir, "summary.json"))
+    config = _read_json(os.path.join(run_dir, "config.json"))
+    if not summary or not summary.get("complete") or not config:
+        return None
+    return summary if config.get("settings") == settings else None
+
+
+@dataclass
+class SweepState:
+    """What the sweep knows so far; rewrites sweep.parquet and sweep.json as runs finish."""
+
+    out_dir: str
+    trace: str
+    grid: dict[str, list]
+    configs: list[Config]
+    summaries: dict[str, dict] = field(default_factory=dict)  # run name -> summary
+    status: dict[str, str] = field(default_factory=dict)  # run name -> done|skipped|failed: ...
+
+    def write(self) -> None:
+        self.write_parquet()
+        self.write_manifest()
+
+    def write_parquet(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        rows = []
+        for c in self.configs:
+            s = self.summaries.get(c.name)
+            if s is None:
+                continue
+            unused = not_applicable(c.settings)
+            row = {"run": c.name}
+            row.update({k: (None if k in unused else v) for k, v in c.settings.items()})
+            row.update({k: v for k, v in s.items() if k not in row})
+            rows.append(row)
+        path = os.path.join(self.out_dir, SWEEP_PARQUET)
+        tmp = path + ".tmp"
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        os.replace(tmp, path)
+
+    def write_manifest(self) -> None:
+        write_json(os.path.join(self.out_dir, SWEEP_JSON), {
+            "kvbench": __version__,
+            "trace": os.path.abspath(self.trace),
+            "grid": self.grid,
+            "configurations": [{"run": c.name, "status": self.status.get(c.name, "pending"),
+                                "settings": c.settings} for c in self.configs],
+        })
+
+
+@dataclass
+class Event:
+    """Reported to the progress display: a configuration started, finished, was skipped or failed."""
+
+    kind: str  # start | done | skip | fail
+    name: str
+    summary: dict | None = None
+    error: str | None = None
+
+
+def run_sweep(trace: str, grid: dict[str, list], out_dir: str, *, jobs: int = 1,
+              backend: str = "local", ray_address: str | None = None,
+              on_event: Callable[[Event], None] | None = None) -> SweepState:
+    """Run every configuration of ``grid`` not already finished in ``out_dir``."""
+    configs = expand(grid)
+    os.makedirs(out_dir, exist_ok=True)
+    state = SweepState(out_dir, trace, grid, configs)
+    emit = on_event or (lambda e: None)
+    todo: list[Config] = []
+    for c in configs:
+        run_dir = os.path.join(out_dir, c.name)
+        s = finished_summary(run_dir, c.settings)
+        if s is not None:
+            state.summaries[c.name], state.status[c.name] = s, "skipped"
+            emit(Event("skip", c.name, s))
+            continue
+        if os.path.exists(run_dir):  # interrupted or different settings: start it again cleanly
+            shutil.rmtree(run_dir)
+        todo.append(c)
+    state.write()
+
+    def finished(c: Config, summary: dict | None, error: str | None) -> None:
+        if error is None:
+            state.summaries[c.name], state.status[c.name] = summary, "done"
+            emit(Event("done", c.name, summary))
+        else:
+            state.status[c.name] = f"failed: {error}"
+            emit(Event("fail", c.name, error=error))
+        state.write()
+
+    runner = {"local": _run_local, "ray": _run_ray}[backend]
+    runner(trace, out_dir, todo, jobs, ray_address, emit, finished)
+    return state
+
+
+def _run_local(trace, out_dir, todo, jobs, _address, emit, finished) -> None:
+    if jobs <= 1:  # in this process: no start-up cost, and Ctrl-C reaches the engine directly
+        for c in todo:
+            emit(Event("start", c.name))
+            try:
+                s = run_one(trace, c.settings, os.path.join(out_dir, c.name))
+            except RunError as e:
+                finished(c, None, str(e))
+            else:
+                finished(c, s, None)
+        return
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    # forkserver: workers do not inherit this process's threads or open parquet writers
+    pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("forkserver"))
+    try:
+        futures = {}
+        for c in todo:
+            futures[pool.submit(run_one, trace, c.settings, os.path.join(out_dir, c.name))] = c
+        started = set()
+        pending = set(futures)
+        while pending:
+            # "start" is reported when a future leaves the queue, which the pool tells only as running()
+            for f in pending:
+                if f not in started and f.running():
+                    started.add(f)
+                    emit(Event("start", futures[f].name))
+            done, pending = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
+            for f in done:
+                c = futures[f]
+                if f not in started:
+                    emit(Event("start", c.name))
+                try:
+                    finished(c, f.result(), None)
+                except RunError as e:
+                    finished(c, None, str(e))
+    except BaseException:
+        # Ctrl-C (or a worker's crash): stop the workers, whose engines then close their runs as
+        # incomplete; finished runs and sweep.parquet are already on disk.
+        pool.shutdown(wait=False, cancel_futures=True)
+        _interrupt_workers(pool)
+        raise
+    pool.shutdown()
+
+
+def _interrupt_workers(pool) -> None:
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for p in procs:
+        try:
+            os.kill(p.pid, signal.SIGINT)
+        except (OSError, TypeError):
+            pass
+    deadline = time.monotonic() + 10.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.terminate()
+
+
+def _run_ray(trace, out_dir, todo, _jobs, address, emit, finished) -> None:
+    try:
+        import ray
+    except ImportError:
+        raise InputError("--backend ray needs Ray: pip install 'kvbench[ray]'", field="--backend") from None
+    ray.init(address=address, ignore_reinit_error=True, log_to_driver=False,
+             include_dashboard=False)
+    remote = ray.remote(run_one)
+    refs = {}
+    trace_abs, out_abs = os.path.abspath(trace), os.path.abspath(out_dir)
+    for c in todo:
+        # one GPU per task for the real model; the cost model needs none
+        gpus = 1 if c.cfg.executor == "model" else 0
+        ref = remote.options(num_gpus=gpus, num_cpus=1).remote(
+            trace_abs, c.settings, os.path.join(out_abs, c.name))
+        refs[ref] = c
+        emit(Event("start", c.name))
+    pending = list(refs)
+    try:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                c = refs[ref]
+                try:
+                    finished(c, ray.get(ref), None)
+                except ray.exceptions.RayTaskError as e:
+                    cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
+                    finished(c, None, str(cause).strip().splitlines()[-1])
+    except BaseException:
+        for ref in pending:
+            ray.cancel(ref)
+        raise
