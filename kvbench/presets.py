@@ -109,7 +109,9 @@ def _from_hf_config(path: str) -> ModelSpec:
             head_dim=c.get("head_dim") or hidden // heads,
             intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
             max_model_len=c.get("max_position_embeddings", 4096),
-            rope_theta=float(c.get("rope_theta", 10000.0)),
+            # transformers 5 writes rope_parameters: {rope_theta: ...}; older configs a top-level key
+            rope_theta=float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta")
+                             or 10000.0),
             rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
             qkv_bias=bool(c.get("attention_bias", arch == "qwen2")),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),

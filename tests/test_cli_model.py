@@ -1,0 +1,66 @@
+"""``kvbench selfcheck`` and ``kvbench calibrate`` on the CPU (tiny model, float32)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kvbench.config import ReplayConfig
+from kvbench.engine import replay
+from kvbench.presets import get_model
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "kvbench", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=ENV)
+
+
+def test_selfcheck_cpu_passes_with_every_engine_path_exercised():
+    r = _cli("selfcheck", "--device", "cpu", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    f, e = out["forwards"], out["engine"]
+    assert f["max_logit_diff"] < 1e-3 and f["greedy_agree"] == 1.0
+    assert e["greedy_agree"] == 1.0 and e["completed"] == 5
+    x = e["exercised"]
+    assert x["prefix_hit_tokens"] > 0 and x["preemptions"] > 0 and x["cow_copies"] > 0
+
+
+def test_calibrate_writes_coefficients_the_sim_uses(tmp_path):
+    cal = tmp_path / "cal.json"
+    r = _cli("calibrate", "--device", "cpu", "--quick", "-o", str(cal))
+    assert r.returncode == 0, r.stderr
+    c = json.loads(cal.read_text())
+    co = c["coefficients"]
+    assert co["matmul_flops"] > 0 and co["mem_bw"] > 0 and co["step_overhead_s"] >= 0
+    assert c["fit"]["points_heldout"] > 0 and c["fit"]["mape_heldout"] >= 0
+    for p in c["points"]:
+        assert p["measured_s"] > 0 and p["predicted_s"] > 0
+    # all arrivals at once, so the schedule does not depend on step times
+    base = dict(executor="sim", model="tiny", limit=15, num_blocks=4096, time_scale=1e-9)
+    a = replay(str(ROOT / "traces" / "chat.jsonl"), ReplayConfig(**base), str(tmp_path / "a"))
+    b = replay(str(ROOT / "traces" / "chat.jsonl"), ReplayConfig(**base, calibration=str(cal)),
+               str(tmp_path / "b"))
+    assert a["tpot_ms_mean"] != b["tpot_ms_mean"]  # the CPU's coefficients, not the H200 preset's
+    for k in ("prefix_hit_rate", "peak_running", "peak_slots_allocated", "steps", "preemptions"):
+        assert a[k] == b[k], k  # memory behaviour does not depend on the cost model
+
+
+def test_bad_calibration_file_exits_2(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"coefficients": {"mem_bw": -1}}))
+    r = _cli("replay", "traces/chat.jsonl", "--executor", "sim", "--calibration", str(bad),
+             "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "mem_bw" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_hf_config_rope_theta_read_from_rope_parameters(tmp_path):
+    cfg = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 128, "vocab_size": 1000, "rope_parameters": {"rope_theta": 500000.0}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert get_model(str(tmp_path)).rope_theta == 500000.0
