@@ -120,8 +120,10 @@ class Config:
         return self.cfg.to_dict()
 
 
-def _token(name: str, value) -> str:
-    if isinstance(value, bool):
+def setting_token(name: str, value) -> str:
+    if value is None:
+        text = "default"
+    elif isinstance(value, bool):
         text = "on" if value else "off"
     elif isinstance(value, float):
         text = f"{value:g}"
@@ -138,8 +140,8 @@ def _token(name: str, value) -> str:
 def run_name(settings: dict, varying: Iterable[str]) -> str:
     """``paged-bs16-pc_on``: the layout, then each varying setting this configuration uses."""
     skip = not_applicable(settings)
-    parts = [_token("layout", settings["layout"])]
-    parts += [_token(n, settings[n]) for n in varying if n != "layout" and n not in skip]
+    parts = [setting_token("layout", settings["layout"])]
+    parts += [setting_token(n, settings[n]) for n in varying if n != "layout" and n not in skip]
     return "-".join(parts)
 
 
@@ -253,6 +255,8 @@ def run_sweep(trace: str, grid: dict[str, list], out_dir: str, *, jobs: int = 1,
               on_event: Callable[[Event], None] | None = None) -> SweepState:
     """Run every configuration of ``grid`` not already finished in ``out_dir``."""
     configs = expand(grid)
+    if backend == "ray":
+        _import_ray()  # before anything is written: a missing extra is a usage error
     os.makedirs(out_dir, exist_ok=True)
     state = SweepState(out_dir, trace, grid, configs)
     emit = on_event or (lambda e: None)
@@ -343,11 +347,16 @@ def _interrupt_workers(pool) -> None:
             p.terminate()
 
 
-def _run_ray(trace, out_dir, todo, _jobs, address, emit, finished) -> None:
+def _import_ray():
     try:
         import ray
     except ImportError:
-        raise InputError("--backend ray needs Ray: pip install 'kvbench[ray]'", field="--backend") from None
+        raise InputError("Ray is not installed: pip install 'kvbench[ray]'", field="--backend") from None
+    return ray
+
+
+def _run_ray(trace, out_dir, todo, _jobs, address, emit, finished) -> None:
+    ray = _import_ray()
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=False,
              include_dashboard=False)
     remote = ray.remote(run_one)

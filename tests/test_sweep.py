@@ -1,0 +1,157 @@
+"""``kvbench sweep``: the grid collapses to distinct configurations, an interrupted sweep resumes
+without redoing finished runs, sweep.parquet has one row per configuration, bad grids exit 2."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kvbench.cli import main
+from kvbench.cli_run import REPLAY_OPTIONS
+from kvbench.sweep import default_sweep_dir, expand, parse_grid
+
+REPO = Path(__file__).resolve().parents[1]
+TRACE = str(REPO / "traces" / "chat.jsonl")
+# memory binds (slab: 3 sequences of 8192 slots in 4 GiB) and arrivals are 10x the trace's rate
+GRID = ["--executor", "sim", "--model", "llama-3-8b", "--block-size", "8,16,32,64",
+        "--layout", "paged,slab", "--prefix-cache", "on,off", "--max-model-len", "8192",
+        "--kv-mem", "4GiB", "--time-scale", "0.1"]
+NAMES = {f"paged-bs{bs}-pc_{pc}" for bs in (8, 16, 32, 64) for pc in ("on", "off")} | {"slab"}
+
+
+def _grid(**raw):
+    return parse_grid(raw, REPLAY_OPTIONS)
+
+
+def test_slab_and_unused_settings_collapse():
+    configs = expand(_grid(layout="paged,slab", block_size="8,16,32,64", prefix_cache="on,off"))
+    assert {c.name for c in configs} == NAMES
+    slab = next(c for c in configs if c.name == "slab").cfg
+    assert (slab.layout, slab.block_size, slab.prefix_cache) == ("slab", 16, True)  # defaults
+    # eviction none has no budget: 1 + 2 configurations, not 4
+    names = [c.name for c in expand(_grid(eviction="none,h2o", kv_budget="0.1,0.3"))]
+    assert names == ["paged-none", "paged-h2o-kvb0.1", "paged-h2o-kvb0.3"]
+    # prefix cache off has no cache policy
+    assert len(expand(_grid(prefix_cache="on,off", cache_policy="lru,fifo,belady"))) == 4
+
+
+def test_grid_values_are_typed_and_names_stable():
+    g = _grid(prefix_cache="on, off,on", kv_budget="0.2,64", model="/models/my llama")
+    assert g == {"prefix_cache": [True, False], "kv_budget": [0.2, 64.0], "model": ["/models/my llama"]}
+    names = [c.name for c in expand(_grid(model="/a/x y,/b/x y"))]
+    assert len(set(names)) == 2 and all(n.startswith("paged-m_x_y_") for n in names)  # lossy: hashed
+    assert default_sweep_dir(TRACE, g) == default_sweep_dir(TRACE, _grid(
+        prefix_cache="on,off", kv_budget="0.2,64", model="/models/my llama"))
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--block-size", "8,x"], "--block-size"),
+    (["--layout", "paged,slob"], "--layout"),
+    (["--prefix-cache", "on,maybe"], "--prefix-cache"),
+    (["--kv-mem", "4GiB,lots"], "--kv-mem"),
+    (["--block-size", "8,,16"], "--block-size"),
+])
+def test_bad_grid_exits_2_with_one_line(args, field, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", TRACE, *args, "--out", str(tmp_path / "sw")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2
+    assert len(err) == 1 and field in err[0] and "Traceback" not in err[0]
+    assert not (tmp_path / "sw").exists()
+
+
+def test_ray_backend_without_ray_is_a_one_line_usage_error(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", TRACE, "--backend", "ray", "--out", str(tmp_path / "sw")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "pip install 'kvbench[ray]'" in err[0], err
+    assert not (tmp_path / "sw").exists()
+
+
+def _manifest(out: Path) -> dict | None:
+    try:
+        return json.loads((out / "sweep.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _done(out: Path) -> list[str]:
+    m = _manifest(out) or {"configurations": []}
+    return [c["run"] for c in m["configurations"] if c["status"] == "done"]
+
+
+def _mtimes(run_dir: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
+
+
+def test_interrupted_sweep_resumes_without_redoing_finished_runs(tmp_path):
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "kvbench", "sweep", TRACE, *GRID, "--limit", "80", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.monotonic() + 60
+    while len(_done(out)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C, midway
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "resume" in err.strip().splitlines()[-1]
+    finished = _done(out)
+    assert 2 <= len(finished) < 9
+    # the interrupted configuration, if it had started, is marked incomplete by the engine
+    for d in out.iterdir():
+        if d.is_dir() and d.name not in finished:
+            assert json.loads((d / "summary.json").read_text())["complete"] is False
+    rows = pd.read_parquet(out / "sweep.parquet")
+    assert sorted(rows["run"]) == sorted(finished)  # rewritten as runs finished
+
+    # one finished run made to look interrupted: it must be redone, the others left alone
+    redo = finished[-1]
+    summary = json.loads((out / redo / "summary.json").read_text())
+    (out / redo / "summary.json").write_text(json.dumps({**summary, "complete": False}))
+    kept = {n: _mtimes(out / n) for n in finished[:-1]}
+
+    r = subprocess.run(cmd + ["-j", "2", "--json"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["skipped"] == len(finished) - 1 and report["failed"] == []
+    assert report["ran"] == 9 - len(finished) + 1
+    for name, mtimes in kept.items():
+        assert _mtimes(out / name) == mtimes, f"{name} was redone"
+    assert json.loads((out / redo / "summary.json").read_text())["complete"] is True
+
+    rows = pd.read_parquet(out / "sweep.parquet")
+    assert len(rows) == 9 and set(rows["run"]) == NAMES
+    assert rows["complete"].all()
+    slab = rows[rows["run"] == "slab"].iloc[0]
+    assert pd.isna(slab["block_size"]) and slab["layout"] == "slab"
+    # settings as columns, then every summary.json key
+    summary_keys = json.loads((out / "slab" / "summary.json").read_text()).keys()
+    assert set(summary_keys) <= set(rows.columns)
+    assert list(rows.columns[:3]) == ["run", "layout", "block_size"]
+    # what the layouts are expected to show, so a sweep that ran the wrong thing fails
+    paged16 = rows[rows["run"] == "paged-bs16-pc_on"].iloc[0]
+    assert slab["internal_frag"] > 0.5 > 0.05 > paged16["internal_frag"]
+    assert paged16["mean_running"] > 2 * slab["mean_running"]
+    manifest = _manifest(out)
+    assert {c["status"] for c in manifest["configurations"]} <= {"done", "skipped"}
+    assert manifest["grid"]["block_size"] == [8, 16, 32, 64]
+
+
+@pytest.mark.slow
+def test_ray_backend_runs_the_grid(tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "ray"
+    r = subprocess.run([sys.executable, "-m", "kvbench", "sweep", TRACE, "--executor", "sim",
+                        "--model", "llama-3-8b", "--layout", "paged,slab", "--block-size", "16,32",
+                        "--limit", "20", "--max-model-len", "8192", "--backend", "ray", "--out", str(out),
+                        "--json"], capture_output=True, text=True, cwd=REPO, timeout=300,
+                       env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout)["ran"] == 3
+    assert sorted(pd.read_parquet(out / "sweep.parquet")["run"]) == ["paged-bs16", "paged-bs32", "slab"]
