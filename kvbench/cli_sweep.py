@@ -13,7 +13,7 @@ import click
 
 from kvbench.cli_run import REPLAY_OPTIONS
 from kvbench.errors import RunError
-from kvbench.sweep import Event, default_sweep_dir, expand, parse_grid, run_sweep
+from kvbench.sweep import Event, default_sweep_dir, expand, import_ray, parse_grid, run_sweep
 
 TABLE = [("output_tok_per_s", "tok/s", "{:.0f}"), ("ttft_ms_p50", "TTFT p50 ms", "{:.1f}"),
          ("e2e_ms_p50", "E2E p50 ms", "{:.0f}"), ("prefix_hit_rate", "hit rate", "{:.3f}"),
@@ -115,8 +115,10 @@ def sweep(trace, jobs, out, backend, ray_address, as_json, **raw):
     grid = parse_grid(raw, REPLAY_OPTIONS)
     total = len(expand(grid))  # checks every configuration before anything runs
     load_trace(trace, limit=max(grid["limit"]) if "limit" in grid else None)  # bad trace: exit 2 now
+    if backend == "ray":
+        import_ray()
     out = out or default_sweep_dir(trace, grid)
-    click.echo(f"kvbench sweep: {total} configurations -> {out}", err=True)
+    click.echo(f"kvbench sweep: {total} configuration{'s' * (total != 1)} -> {out}", err=True)
     display = _Display(total, enabled=sys.stderr.isatty() and not as_json)
     try:
         with display:

@@ -256,7 +256,7 @@ def run_sweep(trace: str, grid: dict[str, list], out_dir: str, *, jobs: int = 1,
     """Run every configuration of ``grid`` not already finished in ``out_dir``."""
     configs = expand(grid)
     if backend == "ray":
-        _import_ray()  # before anything is written: a missing extra is a usage error
+        import_ray()  # before anything is written: a missing extra is a usage error
     os.makedirs(out_dir, exist_ok=True)
     state = SweepState(out_dir, trace, grid, configs)
     emit = on_event or (lambda e: None)
@@ -347,7 +347,7 @@ def _interrupt_workers(pool) -> None:
             p.terminate()
 
 
-def _import_ray():
+def import_ray():
     try:
         import ray
     except ImportError:
@@ -356,7 +356,7 @@ def _import_ray():
 
 
 def _run_ray(trace, out_dir, todo, _jobs, address, emit, finished) -> None:
-    ray = _import_ray()
+    ray = import_ray()
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=False,
              include_dashboard=False)
     remote = ray.remote(run_one)
