@@ -222,3 +222,105 @@ def _print_table(title: str, s) -> None:
         table.add_row(name, value)
     width = None if sys.stdout.isatty() else 110  # rich assumes 80 columns when piped
     Console(file=sys.stdout, width=width).print(table)
+
+
+# ---------------------------------------------------------------------------------------- whatif
+
+DEFAULT_BUDGETS = "8GiB,16GiB,32GiB,64GiB,128GiB,1024GiB"
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+@trace.command(context_settings=_SETTINGS, epilog=f"""
+\b
+Examples:
+  kvbench trace whatif traces/chat.jsonl --model llama-3.1-8b --budgets 1GiB,4GiB,16GiB
+  kvbench trace whatif mooncake.jsonl --block-size 512 --warmup 0.5 --model llama-3.1-8b \\
+      --kv-dtype bf16 --budgets {DEFAULT_BUDGETS} -j 2 --out runs/whatif
+  kvbench trace whatif traces/rag.jsonl --budget-blocks 1000,5000,20000 --policies lru,belady --json
+""")
+@click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
+@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True,
+              help="tokens per KV block")
+@click.option("--model", default="llama-3.1-8b", show_default=True,
+              help="preset or Hugging Face config: sets the KV bytes per token")
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp16", "fp8", "fp32"]), default="bf16",
+              show_default=True, help="KV cache element type")
+@click.option("--budgets", help=f"KV memory sizes, comma-separated  [default: {DEFAULT_BUDGETS}]")
+@click.option("--budget-blocks", help="KV budgets in blocks instead of bytes, comma-separated")
+@click.option("--policies", default="lru,fifo,lfu,belady", show_default=True,
+              help="cache policies to compare, comma-separated")
+@click.option("--warmup", type=click.FloatRange(min=0, max=1, max_open=True), default=0.5,
+              show_default=True, help="fraction of requests that only warm the cache (not counted)")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="processes, one (budget, policy) point each")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of a table")
+@click.option("--out", type=click.Path(file_okay=False),
+              help="also write whatif.parquet, whatif.png and whatif.json into this directory")
+def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, policies, warmup, jobs,
+           as_json, out):
+    """Prefix hit rate against KV cache size and cache policy, straight from a trace.
+
+    Prompts are replayed one after another in trace order (no concurrency, no decode) through a
+    prefix cache of each budget, evicting with each policy (the replay's own lru, fifo, lfu and
+    belady); the hit rate counts the requests after the warm-up, beside the infinite-cache ceiling.
+    Budgets in bytes become blocks through the model's KV bytes per token
+    (layers x KV heads x head dim x 2 x dtype bytes).
+    """
+    from rich.console import Console
+
+    from kvbench import whatif as wi
+    from kvbench.config import parse_size
+    from kvbench.errors import InputError
+    from kvbench.memory.policies import POLICIES
+    from kvbench.presets import get_model
+    from kvbench.trace.format import load_trace
+
+    spec = get_model(model)
+    per_token = spec.kv_bytes_per_token(kv_dtype)
+    block_bytes = per_token * block_size
+    chosen = _split(policies)
+    for p in chosen:
+        if p not in POLICIES:
+            raise InputError(f"unknown cache policy {p!r} (choose from {', '.join(POLICIES)})",
+                             field="--policies")
+    if not chosen:
+        raise InputError("no policy given", field="--policies")
+    if budgets is not None and budget_blocks is not None:
+        raise click.UsageError("give --budgets or --budget-blocks, not both")
+    if budget_blocks is not None:
+        counts = []
+        for x in _split(budget_blocks):
+            if not x.isdigit() or int(x) < 1:
+                raise InputError(f"not a positive block count: {x!r}", field="--budget-blocks")
+            counts.append(int(x))
+        plan = wi.budgets_from_blocks(counts, block_bytes)
+    else:
+        plan = wi.budgets_from_bytes([parse_size(x, "--budgets") for x in _split(budgets or DEFAULT_BUDGETS)],
+                                     block_bytes)
+    if not plan:
+        raise InputError("no budget given", field="--budget-blocks" if budget_blocks else "--budgets")
+    for b in plan:
+        if b.blocks < 1:
+            raise InputError(f"{wi.format_bytes(b.bytes)} holds no block of {block_size} tokens "
+                             f"({wi.format_bytes(block_bytes)})", field="--budgets")
+    _note(f"{spec.name} {kv_dtype}: {per_token:,} bytes of KV per token ({wi.format_bytes(per_token)}); "
+          f"a block of {block_size} tokens is {wi.format_bytes(block_bytes)}")
+    reqs = load_trace(trace_path)
+    result = wi.whatif(reqs, trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
+                       kv_bytes_per_token=per_token, block_size=block_size, budgets=plan,
+                       policies=chosen, warmup=warmup, jobs=jobs)
+    if out:
+        for path in wi.write_outputs(result, out):
+            _note(f"wrote {path}")
+    if as_json:
+        click.echo(json.dumps(result.to_dict()))
+        return
+    width = None if sys.stdout.isatty() else 110
+    Console(file=sys.stdout, width=width).print(wi.table(result))
+    too_large = {r["budget_bytes"]: r["too_large_requests"] for r in result.rows if r["too_large_requests"]}
+    for size, n in sorted(too_large.items()):
+        _note(f"at {wi.format_bytes(size)}, {n} counted requests have more whole blocks than the "
+              "budget: they could not run, and count as misses")

@@ -27,9 +27,6 @@ class BlockPool:
         self.block_size = block_size
         self.enable_cache = enable_cache
         self.policy = make_policy(policy, num_blocks) if isinstance(policy, str) else policy
-        # lru ignores insertions: skip the call on the hot path
-        self._on_insert = (None if type(self.policy).on_insert is CachePolicy.on_insert
-                           else self.policy.on_insert)
         self.refcnt = [0] * num_blocks
         self.fill = [0] * num_blocks  # tokens whose KV is written in the block
         self.key: list[int | None] = [None] * num_blocks
@@ -91,9 +88,8 @@ class BlockPool:
             table.extend(got)
             self.num_used += take
         if n > take:  # evict cached blocks for the rest
-            pop, index, key, fill, refcnt = self.policy.pop, self.index, self.key, self.fill, self.refcnt
-            for _ in range(n - take):
-                b = pop()
+            index, key, fill, refcnt = self.index, self.key, self.fill, self.refcnt
+            for b in self.policy.pop_many(n - take):
                 del index[key[b]]
                 key[b] = None
                 fill[b] = 0
@@ -126,7 +122,8 @@ class BlockPool:
 
     def release_all(self, blocks) -> None:
         """``decref`` every block of an iterable, in its order (inlined: the free path)."""
-        refcnt, fill, key, free, release = self.refcnt, self.fill, self.key, self._free, self.policy.release
+        refcnt, fill, key, free = self.refcnt, self.fill, self.key, self._free
+        cached: list[int] = []  # handed to the policy in one batch, in this order
         used = live = 0
         for b in blocks:
             r = refcnt[b] - 1
@@ -136,10 +133,11 @@ class BlockPool:
             used += 1
             live += fill[b]
             if key[b] is not None:
-                release(b)
+                cached.append(b)
             else:
                 fill[b] = 0
                 free.append(b)
+        self.policy.release_many(cached)
         self.num_used -= used
         self.tokens_live -= live
 
@@ -169,7 +167,6 @@ class BlockPool:
         if not self.enable_cache or not blocks:
             return
         index, key_of, parent_of = self.index, self.key, self.parent
-        on_insert, now = self._on_insert, self.clock
         rows = []
         for i, b in enumerate(blocks):
             k = keys[i]
@@ -178,10 +175,10 @@ class BlockPool:
                 key_of[b] = k
                 parent_of[b] = parent_key
                 rows.append(i)
-                if on_insert is not None:
-                    on_insert(b, now, NEVER if next_uses is None else int(next_uses[i]))
             parent_key = k
         if rows:
+            self.policy.on_insert_many([blocks[i] for i in rows], self.clock,
+                                       None if next_uses is None else [int(next_uses[i]) for i in rows])
             bs = self.block_size
             t = tokens.reshape(-1, bs)
             if len(rows) == len(blocks):
@@ -215,13 +212,8 @@ class BlockPool:
 
     def touch(self, blocks: list[int], next_uses=None) -> None:
         """Tell the policy these cached blocks were just used (hit)."""
-        pol, now = self.policy, self.clock
-        if next_uses is None:
-            for b in blocks:
-                pol.on_use(b, now)
-        else:
-            for b, nu in zip(blocks, next_uses):
-                pol.on_use(b, now, int(nu))
+        nus = None if next_uses is None else [int(nu) for nu in next_uses]
+        self.policy.on_use_many(blocks, self.clock, nus)
 
     # -- checks -----------------------------------------------------------------------------
     def recount(self) -> dict:

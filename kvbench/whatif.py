@@ -1,0 +1,362 @@
+"""The cache what-if (``kvbench trace whatif``): prefix hit rate against KV budget and cache policy,
+straight from a trace, with the infinite-cache ceiling beside it; and the curve's table, parquet and PNG.
+
+The model: requests in trace order, one at a time, no decode. Each request looks up its longest cached
+run of whole blocks (a miss ends it; never the block holding the last prompt token), takes those hits,
+stores its other whole blocks (the prompt's, and a named answer's computed part, as the ideal hit rate
+counts them), evicting by the policy when the budget is full, then releases all of them tail first:
+the calls PagedKV makes for one request of a replay (lookup, allocate, commit, free). A request with
+more whole blocks than the budget could not run at all: it neither hits nor is stored, and its prompt
+tokens still count. The hit rate is hit tokens / prompt tokens over the requests after the warm-up
+fraction; the requests before it only warm the cache.
+
+Shared with the replay, not copied: the block keys (kvbench.trace.ideal.PrefixKeys), the lookup rule
+(lookup_blocks), the ceiling (IdealCounter), belady's future (kvbench.memory.future.next_uses_from_keys)
+and every eviction decision: the kvbench.memory.policies classes, driven through their batch calls in
+the order PagedKV drives them. What is not shared is the block pool's bookkeeping (free list, refcounts,
+token checks): with one request at a time every cached block is evictable between requests, so a
+block is named by its prefix key, remapped to a dense id 0..D-1, and one bool array says what is
+cached. The policies break ties by release order, never by block id, so these ids make the same
+decisions as a pool's physical ones; tests/test_whatif.py holds the two to equal hits request by request.
+
+Speed (see benchmarks/bench_whatif.py): every request's keys are computed once, factorised into one
+flat int array of dense ids and shared by all (budget, policy) points (forked workers inherit it);
+belady's next uses come from one backward pass; each point touches the policy once per request per
+kind of call (a batch), and numpy does the per-block lookups; points run in processes (``jobs``).
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+
+from kvbench.memory.future import next_uses_from_keys
+from kvbench.memory.policies import POLICIES, make_policy
+from kvbench.trace.format import Request
+from kvbench.trace.ideal import IdealCounter, PrefixKeys, lookup_blocks
+from kvbench.trace.tokens import TokenStreams
+
+COLUMNS = ["budget_bytes", "budget_blocks", "policy", "hit_rate", "ceiling"]  # read by kvbench report
+PARQUET = "whatif.parquet"
+PNG = "whatif.png"
+
+
+@dataclass(slots=True)
+class BlockTrace:
+    """A trace reduced to what the what-if needs, built once and shared by every point.
+
+    ``ids[starts[i]:starts[i+1]]``: request i's whole blocks as dense ids (0..distinct_blocks-1, in
+    order of first appearance); ``lookups[i]``: how many leading ones it may hit; ``next_use``
+    (aligned with ``ids``, only for belady): the next request that looks each block up.
+    """
+
+    block_size: int
+    ids: np.ndarray  # int64 [total blocks]
+    starts: np.ndarray  # int64 [requests + 1]
+    lookups: np.ndarray  # int64 [requests]
+    prompt_lens: np.ndarray  # int64 [requests]
+    distinct_blocks: int
+    window_start: int  # first request counted (after the warm-up)
+    ceiling_hit_tokens: int  # infinite cache, same window
+    next_use: np.ndarray | None = None  # int64 [total blocks]
+
+    @property
+    def requests(self) -> int:
+        return len(self.lookups)
+
+    @property
+    def window_prompt_tokens(self) -> int:
+        return int(self.prompt_lens[self.window_start:].sum())
+
+    @property
+    def ceiling(self) -> float:
+        p = self.window_prompt_tokens
+        return self.ceiling_hit_tokens / p if p else 0.0
+
+
+def window_start(requests: int, warmup: float) -> int:
+    """Index of the first request after the warm-up fraction (the window keeps at least one)."""
+    return min(int(warmup * requests), max(requests - 1, 0))
+
+
+def prepare(requests: Sequence[Request], block_size: int, warmup: float = 0.0, *,
+            future: bool = True, streams: TokenStreams | None = None) -> BlockTrace:
+    """Hash every request once, remap the keys to dense ids, count the ceiling; ``future``: also
+    belady's next uses."""
+    import pandas as pd  # factorize: hash-based, keeps first-appearance order
+
+    keys_of = PrefixKeys(block_size, streams)
+    ideal = IdealCounter(block_size)
+    start = window_start(len(requests), warmup)
+    keys, prompt_lens, lookups = [], [], []
+    ceiling = 0
+    for i, r in enumerate(requests):
+        k, prompt_len = keys_of(r)
+        h = ideal.add(k, prompt_len)
+        if i >= start:
+            ceiling += h
+        keys.append(k)
+        prompt_lens.append(prompt_len)
+        lookups.append(min(lookup_blocks(prompt_len, block_size), len(k)))
+    starts = np.zeros(len(keys) + 1, dtype=np.int64)
+    np.cumsum([len(k) for k in keys], out=starts[1:])
+    flat = np.concatenate(keys) if keys else np.zeros(0, dtype=np.uint64)
+    ids, distinct = pd.factorize(flat)
+    bt = BlockTrace(block_size, ids.astype(np.int64, copy=False), starts,
+                    np.asarray(lookups, dtype=np.int64), np.asarray(prompt_lens, dtype=np.int64),
+                    len(distinct), start, ceiling)
+    if future:
+        per_request = [ids[starts[i]:starts[i + 1]].tolist() for i in range(len(keys))]
+        nu = next_uses_from_keys(per_request, lookups)
+        bt.next_use = np.concatenate(nu) if nu else np.zeros(0, dtype=np.int64)
+    return bt
+
+
+# --------------------------------------------------------------------------------- one point
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    budget_blocks: int
+    policy: str
+    hit_tokens: int  # in the window
+    evicted_blocks: int
+    too_large: int  # requests in the window with more whole blocks than the budget
+
+
+def simulate(bt: BlockTrace, budget_blocks: int, policy: str,
+             on_request=None) -> Point:
+    """Replay ``bt`` through a cache of ``budget_blocks`` blocks evicting by ``policy``.
+
+    ``on_request(i, hit_blocks)``, if given, is called for every request (tests compare it with a
+    PagedKV replay).
+    """
+    if budget_blocks < 1:
+        raise ValueError("budget_blocks must be >= 1")
+    pol = make_policy(policy, max(bt.distinct_blocks, 1))
+    future = bt.next_use if policy == "belady" else None
+    if policy == "belady" and future is None:
+        raise ValueError("belady needs the BlockTrace built with future=True")
+    cached = np.zeros(bt.distinct_blocks, dtype=bool)
+    n_cached = hit_blocks = evicted = too_large = 0
+    ids, first = bt.ids, bt.window_start
+    starts, lookups = bt.starts.tolist(), bt.lookups.tolist()
+    for i in range(bt.requests):
+        s, e = starts[i], starts[i + 1]
+        n = e - s
+        if n > budget_blocks:  # the request cannot run in this much memory
+            too_large += i >= first
+            if on_request is not None:
+                on_request(i, 0)
+            continue
+        blocks = ids[s:e]
+        # lookup: the longest cached run of the first lookups[i] blocks
+        look = cached[blocks[:lookups[i]]]
+        h = len(look) if look.all() else int(look.argmin())
+        hits = blocks[:h]
+        if h:  # allocate: take the hits (PagedKV.allocate -> incref, touch)
+            hl = hits.tolist()
+            pol.reuse_many(hl)
+            pol.on_use_many(hl, i, None if future is None else future[s:s + h].tolist())
+        short = n - h - (budget_blocks - n_cached)
+        if short > 0:  # ... then blocks for the rest, evicting cached ones (alloc_into)
+            victims = pol.pop_many(short)
+            cached[victims] = False
+            n_cached -= short
+            evicted += short
+        # commit: store the blocks whose key is not cached (register_run; a key still cached past
+        # the first miss keeps its block, and the request's copy is dropped at free)
+        rest = blocks[h:]
+        fresh = ~cached[rest]
+        new = rest if fresh.all() else rest[fresh]
+        if len(new):
+            nu = None if future is None else future[s + h:e][fresh].tolist()
+            pol.on_insert_many(new.tolist(), i, nu)
+            cached[new] = True
+            n_cached += len(new)
+        # free: release the stored blocks, tail first
+        pol.release_many(np.concatenate((hits, new))[::-1].tolist())
+        if i >= first:
+            hit_blocks += h
+        if on_request is not None:
+            on_request(i, h)
+    return Point(budget_blocks, policy, hit_blocks * bt.block_size, evicted, too_large)
+
+
+# --------------------------------------------------------------------------------- the curve
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    bytes: int
+    blocks: int
+
+
+def budgets_from_bytes(sizes: Sequence[int], block_bytes: int) -> list[Budget]:
+    return [Budget(b, b // block_bytes) for b in sizes]
+
+
+def budgets_from_blocks(counts: Sequence[int], block_bytes: int) -> list[Budget]:
+    return [Budget(n * block_bytes, n) for n in counts]
+
+
+_SHARED: BlockTrace | None = None  # what forked workers inherit instead of a pickled copy
+
+
+def _run_point(args: tuple[int, str]) -> Point:
+    return simulate(_SHARED, *args)
+
+
+def run_points(bt: BlockTrace, budget_blocks: Sequence[int], policies: Sequence[str],
+               jobs: int = 1) -> dict[tuple[int, str], Point]:
+    """Every (budget, policy) point, in ``jobs`` processes (forked: they share ``bt``)."""
+    global _SHARED
+    # the heap policies are the slow ones: start them first so the last point to finish is short
+    points = sorted({(b, p) for b in budget_blocks for p in policies}, key=lambda bp: bp[1] == "lru")
+    if jobs <= 1 or len(points) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return {(b, p): simulate(bt, b, p) for b, p in points}
+    _SHARED = bt
+    try:
+        with multiprocessing.get_context("fork").Pool(min(jobs, len(points))) as pool:
+            done = pool.map(_run_point, points, chunksize=1)
+    finally:
+        _SHARED = None
+    return {(pt.budget_blocks, pt.policy): pt for pt in done}
+
+
+@dataclass(slots=True)
+class WhatIf:
+    """The curve and its settings: what ``--json``, the table, the parquet and the PNG show."""
+
+    trace: str
+    model: str
+    kv_dtype: str
+    kv_bytes_per_token: int
+    block_size: int
+    warmup: float
+    requests: int
+    window_requests: int
+    window_prompt_tokens: int
+    distinct_blocks: int
+    ceiling: float
+    ceiling_hit_tokens: int
+    rows: list[dict]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def whatif(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str,
+           kv_bytes_per_token: int, block_size: int, budgets: Sequence[Budget],
+           policies: Sequence[str], warmup: float = 0.5, jobs: int = 1,
+           streams: TokenStreams | None = None) -> WhatIf:
+    for p in policies:
+        if p not in POLICIES:
+            raise ValueError(f"unknown cache policy {p!r} (choose from {', '.join(POLICIES)})")
+    bt = prepare(requests, block_size, warmup, future="belady" in policies, streams=streams)
+    points = run_points(bt, [b.blocks for b in budgets], policies, jobs)
+    prompt = bt.window_prompt_tokens
+    rows = []
+    for b in budgets:
+        for p in policies:
+            pt = points[(b.blocks, p)]
+            rows.append({"budget_bytes": b.bytes, "budget_blocks": b.blocks, "policy": p,
+                         "hit_rate": pt.hit_tokens / prompt if prompt else 0.0,
+                         "ceiling": bt.ceiling, "hit_tokens": pt.hit_tokens,
+                         "evicted_blocks": pt.evicted_blocks, "too_large_requests": pt.too_large})
+    return WhatIf(trace, model, kv_dtype, kv_bytes_per_token, block_size, warmup, bt.requests,
+                  bt.requests - bt.window_start, prompt, bt.distinct_blocks, bt.ceiling,
+                  bt.ceiling_hit_tokens, rows)
+
+
+# --------------------------------------------------------------------------------- outputs
+
+def format_bytes(n: int) -> str:
+    """8589934592 -> '8GiB'; sizes that are no whole binary unit keep two decimals."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            v = n / size
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.2f}{unit}"
+    return f"{n}B"
+
+
+def to_frame(w: WhatIf):
+    import pandas as pd
+
+    df = pd.DataFrame(w.rows)
+    for name in ("block_size", "model", "kv_dtype", "kv_bytes_per_token", "warmup", "trace"):
+        df[name] = getattr(w, name)
+    return df[COLUMNS + [c for c in df.columns if c not in COLUMNS]]
+
+
+def write_outputs(w: WhatIf, out_dir: str) -> list[str]:
+    """``whatif.parquet`` (one row per budget and policy), ``whatif.png`` and ``whatif.json``."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, n) for n in (PARQUET, PNG, "whatif.json")]
+    to_frame(w).to_parquet(paths[0], index=False)
+    plot(w, paths[1])
+    with open(paths[2], "w", encoding="utf-8") as fh:
+        json.dump(w.to_dict(), fh, indent=1)
+    return paths
+
+
+def plot(w: WhatIf, path: str) -> None:
+    """Hit rate against budget (log x), one line per policy, the ceiling dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    policies = list(dict.fromkeys(r["policy"] for r in w.rows))
+    for p in policies:
+        rows = sorted((r for r in w.rows if r["policy"] == p), key=lambda r: r["budget_bytes"])
+        ax.plot([r["budget_bytes"] / 2**30 for r in rows], [r["hit_rate"] for r in rows],
+                marker="o", label=p)
+    ax.axhline(w.ceiling, color="black", linestyle="--", label=f"ceiling (infinite cache) {w.ceiling:.3f}")
+    ax.set_xscale("log", base=2)
+    sizes = sorted({r["budget_bytes"] for r in w.rows})
+    ax.set_xticks([b / 2**30 for b in sizes], [format_bytes(b) for b in sizes], fontsize=8)
+    ax.minorticks_off()
+    ax.set_xlabel(f"KV cache budget (bytes, log scale; {w.model} {w.kv_dtype}: "
+                  f"{format_bytes(w.kv_bytes_per_token)}/token)")
+    ax.set_ylabel("prefix hit rate (hit tokens / prompt tokens)")
+    ax.set_ylim(0, max(0.05, w.ceiling * 1.1, *(r["hit_rate"] * 1.1 for r in w.rows)))
+    ax.set_title(f"Prefix hit rate vs KV budget: {os.path.basename(w.trace)}\n"
+                 f"block size {w.block_size}, last {w.window_requests:,} of {w.requests:,} requests "
+                 f"(warm-up {w.warmup:g})", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def table(w: WhatIf):
+    """A rich Table: one row per budget, one column per policy, then the ceiling."""
+    from rich.table import Table
+
+    policies = list(dict.fromkeys(r["policy"] for r in w.rows))
+    t = Table(title=f"prefix hit rate: {os.path.basename(w.trace)}",
+              caption=f"block {w.block_size} tokens; {w.model} {w.kv_dtype}: "
+                      f"{w.kv_bytes_per_token:,} B of KV per token; last {w.window_requests:,} of "
+                      f"{w.requests:,} requests counted (warm-up {w.warmup:g})")
+    t.add_column("budget", justify="right")
+    t.add_column("blocks", justify="right")
+    for p in policies:
+        t.add_column(p, justify="right")
+    t.add_column("ceiling", justify="right", style="dim")
+    by_budget: dict[int, dict] = {}
+    for r in w.rows:
+        by_budget.setdefault(r["budget_bytes"], {"blocks": r["budget_blocks"]})[r["policy"]] = r
+    for size, cells in sorted(by_budget.items()):
+        best = max(cells[p]["hit_rate"] for p in policies)
+        row = [format_bytes(size), f"{cells['blocks']:,}"]
+        for p in policies:
+            v = cells[p]["hit_rate"]
+            row.append(f"[bold]{v:.4f}[/bold]" if v == best else f"{v:.4f}")
+        row.append(f"{w.ceiling:.4f}")
+        t.add_row(*row)
+    return t
