@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Regenerate reports/example from the shipped traces (run it whenever the report's output changes):
+#   bash reports/make_example.sh
+# Two sim sweeps (Llama-3-8B on an H200 cost model, memory small enough to bind), then the report.
+#  - chat: block size 8,16,32,64 x layout paged,slab x prefix cache on,off at 10x the trace's rate
+#    in 4 GiB of KV: slab fits 3 sequences of 8192 slots, paged fits what the tokens need.
+#  - agent: block size 16,64 x cache policy lru,fifo,lfu,belady in 3 GiB, where cached agent
+#    scaffolds must be reclaimed and the policy decides which.
+# The run directories (about 20 MB of parquet) go to runs/example, which git ignores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNS=${KVBENCH_EXAMPLE_RUNS:-runs/example}
+JOBS=${JOBS:-2}
+SIM=(--executor sim --model llama-3-8b --gpu h200)
+rm -rf "$RUNS" reports/example
+
+kvbench sweep traces/chat.jsonl "${SIM[@]}" --max-model-len 8192 --kv-mem 4GiB --time-scale 0.1 \
+    --layout paged,slab --block-size 8,16,32,64 --prefix-cache on,off -j "$JOBS" --out "$RUNS/chat"
+kvbench sweep traces/agent.jsonl "${SIM[@]}" --max-model-len 16384 --kv-mem 3GiB \
+    --layout paged,slab --block-size 16,64 --cache-policy lru,fifo,lfu,belady -j "$JOBS" --out "$RUNS/agent"
+kvbench report "$RUNS/chat" "$RUNS/agent" --out reports/example \
+    --title "kvbench example: paged vs slab, block size, prefix caching (sim, Llama-3-8B, H200)"
