@@ -77,6 +77,16 @@ class BlockTrace:
         p = self.window_prompt_tokens
         return self.ceiling_hit_tokens / p if p else 0.0
 
+    def future(self, budget_blocks: int) -> np.ndarray:
+        """Belady's next uses at a budget: requests too large to run there look nothing up (else
+        belady would keep blocks for lookups that never happen)."""
+        if self.next_use is None:
+            raise ValueError("belady needs the BlockTrace built with future=True")
+        sizes = np.diff(self.starts)
+        if not (sizes > budget_blocks).any():
+            return self.next_use
+        return _next_uses(self.ids, self.starts, np.where(sizes > budget_blocks, 0, self.lookups))
+
 
 def window_start(requests: int, warmup: float) -> int:
     """Index of the first request after the warm-up fraction (the window keeps at least one)."""
@@ -110,10 +120,15 @@ def prepare(requests: Sequence[Request], block_size: int, warmup: float = 0.0, *
                     np.asarray(lookups, dtype=np.int64), np.asarray(prompt_lens, dtype=np.int64),
                     len(distinct), start, ceiling)
     if future:
-        per_request = [ids[starts[i]:starts[i + 1]].tolist() for i in range(len(keys))]
-        nu = next_uses_from_keys(per_request, lookups)
-        bt.next_use = np.concatenate(nu) if nu else np.zeros(0, dtype=np.int64)
+        bt.next_use = _next_uses(bt.ids, starts, bt.lookups)
     return bt
+
+
+def _next_uses(ids: np.ndarray, starts: np.ndarray, lookups: np.ndarray) -> np.ndarray:
+    """kvbench.memory.future's backward pass over dense ids, flattened like ``ids``."""
+    per_request = [ids[starts[i]:starts[i + 1]].tolist() for i in range(len(lookups))]
+    nu = next_uses_from_keys(per_request, lookups.tolist())
+    return np.concatenate(nu) if nu else np.zeros(0, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------------- one point
@@ -137,9 +152,7 @@ def simulate(bt: BlockTrace, budget_blocks: int, policy: str,
     if budget_blocks < 1:
         raise ValueError("budget_blocks must be >= 1")
     pol = make_policy(policy, max(bt.distinct_blocks, 1))
-    future = bt.next_use if policy == "belady" else None
-    if policy == "belady" and future is None:
-        raise ValueError("belady needs the BlockTrace built with future=True")
+    future = bt.future(budget_blocks) if policy == "belady" else None
     cached = np.zeros(bt.distinct_blocks, dtype=bool)
     n_cached = hit_blocks = evicted = too_large = 0
     ids, first = bt.ids, bt.window_start
@@ -171,6 +184,8 @@ def simulate(bt: BlockTrace, budget_blocks: int, policy: str,
         # the first miss keeps its block, and the request's copy is dropped at free)
         rest = blocks[h:]
         fresh = ~cached[rest]
+        if future is not None and not fresh.all():
+            pol.on_recompute_many(rest[~fresh].tolist(), i, future[s + h:e][~fresh].tolist())
         new = rest if fresh.all() else rest[fresh]
         if len(new):
             nu = None if future is None else future[s + h:e][fresh].tolist()

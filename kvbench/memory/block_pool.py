@@ -168,6 +168,7 @@ class BlockPool:
             return
         index, key_of, parent_of = self.index, self.key, self.parent
         rows = []
+        again = []  # rows whose key another block caches: this copy stays private
         for i, b in enumerate(blocks):
             k = keys[i]
             if k not in index and key_of[b] is None:
@@ -175,7 +176,12 @@ class BlockPool:
                 key_of[b] = k
                 parent_of[b] = parent_key
                 rows.append(i)
+            elif key_of[b] is None:
+                again.append(i)
             parent_key = k
+        if again and next_uses is not None:
+            self.policy.on_recompute_many([index[keys[i]] for i in again], self.clock,
+                                          [int(next_uses[i]) for i in again])
         if rows:
             self.policy.on_insert_many([blocks[i] for i in rows], self.clock,
                                        None if next_uses is None else [int(next_uses[i]) for i in rows])

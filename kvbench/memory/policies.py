@@ -67,6 +67,11 @@ class CachePolicy:
     def on_use_many(self, blocks, now: int, next_uses=None) -> None:
         pass
 
+    def on_recompute_many(self, blocks, now: int, next_uses=None) -> None:
+        """Cached blocks that a request computed again because a miss came before them: not a use
+        (no other policy counts it), but their next use moved on, and belady must know it or it keeps
+        them for a use that has passed."""
+
     def release_many(self, blocks) -> None:
         raise NotImplementedError
 
@@ -251,6 +256,12 @@ class BeladyPolicy(_HeapPolicy):
                 nxt[b] = nu
 
     on_use_many = on_insert_many
+
+    def on_recompute_many(self, blocks, now: int, next_uses=None) -> None:
+        self.on_insert_many(blocks, now, next_uses)
+        waiting = [b for b in blocks if self._evictable[b]]
+        self.reuse_many(waiting)  # re-queued under the new priority
+        self.release_many(waiting)
 
     def _priority(self, block: int) -> int:
         return NEVER - self._next[block]  # furthest next use = smallest priority = evicted first

@@ -1,0 +1,173 @@
+"""``kvbench trace whatif``: the curve's properties on the real Mooncake trace and on generated ones
+(belady on top, every policy at the ceiling once the budget holds every block, never above it, the
+ideal hits at a huge budget), the same hits as a PagedKV replay request by request (the two cannot
+drift apart), and the command as a user runs it: table, --json, --out files, bad input."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kvbench.memory import PagedKV, SeqKV
+from kvbench.memory.policies import POLICIES
+from kvbench.trace.format import load_trace
+from kvbench.trace.ideal import cached_sequence, ideal_hits
+from kvbench.trace.importers import convert
+from kvbench.trace.tokens import TokenStreams
+from kvbench.whatif import COLUMNS, prepare, run_points, simulate
+
+REPO = Path(__file__).resolve().parents[1]
+REAL = Path(__file__).resolve().parents[2] / "shared" / "traces" / "real" / "mooncake_conversation.jsonl"
+GENERATED = ["chat", "rag", "agent"]
+
+
+@pytest.fixture(scope="module")
+def mooncake(tmp_path_factory):
+    """The first 2,000 requests of the real Mooncake conversation trace."""
+    if not REAL.exists():
+        pytest.skip(f"real trace not found at {REAL}")
+    out = tmp_path_factory.mktemp("mooncake") / "mooncake_2000.jsonl"
+    convert("mooncake", REAL, out, limit=2000)
+    return load_trace(out)
+
+
+def _traces(mooncake_reqs):
+    """(name, requests, block size): the real slice at 64-token blocks keeps the test short."""
+    yield "mooncake", mooncake_reqs, 64
+    for name in GENERATED:
+        yield name, load_trace(REPO / "traces" / f"{name}.jsonl"), 16
+
+
+def _curve(bt, fractions):
+    """Budgets as fractions of the distinct blocks, and every policy's hit tokens at each."""
+    budgets = sorted({max(1, int(bt.distinct_blocks * f)) for f in fractions})
+    points = run_points(bt, budgets, list(POLICIES))
+    return budgets, {(b, p): points[(b, p)].hit_tokens for b in budgets for p in POLICIES}
+
+
+def test_curve_properties_on_real_and_generated_traces(mooncake):
+    for name, reqs, bs in _traces(mooncake):
+        bt = prepare(reqs, bs, warmup=0.5)
+        budgets, hits = _curve(bt, (0.02, 0.1, 0.3, 1.0))
+        assert bt.distinct_blocks in budgets
+        for b in budgets:
+            for p in ("lru", "fifo", "lfu"):
+                assert hits[(b, "belady")] >= hits[(b, p)], (name, b, p, hits)
+            for p in POLICIES:
+                assert hits[(b, p)] <= bt.ceiling_hit_tokens, (name, b, p)
+        for p in POLICIES:  # a budget holding every distinct block never evicts
+            assert hits[(bt.distinct_blocks, p)] == bt.ceiling_hit_tokens, (name, p)
+        small = budgets[0]
+        assert hits[(small, "lru")] < bt.ceiling_hit_tokens, name  # the curve is not flat
+    # the real trace is where the policy matters: belady strictly ahead somewhere
+    bt = prepare(mooncake, 64, warmup=0.5)
+    _, hits = _curve(bt, (0.05,))
+    assert max(hits.values()) == hits[(max(1, int(bt.distinct_blocks * 0.05)), "belady")]
+    assert len(set(hits.values())) > 1
+
+
+def test_huge_budget_equals_ideal_hits_over_the_window(mooncake):
+    for name, reqs, bs in _traces(mooncake):
+        warmup = 0.3
+        bt = prepare(reqs, bs, warmup=warmup)
+        start = int(warmup * len(reqs))
+        window: list[int] = []
+        ideal_hits(reqs, bs, on_request=lambda r, h: window.append(h) if r.index >= start else None)
+        assert bt.window_start == start
+        assert bt.ceiling_hit_tokens == sum(window) > 0, name
+        huge = 10 * bt.distinct_blocks
+        for p in POLICIES:
+            assert simulate(bt, huge, p).hit_tokens == sum(window), (name, p)
+
+
+def _pagedkv_hits(reqs, bs, budget_blocks, policy, bt):
+    """The what-if's model driven through the replay's own PagedKV: lookup, allocate, commit, free."""
+    streams = TokenStreams()
+    kv = PagedKV(budget_blocks, bs, cache_policy=policy)
+    future = bt.future(budget_blocks) if policy == "belady" else None
+    out = []
+    for i, r in enumerate(reqs):
+        s, e = int(bt.starts[i]), int(bt.starts[i + 1])
+        if e - s > budget_blocks:
+            out.append(0)
+            continue
+        tokens = cached_sequence(r, streams.expand(r), streams)
+        seq = SeqKV(tokens=tokens, next_use=None if future is None else future[s:e])
+        hits = kv.lookup(seq, r.prompt_len)
+        kv.pool.clock = i
+        new_tokens = (e - s - len(hits)) * bs  # whole blocks only: no decode, no partial tail
+        assert kv.allocate(seq, new_tokens, hits)
+        kv.commit(seq, new_tokens)
+        kv.free(seq)
+        out.append(len(hits))
+    return out
+
+
+@pytest.mark.parametrize("trace", ["mooncake", "chat"])
+def test_same_hits_as_a_pagedkv_replay_request_by_request(trace, mooncake):
+    reqs, bs = (mooncake[:400], 64) if trace == "mooncake" else (load_trace(REPO / "traces/chat.jsonl"), 16)
+    bt = prepare(reqs, bs)
+    for frac in (0.05, 0.2):
+        budget = max(int(bt.distinct_blocks * frac), int(np.diff(bt.starts).max()) // 2)
+        for p in POLICIES:
+            seen: list[int] = []
+            pt = simulate(bt, budget, p, on_request=lambda i, h: seen.append(h))
+            assert pt.evicted_blocks > 0
+            assert seen == _pagedkv_hits(reqs, bs, budget, p, bt), (trace, budget, p)
+
+
+def test_processes_give_the_same_points():
+    bt = prepare(load_trace(REPO / "traces/rag.jsonl"), 16, warmup=0.5)
+    budgets = [bt.distinct_blocks // 20, bt.distinct_blocks // 4]
+    one = run_points(bt, budgets, ["lru", "belady"], jobs=1)
+    two = run_points(bt, budgets, ["lru", "belady"], jobs=2)
+    assert one == two
+
+
+# ------------------------------------------------------------------------------------- the CLI
+
+def _kvbench(*args):
+    return subprocess.run([sys.executable, "-m", "kvbench", "trace", "whatif", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_table_json_and_out_directory(tmp_path):
+    trace = str(REPO / "traces/chat.jsonl")
+    r = _kvbench(trace, "--budgets", "512MiB,2GiB,64GiB", "--out", str(tmp_path / "w"))
+    assert r.returncode == 0, r.stderr
+    assert "131,072 bytes of KV per token" in r.stderr  # llama-3.1-8b bf16 = 128 KiB
+    for word in ("lru", "fifo", "lfu", "belady", "ceiling", "512MiB", "64GiB"):
+        assert word in r.stdout
+    df = pd.read_parquet(tmp_path / "w" / "whatif.parquet")
+    assert list(df.columns[:5]) == COLUMNS
+    assert {"block_size", "model", "kv_bytes_per_token", "warmup", "trace"} <= set(df.columns)
+    assert len(df) == 12 and set(df.policy) == set(POLICIES)
+    assert (df.budget_blocks == df.budget_bytes // (131072 * 16)).all()
+    assert (df.hit_rate <= df.ceiling + 1e-12).all()
+    assert (tmp_path / "w" / "whatif.png").stat().st_size > 10_000
+
+    r = _kvbench(trace, "--budget-blocks", "100,100000", "--policies", "lru,belady",
+                 "--kv-dtype", "fp8", "--warmup", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["kv_bytes_per_token"] == 65536 and out["window_requests"] == out["requests"] == 250
+    rows = {(x["budget_blocks"], x["policy"]): x for x in out["rows"]}
+    assert rows[(100000, "lru")]["hit_rate"] == rows[(100000, "belady")]["hit_rate"] == out["ceiling"]
+    assert rows[(100, "lru")]["budget_bytes"] == 100 * 16 * 65536
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--policies", "lru,mru"], "--policies"),
+    (["--budgets", "8GiB,lots"], "--budgets"),
+    (["--block-size", "0"], "--block-size"),
+    (["--budget-blocks", "0"], "--budget-blocks"),
+])
+def test_cli_bad_input_is_one_line_exit_2(args, field):
+    r = _kvbench(str(REPO / "traces/chat.jsonl"), *args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0] and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout == ""
