@@ -293,7 +293,7 @@ def _run_local(trace, out_dir, todo, jobs, _address, emit, finished) -> None:
             emit(Event("start", c.name))
             try:
                 s = run_one(trace, c.settings, os.path.join(out_dir, c.name))
-            except RunError as e:
+            except Exception as e:  # one configuration failing must not stop the rest
                 finished(c, None, str(e))
             else:
                 finished(c, s, None)
@@ -302,11 +302,12 @@ def _run_local(trace, out_dir, todo, jobs, _address, emit, finished) -> None:
     import multiprocessing as mp
 
     # forkserver: workers do not inherit this process's threads or open parquet writers
-    pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("forkserver"))
+    pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("forkserver"),
+                                  initializer=_worker_init)
     try:
         futures = {}
         for c in todo:
-            futures[pool.submit(run_one, trace, c.settings, os.path.join(out_dir, c.name))] = c
+            futures[pool.submit(_run_in_worker, trace, c.settings, os.path.join(out_dir, c.name))] = c
         started = set()
         pending = set(futures)
         while pending:
@@ -322,25 +323,52 @@ def _run_local(trace, out_dir, todo, jobs, _address, emit, finished) -> None:
                     emit(Event("start", c.name))
                 try:
                     finished(c, f.result(), None)
-                except RunError as e:
+                except Exception as e:  # one configuration failing must not stop the rest
                     finished(c, None, str(e))
     except BaseException:
         # Ctrl-C (or a worker's crash): stop the workers, whose engines then close their runs as
         # incomplete; finished runs and sweep.parquet are already on disk.
+        procs = list((getattr(pool, "_processes", None) or {}).values())  # shutdown forgets them
         pool.shutdown(wait=False, cancel_futures=True)
-        _interrupt_workers(pool)
+        _interrupt_workers(procs)
         raise
     pool.shutdown()
 
 
-def _interrupt_workers(pool) -> None:
-    procs = list((getattr(pool, "_processes", None) or {}).values())
+# -- worker side of Ctrl-C: the run in progress closes as incomplete, queued ones never start ------
+_STOPPING = False
+_IN_RUN = False
+
+
+def _worker_init() -> None:
+    signal.signal(signal.SIGINT, _on_sigint)  # forkserver children start with SIGINT ignored
+
+
+def _on_sigint(_signum, _frame) -> None:
+    global _STOPPING
+    _STOPPING = True
+    if _IN_RUN:  # the engine's finally writes summary.json with complete=false
+        raise KeyboardInterrupt
+
+
+def _run_in_worker(trace: str, settings: dict, run_dir: str) -> dict:
+    global _IN_RUN
+    if _STOPPING:
+        raise KeyboardInterrupt("the sweep was interrupted before this configuration started")
+    _IN_RUN = True
+    try:
+        return run_one(trace, settings, run_dir)
+    finally:
+        _IN_RUN = False
+
+
+def _interrupt_workers(procs) -> None:
     for p in procs:
         try:
             os.kill(p.pid, signal.SIGINT)
         except (OSError, TypeError):
             pass
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + 5.0
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():

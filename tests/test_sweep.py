@@ -74,6 +74,19 @@ def test_ray_backend_without_ray_is_a_one_line_usage_error(monkeypatch, capsys, 
     assert not (tmp_path / "sw").exists()
 
 
+def test_a_failing_configuration_does_not_stop_the_rest(capsys, tmp_path):
+    out = tmp_path / "sw"
+    # 600 MiB of KV holds a paged chat request but not one slab of 8192 slots (1 GiB)
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", TRACE, "--executor", "sim", "--model", "llama-3-8b", "--layout", "paged,slab",
+              "--kv-mem", "600MiB", "--max-model-len", "8192", "--limit", "5", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and "1 of 2 configurations failed (slab)" in err[-1]
+    assert list(pd.read_parquet(out / "sweep.parquet")["run"]) == ["paged"]
+    status = {c["run"]: c["status"] for c in _manifest(out)["configurations"]}
+    assert status["paged"] == "done" and "KV blocks" in status["slab"]
+
+
 def _manifest(out: Path) -> dict | None:
     try:
         return json.loads((out / "sweep.json").read_text())
@@ -90,10 +103,11 @@ def _mtimes(run_dir: Path) -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
 
 
-def test_interrupted_sweep_resumes_without_redoing_finished_runs(tmp_path):
+@pytest.mark.parametrize("jobs", ["1", "2"])  # in process, and worker processes
+def test_interrupted_sweep_resumes_without_redoing_finished_runs(tmp_path, jobs):
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "kvbench", "sweep", TRACE, *GRID, "--limit", "80", "--out", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    proc = subprocess.Popen(cmd + ["-j", jobs], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     deadline = time.monotonic() + 60
     while len(_done(out)) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
