@@ -17,6 +17,7 @@ import numpy as np
 
 from kvbench.config import ReplayConfig
 from kvbench.errors import RunError
+from kvbench.eviction import make_evictor
 from kvbench.executors import make_executor
 from kvbench.memory import make_kv
 from kvbench.memory.future import next_uses
@@ -74,8 +75,12 @@ class Replay:
         self.kv = make_kv(cfg.layout, self.num_blocks, cfg.block_size,
                           prefix_cache=cfg.prefix_cache and paged, cache_policy=cfg.cache_policy)
         self.executor.bind_pool(self.num_blocks, cfg.block_size)
+        self.evictor = make_evictor(cfg.eviction, self.kv, kv_budget=cfg.kv_budget,
+                                    sink_tokens=cfg.sink_tokens, seed=cfg.seed,
+                                    kv_bytes_per_token=self.executor.kv_bytes_per_token())
         self.sched = Scheduler(self.kv, SchedulerConfig(cfg.max_num_seqs, cfg.max_batched_tokens),
-                               needs_tokens=self.executor.needs_tokens, streams=self.streams)
+                               needs_tokens=self.executor.needs_tokens, streams=self.streams,
+                               evictor=self.evictor)
         self._lat: list[tuple[float, float, float, float]] = []  # ttft, tpot, e2e, queue (ms)
         self.finished: list[RequestState] | None = None  # set to [] to keep finished requests
 
@@ -145,7 +150,7 @@ class Replay:
                 start_s = clock
                 clock += result.duration_s
                 finished = sched.update(plan, result, clock)
-                self._record_step(writer, st, step, start_s, result.duration_s, batch, plan)
+                self._record_step(writer, st, step, start_s, result, batch, plan)
                 step += 1
                 if self.finished is not None:
                     self.finished.extend(finished)
@@ -188,8 +193,9 @@ class Replay:
         self.sched.add(seq)
 
     # -- records ------------------------------------------------------------------------------
-    def _record_step(self, writer, st, step, start_s, dur_s, batch, plan) -> None:
+    def _record_step(self, writer, st, step, start_s, result, batch, plan) -> None:
         sched = self.sched
+        dur_s = result.duration_s
         used, cached, free, slots, live = self.kv.stats()
         running = len(sched.running)
         frag = 1.0 - live / slots if slots else 0.0
@@ -198,6 +204,7 @@ class Replay:
                           running, len(sched.waiting), self.num_blocks, used, cached, free, slots,
                           live, frag, util, sched.hit_tokens, sched.query_tokens))
         st.busy_s += dur_s
+        st.pcie_s += result.pcie_s
         st.slots_t += slots * dur_s
         st.live_t += live * dur_s
         st.running_t += running * dur_s
@@ -245,7 +252,7 @@ class Replay:
             "mean_running": st.running_t / st.busy_s if st.busy_s else 0.0,
             "preemptions": sched.preemptions,
             "recomputed_tokens": sched.recomputed_tokens,
-            "evicted_tokens": 0, "recalled_tokens": 0, "attention_mass_kept": None,
+            **self.evictor.summary(), "pcie_s": st.pcie_s,
             "peak_slots_allocated": st.peak_slots, "peak_tokens_live": st.peak_live,
             "output_tokens": st.output_tokens, "steps": steps,
             "num_blocks": self.num_blocks, "block_size": self.cfg.block_size,
@@ -278,6 +285,7 @@ class _Totals:
     live_t: float = 0.0
     running_t: float = 0.0
     util_t: float = 0.0
+    pcie_s: float = 0.0
 
 
 def _sha256(path: str) -> str | None:

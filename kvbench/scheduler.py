@@ -9,6 +9,12 @@ up in the prefix cache so cached tokens skip prefill. A request with n > 1 is pr
 forked into n samples when its first token is sampled. The slab layout runs through the same code:
 its ``allocate`` reserves a whole slab at admission and never fails afterwards.
 
+Token eviction (kvbench.eviction) hooks in at three points and never changes this flow: after each
+step's commit it may shrink the sequences about to decode (``after_step``), it forgets a sequence
+whose KV is freed (``release``), and it adds its queued slot moves, offloads and recalls to the
+next batch (``fill_batch``). An evicted sequence holds ``num_kv`` slots but has computed
+``num_kv + dropped`` tokens; that sum is what scheduling compares against ``num_tokens``.
+
 Hot path: per step, O(1) work per scheduled sequence plus O(blocks it gains); no per-token objects.
 """
 from __future__ import annotations
@@ -60,6 +66,7 @@ class Sequence(SeqKV):
     computed_before: int = 0  # KV tokens held before its last preemption (recompute accounting)
     wait_for_blocks: int = 0  # admission failed: blocks that must be available to try again
     resumed: bool = False
+    ev: object = None  # token-eviction state (kvbench.eviction.SeqState)
 
 
 @dataclass(slots=True)
@@ -79,8 +86,13 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv, cfg: SchedulerConfig, *, needs_tokens: bool = False, streams=None):
+    def __init__(self, kv, cfg: SchedulerConfig, *, needs_tokens: bool = False, streams=None,
+                 evictor=None):
+        from kvbench.eviction import NoEviction
+
         self.kv = kv
+        self.evictor = evictor if evictor is not None else NoEviction()
+        self.steps = 0
         self.cfg = cfg
         self.needs_tokens = needs_tokens
         self.streams = streams
@@ -119,7 +131,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             s = running[i]
-            num_new = min(s.num_tokens - s.num_kv, budget)
+            num_new = min(s.num_tokens - s.num_kv - s.dropped, budget)
             while not kv.allocate(s, num_new):
                 victim = running.pop()
                 self._preempt(victim)
@@ -175,8 +187,9 @@ class Scheduler:
 
     def _preempt(self, s: Sequence) -> None:
         """Free a running sequence; it waits at the head of the queue to be recomputed."""
-        s.computed_before = s.num_kv
+        s.computed_before = s.num_kv + s.dropped
         self.kv.free(s)
+        self.evictor.release(s)
         s.resumed = True
         s.rs.preemptions += 1
         self.preemptions += 1
@@ -185,12 +198,14 @@ class Scheduler:
     # -- building the executor's batch ---------------------------------------------------------
     def build_batch(self, plan: StepPlan) -> StepBatch:
         batch = StepBatch(block_size=self.kv.block_size, copies=self.kv.take_copies())
+        self.evictor.fill_batch(batch)
         tokens = self.needs_tokens
         for s, n in zip(plan.seqs, plan.num_new):
-            start = s.num_kv
+            start = s.num_kv + s.dropped
             if start + n == s.num_tokens and start == s.num_tokens - 1 and s.num_out > 0:
                 batch.decode_seq_ids.append(s.seq_id)
                 batch.decode_positions.append(start)
+                batch.decode_slots.append(s.num_kv)
                 if tokens:
                     batch.decode_tokens.append(s.last_token)
             else:
@@ -220,7 +235,7 @@ class Scheduler:
         done_seqs = False
         for s, n in zip(plan.seqs, plan.num_new):
             kv.commit(s, n)
-            if s.num_kv < s.num_tokens:
+            if s.num_kv + s.dropped < s.num_tokens:
                 continue  # a prefill chunk that did not reach the end
             rs = s.rs
             req = rs.req
@@ -243,6 +258,7 @@ class Scheduler:
                         rs.samples = []
                     rs.samples.append(s.out_tokens)
                 kv.free(s)
+                self.evictor.release(s)
                 s.num_tokens = -1  # marks finished for the sweep below
                 done_seqs = True
                 rs.live_seqs -= 1
@@ -251,6 +267,8 @@ class Scheduler:
                     finished.append(rs)
         if done_seqs:
             self.running = [s for s in self.running if s.num_tokens >= 0]
+        self.evictor.after_step(self.running, result, self.steps)
+        self.steps += 1
         return finished
 
     def _emitted_token(self, s: Sequence, sampled) -> int:

@@ -5,6 +5,11 @@ Each step: copy-on-write block copies, one forward over the step's prefill chunk
 CPU), which advances the engine clock. With ``collect_attention`` it also returns, per decoding
 sequence, the attention weight on each cached position, recomputed from the decode's log-sum-exp in a
 second pass (what H2O accumulates).
+
+Token eviction: before the forward it carries out the batch's KV traffic (kvbench.executors.base
+StepBatch: offload to host, slot moves, recall, release), timing the host<->device part as the
+step's PCIe time (a measurement-only shadow offload is done outside the timed step); after it,
+it scores host-held tokens against the decode queries (InfiniGen recall, attention mass kept).
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import numpy as np
 import torch
 
 from kvbench import kernels
+from kvbench.eviction_host import HostKV
 from kvbench.executors.base import StepBatch, StepResult
 from kvbench.executors.modeling import (AttentionMetadata, ForwardInputs, build_inputs, build_model,
                                         decode_attention_stats, default_dtype, make_kv_pool)
@@ -31,6 +37,19 @@ def resolve_device(device: str) -> torch.device:
         from kvbench.errors import InputError
         raise InputError("no CUDA device is available", field="--device")
     return torch.device(device)
+
+
+def move_slots(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy KV slot src[i] to dst[i] in every plane, reading every source before writing: sources
+    and destinations may overlap (compaction fills holes with slots it also vacates).
+    pool: [2L, NB, BS, Hkv, D]; src, dst: int64 [n] pool slots (block * BS + offset)."""
+    flat = pool.view(pool.shape[0], -1, *pool.shape[3:])  # [2L, NB*BS, Hkv, D], a view
+    flat[:, dst] = flat[:, src]  # advanced indexing on the right gathers into a new tensor first
+
+
+# Below this hidden size a CPU forward is dominated by per-op overhead, and torch's thread pool only
+# adds synchronisation (the `tiny` model runs ~5x faster on one thread on a shared 2-core machine).
+SMALL_MODEL_HIDDEN = 512
 
 
 class _Timer:
@@ -67,6 +86,9 @@ class ModelExecutor:
         self.net = build_model(model, self.device, seed, attention, self.dtype)
         self.spec: ModelSpec = self.net.spec
         self.collect_attention = collect_attention
+        self.host = HostKV()
+        if self.device.type == "cpu" and self.spec.hidden_size <= SMALL_MODEL_HIDDEN:
+            torch.set_num_threads(1)
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.pool: torch.Tensor | None = None  # [2L, NB, BS, Hkv, D]
         self.block_size = 0
@@ -102,7 +124,10 @@ class ModelExecutor:
 
     def execute(self, batch: StepBatch) -> StepResult:
         pool = self._pool_for(batch.block_size)
+        if batch.offload and not batch.offload_is_transfer:  # measurement shadow: not the step's work
+            self.host.offload(pool, batch.offload)
         with _Timer(self.device) as timer:
+            pcie_s = self._kv_traffic(pool, batch)
             if batch.copies:
                 pairs = torch.tensor(batch.copies, dtype=torch.int64, device=self.device)  # [P, 2]
                 kernels.copy_blocks(pool, pairs, backend=self.net.model.layers[0].self_attn.backend)
@@ -112,7 +137,37 @@ class ModelExecutor:
             attention = self._attention(inputs.meta, pool, batch.decode_seq_ids) if self.collect_attention else None
         order = [s for s, last in zip(batch.prefill_seq_ids, batch.prefill_last) if last] + list(batch.decode_seq_ids)
         self._last = (inputs.meta, pool, list(batch.decode_seq_ids))
-        return StepResult(duration_s=timer.seconds, sampled=dict(zip(order, tokens)), attention=attention)
+        host_scores = mass = None
+        if self.collect_attention and batch.decode_seq_ids and inputs.meta.decode_records:
+            q = torch.stack([r[0] for r in inputs.meta.decode_records]).cpu()  # [L, D, Hq, Dh]
+            lse = torch.stack([r[1] for r in inputs.meta.decode_records]).cpu()  # [L, D, Hq]
+            host_scores, mass = self.host.score(list(batch.decode_seq_ids), q, lse,
+                                                self.net.model.layers[0].self_attn.scale)
+        return StepResult(duration_s=timer.seconds, sampled=dict(zip(order, tokens)), attention=attention,
+                          host_scores=host_scores, mass_kept=mass, pcie_s=pcie_s)
+
+    def _kv_traffic(self, pool: torch.Tensor, batch: StepBatch) -> float:
+        """Offload, slot moves, recall, release (in that order); returns the host<->device seconds."""
+        cuda = self.device.type == "cuda"
+        pcie_s = 0.0
+        if batch.offload and batch.offload_is_transfer:
+            t0 = time.perf_counter()
+            self.host.offload(pool, batch.offload)  # .to("cpu") synchronises
+            pcie_s += time.perf_counter() - t0
+        if batch.slot_moves is not None:
+            src, dst = (torch.as_tensor(a, device=self.device) for a in batch.slot_moves)
+            move_slots(pool, src, dst)
+        if batch.recall:
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            self.host.recall(pool, batch.recall)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            pcie_s += time.perf_counter() - t0
+        if batch.host_release:
+            self.host.release(batch.host_release)
+        return pcie_s
 
     def inputs_for(self, batch: StepBatch) -> ForwardInputs:
         """The flattened forward inputs of a StepBatch (decode positions give each context length)."""
@@ -122,7 +177,7 @@ class ModelExecutor:
             prefill_tokens=batch.prefill_tokens, prefill_starts=batch.prefill_starts,
             prefill_tables=[tables[s] for s in batch.prefill_seq_ids], prefill_sample=batch.prefill_last,
             decode_tokens=batch.decode_tokens, decode_positions=batch.decode_positions,
-            decode_tables=[tables[s] for s in batch.decode_seq_ids],
+            decode_tables=[tables[s] for s in batch.decode_seq_ids], decode_slots=batch.decode_slots,
             prefill_kept=[kept.get(s) for s in batch.prefill_seq_ids],
             decode_kept=[kept.get(s) for s in batch.decode_seq_ids])
         if self.collect_attention:
@@ -155,5 +210,5 @@ def make_model_executor(cfg, model: ModelSpec) -> ModelExecutor:
     """The executor for a ReplayConfig: a model folder's own weights, or the preset random-initialised."""
     source = cfg.model if os.path.isdir(cfg.model) else model
     return ModelExecutor(source, cfg.device, cfg.seed, cfg.attention,
-                         collect_attention=cfg.eviction in ("h2o", "infinigen"))
+                         collect_attention=cfg.eviction != "none")
 

@@ -98,13 +98,15 @@ def build_inputs(block_size: int, device: torch.device | str,
                  prefill_tokens: Sequence[np.ndarray] = (), prefill_starts: Sequence[int] = (),
                  prefill_tables: Sequence[Sequence[int]] = (), prefill_sample: Sequence[bool] = (),
                  decode_tokens: Sequence[int] = (), decode_positions: Sequence[int] = (),
-                 decode_tables: Sequence[Sequence[int]] = (),
+                 decode_tables: Sequence[Sequence[int]] = (), decode_slots: Sequence[int] = (),
                  prefill_kept: Sequence[np.ndarray | None] = (), decode_kept: Sequence[np.ndarray | None] = (),
                  logits_for_all_tokens: bool = False) -> ForwardInputs:
     """Flatten one step's prefill chunks and decodes (parallel lists, as in StepBatch).
 
     Logits come back for the last token of each chunk with ``prefill_sample`` set, then for every
-    decode, in that order (or for every row with ``logits_for_all_tokens``).
+    decode, in that order (or for every row with ``logits_for_all_tokens``). ``decode_slots`` (token
+    eviction): the slot index each decode writes, attending to that many slots plus its own; empty
+    means slot = position.
     """
     ids, pos, slots, sample = [], [], [], []
     row = 0
@@ -118,16 +120,17 @@ def build_inputs(block_size: int, device: torch.device | str,
             sample.append(row - 1)
     num_prefill = row
     dpos = np.asarray(decode_positions, dtype=np.int64)
+    dslot = np.asarray(decode_slots, dtype=np.int64) if len(decode_slots) else dpos
     ids.append(np.asarray(decode_tokens, dtype=np.int64))
     pos.append(dpos)
-    slots.append(np.array([_slots(t, dpos[i:i + 1], block_size)[0] for i, t in enumerate(decode_tables)],
+    slots.append(np.array([_slots(t, dslot[i:i + 1], block_size)[0] for i, t in enumerate(decode_tables)],
                           dtype=np.int64))
     sample.extend(range(num_prefill, num_prefill + len(dpos)))
     if logits_for_all_tokens:
         sample = list(range(num_prefill + len(dpos)))
     lens = [len(t) for t in prefill_tokens]
     prefill_ctx = [s + n for s, n in zip(prefill_starts, lens)]
-    decode_ctx = (dpos + 1).tolist()
+    decode_ctx = (dslot + 1).tolist()
 
     def t(a, dtype):
         return torch.as_tensor(np.asarray(a), dtype=dtype).to(device)
@@ -321,19 +324,34 @@ def decode_attention_stats(model: PagedLlama, kv_pool: torch.Tensor, meta: Atten
 # Weights
 
 
+QK_LOGIT_STD = 2.0
+EMBED_SHARED_STD = 0.02  # the shared embedding direction, as strong as each token's own part  # std of q.k / sqrt(d) under random weights (about what trained models show)
+
+
 @torch.no_grad()
 def init_random(model: PagedLlama, seed: int) -> None:
     """Random weights from ``seed``: matrices N(0, 0.02), biases N(0, 0.02), norm scales 1 + N(0, 0.1).
 
     Norm scales and biases are not left at 1 and 0 so that a misplaced one changes the logits
-    (the selfcheck would miss it otherwise)."""
+    (the selfcheck would miss it otherwise). The query and key projections are drawn with std
+    sqrt(QK_LOGIT_STD / hidden) instead, so attention logits have std ~QK_LOGIT_STD at any width, as
+    in trained models: with 0.02 a narrow model (``tiny``) attends almost uniformly, and token
+    eviction would have no heavy hitters to find."""
     dev = next(model.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed)
+    qk_std = (QK_LOGIT_STD / model.spec.hidden_size) ** 0.5
     for name, p in sorted(model.named_parameters()):  # shared (tied) weights appear once
         if name.endswith("norm.weight"):
             p.normal_(0.0, 0.1, generator=gen).add_(1.0)
+        elif name.endswith(("q_proj.weight", "k_proj.weight")):
+            p.normal_(0.0, qk_std, generator=gen)
         else:
             p.normal_(0.0, 0.02, generator=gen)
+    # A direction every token embedding shares (trained models have one): it gives queries a common
+    # component, so consecutive decode steps attend to overlapping keys and heavy hitters persist,
+    # which is the locality H2O and InfiniGen rely on; random embeddings alone have none.
+    emb = model.model.embed_tokens.weight
+    emb.add_(torch.randn(emb.shape[1], generator=gen, device=dev).to(emb.dtype) * EMBED_SHARED_STD)
 
 
 def rope_from_config(folder: str) -> tuple[float | None, dict | None]:

@@ -5,6 +5,8 @@ step time = overhead + max(compute, memory), where
                                   + 2 x hidden x vocab x tokens sampled (LM head)
                                   + 4 x layers x heads x head_dim x attended (query, key) pairs
   memory  = bytes / bandwidth:    weights once per step + KV read by every query + KV written
+                                  + slots moved by token eviction's compaction (read + write)
+plus, for InfiniGen-style offload, the batch's host<->device bytes / pcie_bw (not overlapped).
 A decode step of a big batch is memory bound (the KV read grows with context), a long prefill chunk
 compute bound. The coefficients (matmul_flops, mem_bw, step_overhead_s) come from the GPU preset,
 or from a calibration file written by ``kvbench calibrate`` on real hardware, which may also carry
@@ -92,7 +94,7 @@ class SimExecutor:
             n_pre += n
             pairs += n * (start + (n + 1) / 2)  # causal: query i sees start + i + 1 keys
             kv_read += start + n
-        ctx = sum(batch.decode_positions) + len(batch.decode_positions)
+        ctx = sum(batch.decode_context_lens())
         pairs += ctx
         kv_read += ctx
         n_tok = n_pre + len(batch.decode_positions)
@@ -100,14 +102,20 @@ class SimExecutor:
         flops = self._flops_tok * n_tok + self._flops_head * n_sampled + self._flops_pair * pairs
         mem = self._weights + self._kv_tok * (kv_read + n_tok)
         mem += len(batch.copies) * batch.block_size * self._kv_tok * 2  # copy-on-write: read + write
+        if batch.slot_moves is not None:  # compaction after token eviction: read + write
+            mem += len(batch.slot_moves[0]) * self._kv_tok * 2
         return flops, mem
 
     def step_time(self, batch: StepBatch) -> float:
         flops, mem = self.step_work(batch)
-        return self.cost.time(flops, mem)
+        return self.cost.time(flops, mem) + self.pcie_time(batch)
+
+    def pcie_time(self, batch: StepBatch) -> float:
+        """Host<->device KV traffic (InfiniGen offload and recall), not overlapped with compute."""
+        return batch.pcie_bytes / self.cost.pcie_bw if batch.pcie_bytes else 0.0
 
     def execute(self, batch: StepBatch) -> StepResult:
-        return StepResult(duration_s=self.step_time(batch))
+        return StepResult(duration_s=self.step_time(batch), pcie_s=self.pcie_time(batch))
 
 
 def make_sim(model: ModelSpec, gpu: GPUSpec, calibration: str | None = None,

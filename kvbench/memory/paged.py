@@ -7,6 +7,15 @@ for n more tokens: fill counters, register newly full blocks in the prefix cache
 ``fork`` shares every block of a sequence by refcount (parallel sampling); the first append into a
 shared partial tail copies it (copy-on-write), and the (src, dst) copy is queued in ``copies`` for the
 executor to perform before the step's forward.
+
+Token eviction (kvbench.eviction) shrinks a sequence with ``compact``: the kept tokens are packed into
+slots [0, n) so whole blocks are freed. Once compacted, slot i no longer holds logical position i:
+``num_kv`` counts slots (what memory holds) and ``dropped`` the computed tokens no longer in a slot,
+so ``num_kv + dropped`` is what the sequence has computed. A block shared with another sequence or
+indexed by the prefix cache is never written: when compaction would change one, its kept tokens
+are copied out into a private block and the sequence drops its reference (token-level copy-on-write);
+a compacted sequence registers nothing more in the prefix cache, since its slots are no longer a
+prefix of its tokens.
 """
 from __future__ import annotations
 
@@ -32,6 +41,23 @@ class SeqKV:
     num_registered: int = 0  # leading blocks already offered to the prefix cache
     reserve: int = 0  # slab: slots to reserve (max_model_len or prompt+output)
     base: int = -1  # slab: first block of the reservation
+    dropped: int = 0  # computed tokens evicted from the slots (token eviction)
+    compacted: bool = False  # slots no longer hold positions 0..num_kv-1: never register again
+
+
+@dataclass(slots=True)
+class Compaction:
+    """What ``PagedKV.compact`` did. Logical arrays index the sequence's slots (old layout for ``src``,
+    new for ``dst`` and ``append``); physical ones are pool slots (block * block_size + offset),
+    int64. The executor copies ``src_phys -> dst_phys`` (gather all, then scatter) before the next
+    forward; ``append_phys`` are reserved slots the caller fills (recalled tokens)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    append: np.ndarray
+    src_phys: np.ndarray
+    dst_phys: np.ndarray
+    append_phys: np.ndarray
 
 
 class PagedKV:
@@ -147,7 +173,8 @@ class PagedKV:
                 j += 1
             p.tokens_live += n
         s.num_kv = end
-        if end // bs > s.num_registered and self.prefix_cache and s.tokens is not None:
+        if (end // bs > s.num_registered and self.prefix_cache and s.tokens is not None
+                and not s.compacted):
             full = min(end, len(s.tokens)) // bs  # only blocks of known tokens can ever be hit
             if full > s.num_registered:
                 self._register(s, full)
@@ -165,6 +192,8 @@ class PagedKV:
         s.table = []
         s.num_kv = 0
         s.num_registered = 0
+        s.dropped = 0
+        s.compacted = False
 
     def fork(self, s: SeqKV, child: SeqKV) -> bool:
         """Make ``child`` (an empty SeqKV) share every block, full and partial, of ``s``.
@@ -174,7 +203,76 @@ class PagedKV:
         child.table = list(s.table)
         child.num_kv = s.num_kv
         child.num_registered = s.num_registered
+        child.dropped = s.dropped
+        child.compacted = s.compacted
         return True
+
+    # -- token eviction ----------------------------------------------------------------------
+    def slots_of(self, s: SeqKV, logical: np.ndarray) -> np.ndarray:
+        """Pool slots of the sequence's logical slots. int64 [n] -> int64 [n]."""
+        bs = self.block_size
+        tbl = np.asarray(s.table, dtype=np.int64)
+        return tbl[logical // bs] * bs + logical % bs
+
+    def _frozen(self, b: int) -> bool:
+        """A block this sequence may not write: shared, or indexed by the prefix cache."""
+        return self.pool.refcnt[b] > 1 or self.pool.key[b] is not None
+
+    def compact(self, s: SeqKV, keep: np.ndarray, append: int = 0) -> Compaction | None:
+        """Keep the sequence's slots ``keep`` (logical, sorted, unique) and reserve ``append`` more:
+        afterwards it holds n = len(keep) + append slots, [0, n), in ceil(n / block_size) blocks.
+
+        Kept tokens stay where they are when their block stays; the others (in blocks past the new
+        end, or in frozen blocks that would change) fill the holes, so a step moves about as many
+        slots as it evicts. A frozen block stays only if it keeps all its tokens and nothing is
+        written into it; otherwise a new private block replaces it. Returns None, changing nothing,
+        when those new blocks are not available.
+        """
+        p, bs = self.pool, self.block_size
+        old_n = s.num_kv
+        keep = np.asarray(keep, dtype=np.int64)
+        n = len(keep) + append
+        nb = -(-n // bs)
+        kept = np.zeros(old_n, dtype=bool)
+        kept[keep] = True
+        table = s.table
+        stay = np.ones(nb, dtype=bool)
+        fill = p.fill
+        for k in range(nb):
+            if k >= len(table):
+                stay[k] = False
+            elif self._frozen(table[k]):
+                lo, f = k * bs, fill[table[k]]
+                stay[k] = (lo + f <= n and (f == bs or lo + f == n) and bool(kept[lo:lo + f].all()))
+        n_new = int(nb - stay.sum())
+        if n_new > p.num_available:
+            return None
+        # kept slots that stay in place: inside [0, n) and in a staying block
+        m = min(old_n, n)
+        in_place = np.zeros(old_n, dtype=bool)
+        in_place[:m] = kept[:m] & stay[np.arange(m) // bs]
+        src = np.flatnonzero(kept & ~in_place)
+        occupied = np.zeros(n, dtype=bool)
+        occupied[:m] = in_place[:m]
+        holes = np.flatnonzero(~occupied)  # len = len(src) + append
+        dst, app = holes[:len(src)], holes[len(src):]
+        src_phys = self.slots_of(s, src)
+        # the new table: staying blocks, new blocks where not; release the rest (tail first)
+        new_table = [table[k] if stay[k] else p.alloc() for k in range(nb)]
+        kept_blocks = set(new_table)
+        released = [b for b in table if b not in kept_blocks]
+        for k, b in enumerate(new_table):
+            want = min(bs, n - k * bs)
+            if fill[b] != want:  # a private block (frozen ones stay only when unchanged)
+                p.tokens_live += want - fill[b]
+                fill[b] = want
+        s.table = new_table
+        p.release_all(reversed(released))
+        s.dropped += old_n - n
+        s.num_kv = n
+        s.num_registered = min(s.num_registered, int(np.argmin(stay)) if not stay.all() else nb)
+        s.compacted = True
+        return Compaction(src, dst, app, src_phys, self.slots_of(s, dst), self.slots_of(s, app))
 
     def take_copies(self) -> list[tuple[int, int]]:
         c, self.copies = self.copies, []

@@ -1,0 +1,85 @@
+"""The sim executor's synthetic attention: per decode step, a weight on each cached position of a
+sequence, fully determined by the seed, so H2O scores and InfiniGen recalls are reproducible
+without a model.
+
+Unnormalised weight of position i when the query sits at position t (every term vectorised):
+- sinks: the first SINKS positions get SINK_W each (attention sinks exist whatever a policy keeps);
+- recency: RECENT_W * exp(-(t - i) / RECENT_TAU): the local window every layer attends to;
+- heavy hitters: a position is a heavy hitter with chance HEAVY_P, drawn once per sequence; its
+  weight is HEAVY_W / rank^1.1 with rank uniform in 1..HEAVY_RANKS (a Zipf tail);
+- re-reads: the decode steps come in epochs of EPOCH steps; an epoch re-reads old history with a
+  per-workload chance (``REREAD_P[meta.workload]``, higher for agents, which act on what they read
+  long before) and then puts REREAD_W on each of REREAD_SPAN positions chosen uniformly among those
+  older than RECENT_CUT;
+- a floor of BASE_W everywhere (attention is never exactly zero).
+Weights are normalised by their sum over the positions asked for (the tokens on the GPU), as the
+model executor's weights are normalised over the kept tokens; offloaded tokens are scored relative
+to the same sum, which is what an InfiniGen recall threshold compares against.
+
+Randomness is a counter-based hash (splitmix64) of (seed, request index, position or epoch): no
+per-sequence RNG state, the same weights whatever the batch composition or preemptions.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+SINKS = 4
+SINK_W = 20.0
+RECENT_W = 8.0
+RECENT_TAU = 32.0
+HEAVY_P = 0.05
+HEAVY_W = 30.0
+HEAVY_RANKS = 50
+EPOCH = 16
+REREAD_SPAN = 64
+REREAD_W = 40.0
+RECENT_CUT = 256
+BASE_W = 0.5
+# chance that an epoch of EPOCH decode steps re-reads old history, by the request's meta.workload
+REREAD_P = {"agent": 0.5, "rag": 0.15, "chat": 0.02, "best-of-n": 0.02}
+REREAD_P_DEFAULT = 0.1
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser: uint64 [n] -> uint64 [n], a bijection that scrambles every bit."""
+    with np.errstate(over="ignore"):
+        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _M64
+        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
+        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
+        return x ^ (x >> np.uint64(31))
+
+
+def _uniform(key: int, salt: int, idx: np.ndarray) -> np.ndarray:
+    """Uniform [0, 1) floats for integer indices under (key, salt). idx: int [n] -> float64 [n]."""
+    base = _mix(np.array([(key * 1_000_003 + salt) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0]
+    with np.errstate(over="ignore"):
+        h = _mix(idx.astype(np.uint64) ^ base)
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def sequence_key(seed: int, request_index: int) -> int:
+    return int(_mix(np.array([(seed * 7_919 + request_index) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0] >> np.uint64(2))
+
+
+def reread_chance(workload: str | None) -> float:
+    return REREAD_P.get(workload or "", REREAD_P_DEFAULT)
+
+
+def raw_weights(key: int, pos: np.ndarray, t: int, reread_p: float) -> np.ndarray:
+    """Unnormalised weights of positions ``pos`` (int64 [n]) for the query at position t -> float64 [n]."""
+    age = (t - pos).astype(np.float64)
+    w = BASE_W + RECENT_W * np.exp(-age / RECENT_TAU)
+    w[pos < SINKS] += SINK_W
+    heavy = _uniform(key, 1, pos) < HEAVY_P
+    if heavy.any():
+        rank = 1 + np.floor(_uniform(key, 2, pos[heavy]) * HEAVY_RANKS)
+        w[heavy] += HEAVY_W * rank ** -1.1
+    old_end = t - RECENT_CUT
+    if old_end > REREAD_SPAN:
+        epoch = np.array([t // EPOCH])
+        if _uniform(key, 3, epoch)[0] < reread_p:
+            lo = int(_uniform(key, 4, epoch)[0] * (old_end - REREAD_SPAN))
+            w[(pos >= lo) & (pos < lo + REREAD_SPAN)] += REREAD_W
+    return w
