@@ -298,8 +298,8 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
             counts.append(int(x))
         plan = wi.budgets_from_blocks(counts, block_bytes)
     else:
-        plan = wi.budgets_from_bytes([parse_size(x, "--budgets") for x in _split(budgets or DEFAULT_BUDGETS)],
-                                     block_bytes)
+        texts = _split(budgets or DEFAULT_BUDGETS)
+        plan = wi.budgets_from_bytes([parse_size(x, "--budgets") for x in texts], block_bytes, texts)
     if not plan:
         raise InputError("no budget given", field="--budget-blocks" if budget_blocks else "--budgets")
     for b in plan:
@@ -320,7 +320,8 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
         return
     width = None if sys.stdout.isatty() else 110
     Console(file=sys.stdout, width=width).print(wi.table(result))
-    too_large = {r["budget_bytes"]: r["too_large_requests"] for r in result.rows if r["too_large_requests"]}
-    for size, n in sorted(too_large.items()):
-        _note(f"at {wi.format_bytes(size)}, {n} counted requests have more whole blocks than the "
-              "budget: they could not run, and count as misses")
+    too_large = {(r["budget_bytes"], r["budget"]): r["too_large_requests"] for r in result.rows
+                 if r["too_large_requests"]}
+    for (_, label), n in sorted(too_large.items()):
+        _note(f"at {label}, {n} counted requests have more whole blocks than the budget: they could "
+              "not run, and count as misses")

@@ -21,7 +21,8 @@ decisions as a pool's physical ones; tests/test_whatif.py holds the two to equal
 
 Speed (see benchmarks/bench_whatif.py): every request's keys are computed once, factorised into one
 flat int array of dense ids and shared by all (budget, policy) points (forked workers inherit it);
-belady's next uses come from one backward pass; each point touches the policy once per request per
+belady's next uses come from one backward pass (another only for a budget that some requests
+exceed: they look nothing up there); each point touches the policy once per request per
 kind of call (a batch), and numpy does the per-block lookups; points run in processes (``jobs``).
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -140,6 +142,7 @@ class Point:
     hit_tokens: int  # in the window
     evicted_blocks: int
     too_large: int  # requests in the window with more whole blocks than the budget
+    wall_s: float = field(default=0.0, compare=False)
 
 
 def simulate(bt: BlockTrace, budget_blocks: int, policy: str,
@@ -151,6 +154,7 @@ def simulate(bt: BlockTrace, budget_blocks: int, policy: str,
     """
     if budget_blocks < 1:
         raise ValueError("budget_blocks must be >= 1")
+    t0 = time.perf_counter()
     pol = make_policy(policy, max(bt.distinct_blocks, 1))
     future = bt.future(budget_blocks) if policy == "belady" else None
     cached = np.zeros(bt.distinct_blocks, dtype=bool)
@@ -198,7 +202,8 @@ def simulate(bt: BlockTrace, budget_blocks: int, policy: str,
             hit_blocks += h
         if on_request is not None:
             on_request(i, h)
-    return Point(budget_blocks, policy, hit_blocks * bt.block_size, evicted, too_large)
+    return Point(budget_blocks, policy, hit_blocks * bt.block_size, evicted, too_large,
+                 time.perf_counter() - t0)
 
 
 # --------------------------------------------------------------------------------- the curve
@@ -207,14 +212,17 @@ def simulate(bt: BlockTrace, budget_blocks: int, policy: str,
 class Budget:
     bytes: int
     blocks: int
+    label: str  # as the user wrote it ('1024GiB'), or formatted from the bytes
 
 
-def budgets_from_bytes(sizes: Sequence[int], block_bytes: int) -> list[Budget]:
-    return [Budget(b, b // block_bytes) for b in sizes]
+def budgets_from_bytes(sizes: Sequence[int], block_bytes: int,
+                       labels: Sequence[str] | None = None) -> list[Budget]:
+    labels = labels or [format_bytes(b) for b in sizes]
+    return [Budget(b, b // block_bytes, lab) for b, lab in zip(sizes, labels)]
 
 
 def budgets_from_blocks(counts: Sequence[int], block_bytes: int) -> list[Budget]:
-    return [Budget(n * block_bytes, n) for n in counts]
+    return [Budget(n * block_bytes, n, format_bytes(n * block_bytes)) for n in counts]
 
 
 _SHARED: BlockTrace | None = None  # what forked workers inherit instead of a pickled copy
@@ -278,6 +286,7 @@ def whatif(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str
         for p in policies:
             pt = points[(b.blocks, p)]
             rows.append({"budget_bytes": b.bytes, "budget_blocks": b.blocks, "policy": p,
+                         "budget": b.label,
                          "hit_rate": pt.hit_tokens / prompt if prompt else 0.0,
                          "ceiling": bt.ceiling, "hit_tokens": pt.hit_tokens,
                          "evicted_blocks": pt.evicted_blocks, "too_large_requests": pt.too_large})
@@ -332,8 +341,8 @@ def plot(w: WhatIf, path: str) -> None:
                 marker="o", label=p)
     ax.axhline(w.ceiling, color="black", linestyle="--", label=f"ceiling (infinite cache) {w.ceiling:.3f}")
     ax.set_xscale("log", base=2)
-    sizes = sorted({r["budget_bytes"] for r in w.rows})
-    ax.set_xticks([b / 2**30 for b in sizes], [format_bytes(b) for b in sizes], fontsize=8)
+    sizes = sorted({(r["budget_bytes"], r["budget"]) for r in w.rows})
+    ax.set_xticks([b / 2**30 for b, _ in sizes], [label for _, label in sizes], fontsize=8)
     ax.minorticks_off()
     ax.set_xlabel(f"KV cache budget (bytes, log scale; {w.model} {w.kv_dtype}: "
                   f"{format_bytes(w.kv_bytes_per_token)}/token)")
@@ -365,10 +374,11 @@ def table(w: WhatIf):
     t.add_column("ceiling", justify="right", style="dim")
     by_budget: dict[int, dict] = {}
     for r in w.rows:
-        by_budget.setdefault(r["budget_bytes"], {"blocks": r["budget_blocks"]})[r["policy"]] = r
+        cells = by_budget.setdefault(r["budget_bytes"], {"blocks": r["budget_blocks"], "label": r["budget"]})
+        cells[r["policy"]] = r
     for size, cells in sorted(by_budget.items()):
         best = max(cells[p]["hit_rate"] for p in policies)
-        row = [format_bytes(size), f"{cells['blocks']:,}"]
+        row = [cells["label"], f"{cells['blocks']:,}"]
         for p in policies:
             v = cells[p]["hit_rate"]
             row.append(f"[bold]{v:.4f}[/bold]" if v == best else f"{v:.4f}")

@@ -149,7 +149,8 @@ class _HeapPolicy(CachePolicy):
         raise NotImplementedError
 
     def release_many(self, blocks) -> None:
-        heap, seq_of, ev, prio, push = self._heap, self._seq_of, self._evictable, self._priority, heapq.heappush
+        heap, seq_of, ev, prio = self._heap, self._seq_of, self._evictable, self._priority
+        push = heapq.heappush
         seq = first = self._seq
         for b in blocks:
             seq += 1

@@ -1,0 +1,63 @@
+"""``kvbench trace whatif`` on the whole real Mooncake conversation trace (12,031 requests, about
+9 M block lookups per point at block size 16): the shared preparation (block keys, dense ids, the
+ceiling, belady's next uses) and every (budget, policy) point, then the total.
+
+    python benchmarks/bench_whatif.py [--trace ../shared/traces/real/mooncake_conversation.jsonl]
+        [--block-size 16] [--budgets 8GiB,16GiB,32GiB,64GiB,128GiB,1024GiB]
+        [--policies lru,fifo,lfu,belady] [-j 2] [--limit N]
+
+The trace is converted to kvbench's format first (not timed). Budgets are llama-3.1-8b bf16 bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from kvbench.config import parse_size
+from kvbench.presets import get_model
+from kvbench.trace.format import load_trace
+from kvbench.trace.importers import convert
+from kvbench.whatif import budgets_from_bytes, format_bytes, prepare, run_points
+
+DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "traces" / "real" / "mooncake_conversation.jsonl"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", default=str(DEFAULT))
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--budgets", default="8GiB,16GiB,32GiB,64GiB,128GiB,1024GiB")
+    ap.add_argument("--policies", default="lru,fifo,lfu,belady")
+    ap.add_argument("-j", "--jobs", type=int, default=2)
+    ap.add_argument("--limit", type=int, default=None)
+    a = ap.parse_args()
+    policies = a.policies.split(",")
+    block_bytes = get_model("llama-3.1-8b").kv_bytes_per_token("bf16") * a.block_size
+    budgets = budgets_from_bytes([parse_size(x) for x in a.budgets.split(",")], block_bytes)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "mooncake.jsonl"
+        convert("mooncake", a.trace, path, limit=a.limit)
+        t0 = time.perf_counter()
+        reqs = load_trace(path)
+    t1 = time.perf_counter()
+    bt = prepare(reqs, a.block_size, 0.5, future="belady" in policies)
+    t2 = time.perf_counter()
+    points = run_points(bt, [b.blocks for b in budgets], policies, a.jobs)
+    t3 = time.perf_counter()
+    lookups = int(bt.lookups.sum())
+    print(f"whatif bench: {bt.requests:,} requests, block size {a.block_size}, {lookups:,} block "
+          f"lookups per point, {bt.distinct_blocks:,} distinct blocks, -j {a.jobs}")
+    print(f"  load trace {t1 - t0:6.1f} s   prepare (keys, ids, ceiling, future) {t2 - t1:6.1f} s")
+    print(f"{'budget':>8} {'blocks':>9} " + " ".join(f"{p + ' s':>9} {'hit':>6}" for p in policies))
+    for b in budgets:
+        cells = [points[(b.blocks, p)] for p in policies]
+        print(f"{format_bytes(b.bytes):>8} {b.blocks:>9,} "
+              + " ".join(f"{c.wall_s:9.1f} {c.hit_tokens / bt.window_prompt_tokens:6.3f}" for c in cells))
+    print(f"  points {t3 - t2:.1f} s wall ({sum(p.wall_s for p in points.values()):.1f} s of work); "
+          f"total {t3 - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
