@@ -39,28 +39,38 @@ BASE_W = 0.5
 REREAD_P = {"agent": 0.5, "rag": 0.15, "chat": 0.02, "best-of-n": 0.02}
 REREAD_P_DEFAULT = 0.1
 
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+_M64 = (1 << 64) - 1
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser: uint64 [n] -> uint64 [n], a bijection that scrambles every bit."""
-    with np.errstate(over="ignore"):
-        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _M64
-        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
-        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
-        return x ^ (x >> np.uint64(31))
+    """splitmix64 finaliser: uint64 [n] -> uint64 [n], a bijection that scrambles every bit
+    (uint64 array arithmetic wraps silently, which is the point)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _mix_int(x: int) -> int:
+    """_mix for one Python int (no array round trip on the per-step path)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
 
 
 def _uniform(key: int, salt: int, idx: np.ndarray) -> np.ndarray:
     """Uniform [0, 1) floats for integer indices under (key, salt). idx: int [n] -> float64 [n]."""
-    base = _mix(np.array([(key * 1_000_003 + salt) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0]
-    with np.errstate(over="ignore"):
-        h = _mix(idx.astype(np.uint64) ^ base)
+    h = _mix(idx.astype(np.uint64) ^ np.uint64(_mix_int((key * 1_000_003 + salt) & _M64)))
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
+def _uniform1(key: int, salt: int, i: int) -> float:
+    return (_mix_int(i ^ _mix_int((key * 1_000_003 + salt) & _M64)) >> 11) * (1.0 / (1 << 53))
+
+
 def sequence_key(seed: int, request_index: int) -> int:
-    return int(_mix(np.array([(seed * 7_919 + request_index) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0] >> np.uint64(2))
+    return _mix_int((seed * 7_919 + request_index) & _M64) >> 2
 
 
 def reread_chance(workload: str | None) -> float:
@@ -78,8 +88,8 @@ def raw_weights(key: int, pos: np.ndarray, t: int, reread_p: float) -> np.ndarra
         w[heavy] += HEAVY_W * rank ** -1.1
     old_end = t - RECENT_CUT
     if old_end > REREAD_SPAN:
-        epoch = np.array([t // EPOCH])
-        if _uniform(key, 3, epoch)[0] < reread_p:
-            lo = int(_uniform(key, 4, epoch)[0] * (old_end - REREAD_SPAN))
+        epoch = t // EPOCH
+        if _uniform1(key, 3, epoch) < reread_p:
+            lo = int(_uniform1(key, 4, epoch) * (old_end - REREAD_SPAN))
             w[(pos >= lo) & (pos < lo + REREAD_SPAN)] += REREAD_W
     return w

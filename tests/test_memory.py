@@ -77,6 +77,72 @@ def test_pool_invariants_random_ops(ops, policy, bs, n_blocks):
     assert kv.pool.num_free + kv.pool.num_cached == n_blocks
 
 
+evict_ops = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free", "evict", "evict"]),
+                               st.integers(0, 7), st.integers(1, 40), st.integers(0, 2**31)),
+                     min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=evict_ops, policy=st.sampled_from(sorted(POLICIES)), bs=st.sampled_from([1, 4, 16]),
+       n_blocks=st.integers(8, 64))
+def test_pool_invariants_under_token_eviction(ops, policy, bs, n_blocks):
+    """Compaction (token eviction) among prefix hits, forks and frees: refcounts and counters stay
+    exact, whole blocks come back, and no block shared or in the prefix cache is ever written."""
+    kv = PagedKV(n_blocks, bs, prefix_cache=True, cache_policy=policy)
+    prompts = [STREAMS.stream(f"p{k % 3}", 200) for k in range(8)]
+    seqs: list[SeqKV] = []
+    for op, k, n, r in ops:
+        rng = np.random.default_rng(r)
+        if op == "new":
+            s = SeqKV(tokens=prompts[k])
+            plen = min(len(prompts[k]), n * 3)
+            hits = kv.lookup(s, plen)
+            if kv.allocate(s, plen - len(hits) * bs, hits):
+                kv.commit(s, plen - len(hits) * bs)
+                seqs.append(s)
+        elif op == "append" and seqs:
+            s = seqs[k % len(seqs)]
+            if kv.allocate(s, n):
+                kv.commit(s, n)
+        elif op == "fork" and seqs:
+            s = seqs[k % len(seqs)]
+            child = SeqKV(tokens=s.tokens)
+            kv.fork(s, child)
+            seqs.append(child)
+        elif op == "free" and seqs:
+            kv.free(seqs.pop(k % len(seqs)))
+        elif op == "evict" and seqs:
+            s = seqs[k % len(seqs)]
+            if not s.num_kv:
+                continue
+            keep = np.flatnonzero(rng.random(s.num_kv) < rng.random())
+            append = int(rng.integers(0, 3))
+            frozen = {b: kv.pool.fill[b] for b in range(n_blocks)
+                      if kv.pool.refcnt[b] > 1 or kv.pool.key[b] is not None}
+            before = (s.num_kv, s.dropped, list(s.table))
+            c = kv.compact(s, keep, append)
+            if c is None:
+                assert (s.num_kv, s.dropped, s.table) == before
+                continue
+            n_new = len(keep) + append
+            assert s.num_kv == n_new and s.num_kv + s.dropped == before[0] + before[1]
+            assert len(s.table) == -(-n_new // bs)
+            assert len(c.src) + len(c.append) == n_new - (len(keep) - len(c.src))
+            written = set((np.concatenate([c.dst_phys, c.append_phys]) // bs).tolist())
+            for b in written:  # only private, unindexed blocks are written
+                assert kv.pool.refcnt[b] == 1 and kv.pool.key[b] is None and b in s.table
+            for b, f in frozen.items():  # shared and cached blocks keep their contents, unless the
+                # pool reclaimed a cached one (it then left the prefix index: no hit can read it)
+                assert kv.pool.fill[b] == f or kv.pool.key[b] is None and b not in kv.pool.index.values()
+                if kv.pool.refcnt[b] and b not in s.table:  # still another sequence's: untouched
+                    assert kv.pool.fill[b] == f
+        check_invariants(kv, seqs)
+    for s in seqs:
+        kv.free(s)
+    check_invariants(kv, [])
+    assert kv.pool.num_used == 0 and kv.pool.tokens_live == 0
+
+
 @settings(max_examples=60, deadline=None)
 @given(order=st.lists(st.integers(0, 5), min_size=1, max_size=25), bs=st.sampled_from([4, 16]))
 def test_hits_never_exceed_ideal(order, bs):
