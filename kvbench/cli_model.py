@@ -26,30 +26,34 @@ def selfcheck(device, model, seed, attention, as_json):
     """Check the paged engine against transformers' implementation with the same weights.
 
     Two checks: (1) hand-driven paged forwards (shared-prefix reuse, chunked prefill mixed with
-    decodes, copy-on-write samples, recompute) compared logit by logit; (2) a replay through the real
-    engine (prefix-cache hits, a forced preemption, n=2 samples, chunked prefill) whose greedy tokens
-    must equal transformers' greedy continuation. Exits 1 when either disagrees beyond the
-    precision's tolerance (float32: logits within 1e-3 and every token equal).
+    decodes, copy-on-write samples, recompute) compared logit by logit; (2) replays through the real
+    engine, hash and radix prefix modes (prefix-cache hits, a hit ending inside a block, a forced
+    preemption, n=2 samples, chunked prefill), whose sampled logits and greedy tokens must match
+    transformers on the same tokens. Exits 1 when any disagrees beyond the precision's tolerance
+    (float32: logits within 1e-3 and every token equal).
     """
     from kvbench.selfcheck import run_engine_selfcheck, run_selfcheck
 
     forwards = run_selfcheck(device=device, model=model, seed=seed, attention=attention)
-    engine = run_engine_selfcheck(device=device, model=model, seed=seed, attention=attention)
-    ok = forwards["ok"] and engine["ok"]
-    result = {"ok": ok, "forwards": forwards, "engine": engine}
+    engines = {m: run_engine_selfcheck(device=device, model=model, seed=seed, attention=attention,
+                                       prefix_mode=m) for m in ("hash", "radix")}
+    ok = forwards["ok"] and all(e["ok"] for e in engines.values())
+    result = {"ok": ok, "forwards": forwards, "engine": engines["hash"], "engine_radix": engines["radix"]}
     if as_json:
         click.echo(json.dumps(result, default=str))
     else:
-        f, e = forwards, engine
+        f = forwards
         click.echo(f"model {f['model']} on {f['device']} ({f['dtype']}, attention {f['attention']})")
         click.echo(f"  paged forwards : max |logit diff| {f['max_logit_diff']:.2e} (tolerance "
                    f"{f['tolerance']:.0e}) over {f['positions_compared']} positions; greedy tokens "
                    f"equal {f['greedy_agree']:.1%} of {f['tokens_compared']}")
-        x = e["exercised"]
-        click.echo(f"  engine replay  : greedy tokens equal {e['greedy_agree']:.1%} of "
-                   f"{e['tokens_compared']}; {e['completed']} requests, {x['prefix_hit_tokens']} "
-                   f"prefix-hit tokens, {x['preemptions']} preemptions, {x['cow_copies']} "
-                   f"copy-on-write copies, prefill chunks of {x['max_batched_tokens']}")
+        for mode, e in engines.items():
+            x = e["exercised"]
+            click.echo(f"  engine ({mode:5s}): max |logit diff| {e['max_logit_diff']:.2e}, greedy tokens "
+                       f"equal {e['greedy_agree']:.1%} of {e['tokens_compared']}; {e['completed']} "
+                       f"requests, {x['prefix_hit_tokens']} prefix-hit tokens "
+                       f"({x['partial_hit_tokens']} inside a block), {x['preemptions']} preemptions, "
+                       f"{x['cow_copies']} copy-on-write copies, prefill chunks of {x['max_batched_tokens']}")
         click.echo("selfcheck: " + ("PASS" if ok else "FAIL"))
     if not ok:
         sys.exit(1)

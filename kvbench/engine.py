@@ -73,7 +73,8 @@ class Replay:
         self.num_blocks = pool_blocks(cfg, self.executor, self.model)
         paged = cfg.layout == "paged"
         self.kv = make_kv(cfg.layout, self.num_blocks, cfg.block_size,
-                          prefix_cache=cfg.prefix_cache and paged, cache_policy=cfg.cache_policy)
+                          prefix_cache=cfg.prefix_cache and paged, cache_policy=cfg.cache_policy,
+                          prefix_mode=cfg.prefix_mode)
         self.executor.bind_pool(self.num_blocks, cfg.block_size)
         self.evictor = make_evictor(cfg.eviction, self.kv, kv_budget=cfg.kv_budget,
                                     sink_tokens=cfg.sink_tokens, seed=cfg.seed,
@@ -260,6 +261,7 @@ class Replay:
             "kv_bytes_per_token": self.executor.kv_bytes_per_token(),
             "cache_evictions": getattr(getattr(self.kv, "pool", None), "evictions", 0),
             "cow_copies": getattr(self.kv, "cow_copies", 0),
+            "partial_hit_tokens": getattr(self.kv, "partial_hit_tokens", 0),
             "wall_s": wall_s,
         })
         return s

@@ -50,7 +50,7 @@ class RequestState:
     live_seqs: int = 1
     output_tokens: int = 0
     reject_reason: str | None = None
-    samples: list[list[int]] | None = None  # generated ids of each finished sample (token executors)
+    samples: list[tuple[int, list[int]]] | None = None  # (seq_id, generated ids) per finished sample
 
 
 @dataclass(slots=True, eq=False)
@@ -73,7 +73,7 @@ class Sequence(SeqKV):
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
-    watermark_frac: float = 0.01  # keep this share of blocks free when admitting (vLLM's default)
+    watermark_frac: float | None = None  # blocks kept free at admission; None: the layout's own
 
 
 @dataclass(slots=True)
@@ -98,7 +98,8 @@ class Scheduler:
         self.streams = streams
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.watermark = int(cfg.watermark_frac * kv.num_blocks)
+        frac = kv.watermark_frac if cfg.watermark_frac is None else cfg.watermark_frac
+        self.watermark = int(frac * kv.num_blocks)
         self._next_id = 0
         # prefix-cache counters in tokens (spec §4): first admissions, and resumptions apart
         self.query_tokens = 0
@@ -154,7 +155,7 @@ class Scheduler:
             if max(floor, s.wait_for_blocks) > available - (self.watermark if running else 0):
                 break  # plainly short of memory: spare the lookup
             hits = kv.lookup(s, s.num_tokens)
-            cached = len(hits) * kv.block_size
+            cached = kv.hit_tokens(s, hits)
             num_new = min(s.num_tokens - cached, budget)
             # the watermark keeps room for running sequences to grow; with none running, a request
             # that needs nearly the whole pool must still be admitted
@@ -256,7 +257,7 @@ class Scheduler:
                 if s.out_tokens is not None:
                     if rs.samples is None:
                         rs.samples = []
-                    rs.samples.append(s.out_tokens)
+                    rs.samples.append((s.seq_id, s.out_tokens))
                 kv.free(s)
                 self.evictor.release(s)
                 s.num_tokens = -1  # marks finished for the sweep below

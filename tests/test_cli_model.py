@@ -24,11 +24,14 @@ def test_selfcheck_cpu_passes_with_every_engine_path_exercised():
     r = _cli("selfcheck", "--device", "cpu", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    f, e = out["forwards"], out["engine"]
+    f, e, r = out["forwards"], out["engine"], out["engine_radix"]
     assert f["max_logit_diff"] < 1e-3 and f["greedy_agree"] == 1.0
-    assert e["greedy_agree"] == 1.0 and e["completed"] == 5
-    x = e["exercised"]
-    assert x["prefix_hit_tokens"] > 0 and x["preemptions"] > 0 and x["cow_copies"] > 0
+    for run in (e, r):
+        assert run["greedy_agree"] == 1.0 and run["max_logit_diff"] < 1e-3 and run["completed"] == 6
+        x = run["exercised"]
+        assert x["prefix_hit_tokens"] > 0 and x["preemptions"] > 0 and x["cow_copies"] > 0
+    assert r["exercised"]["partial_hit_tokens"] > 0  # radix served tokens from inside a block
+    assert r["exercised"]["prefix_hit_tokens"] > e["exercised"]["prefix_hit_tokens"]
 
 
 def test_calibrate_writes_coefficients_the_sim_uses(tmp_path):

@@ -42,10 +42,13 @@ ops = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free"]),
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, policy=st.sampled_from(sorted(POLICIES)), bs=st.sampled_from([1, 4, 16]),
-       n_blocks=st.integers(8, 64))
-def test_pool_invariants_random_ops(ops, policy, bs, n_blocks):
-    kv = PagedKV(n_blocks, bs, prefix_cache=True, cache_policy=policy)
-    prompts = [STREAMS.stream(f"p{k % 3}", 200) for k in range(8)]  # 3 distinct prompt streams
+       n_blocks=st.integers(8, 64), mode=st.sampled_from(["hash", "radix"]))
+def test_pool_invariants_random_ops(ops, policy, bs, n_blocks, mode):
+    kv = PagedKV(n_blocks, bs, prefix_cache=True, cache_policy=policy, prefix_mode=mode)
+    # 3 distinct prompt streams, and a fourth that shares 100 tokens with the first (radix: a prefix
+    # ending inside a block)
+    prompts = [STREAMS.stream(f"p{k % 3}", 200) for k in range(7)]
+    prompts.append(np.concatenate([prompts[0][:100], STREAMS.stream("p-tail", 100)]))
     seqs: list[SeqKV] = []
     hit = query = 0
     for op, k, n in ops:
@@ -53,10 +56,13 @@ def test_pool_invariants_random_ops(ops, policy, bs, n_blocks):
             s = SeqKV(tokens=prompts[k])
             plen = min(len(prompts[k]), n * 3)
             hits = kv.lookup(s, plen)
-            if kv.allocate(s, plen - len(hits) * bs, hits):
+            cached = kv.hit_tokens(s, hits)
+            assert cached < plen
+            if kv.allocate(s, plen - cached, hits):
+                kv.take_copies()  # the executor would copy these now; partial-hit sources unpinned
                 query += plen
-                hit += len(hits) * bs
-                kv.commit(s, plen - len(hits) * bs)
+                hit += cached
+                kv.commit(s, plen - cached)
                 seqs.append(s)
         elif op == "append" and seqs:
             s = seqs[k % len(seqs)]
@@ -330,3 +336,69 @@ def test_real_mooncake_belady_beats_online_policies_with_a_small_pool():
     for p in ("lru", "fifo", "lfu"):
         assert hits["belady"] >= hits[p], hits
     assert hits["belady"] > hits["fifo"]  # the small pool makes the choice matter
+
+
+def test_radix_matches_inside_a_block_and_copies_it():
+    """Radix serves a prefix that ends inside a cached block: whole blocks by reference, the partial
+    block's matching tokens by a copy into a fresh block; hash mode stops at the last whole block."""
+    base = STREAMS.stream("rx", 64)
+    other = np.concatenate([base[:40], STREAMS.stream("rx-b", 24)])  # shares 40 = 2.5 blocks of 16
+    for mode, want in (("hash", 32), ("radix", 40)):
+        kv = PagedKV(64, 16, prefix_mode=mode)
+        a = SeqKV(tokens=base)
+        kv.allocate(a, 64)
+        kv.commit(a, 64)
+        kv.free(a)
+        b = SeqKV(tokens=other)
+        hits = kv.lookup(b, 64)
+        assert len(hits) == 2 and kv.hit_tokens(b, hits) == want
+        assert kv.allocate(b, 64 - want, hits)
+        copies = kv.take_copies()
+        if mode == "radix":
+            (src, dst), = copies
+            assert kv.pool.key[src] is not None and dst == b.table[2] and kv.pool.fill[dst] == 8
+        else:
+            assert copies == []
+        kv.commit(b, 64 - want)
+        check_invariants(kv, [b])
+
+
+def test_radix_keeps_finished_partial_tails():
+    """A finished sequence's partial last block (known tokens) stays matchable in radix mode."""
+    turn1 = STREAMS.stream("conv", 40)  # 2 whole blocks + 8 tokens
+    turn2 = np.concatenate([turn1, STREAMS.stream("conv-2", 30)])
+    kv = PagedKV(64, 16, prefix_mode="radix")
+    a = SeqKV(tokens=turn1)
+    kv.allocate(a, 40)
+    kv.commit(a, 40)
+    kv.free(a)
+    assert kv.pool.num_cached == 3  # the partial tail too
+    b = SeqKV(tokens=turn2)
+    hits = kv.lookup(b, 70)
+    assert kv.hit_tokens(b, hits) == 40
+    hash_kv = PagedKV(64, 16)
+    a = SeqKV(tokens=turn1)
+    hash_kv.allocate(a, 40)
+    hash_kv.commit(a, 40)
+    hash_kv.free(a)
+    c = SeqKV(tokens=turn2)
+    assert hash_kv.hit_tokens(c, hash_kv.lookup(c, 70)) == 32
+
+
+def test_radix_never_hits_less_than_hash_on_real_mooncake():
+    reqs = _mooncake_requests(limit=300)
+    got = {}
+    for mode in ("hash", "radix"):
+        kv = PagedKV(200_000, 16, prefix_mode=mode)
+        hit = 0
+        for r in reqs:
+            s = SeqKV(tokens=STREAMS.expand(r))
+            hits = kv.lookup(s, r.prompt_len)
+            cached = kv.hit_tokens(s, hits)
+            assert kv.allocate(s, r.prompt_len - cached, hits)
+            kv.take_copies()
+            kv.commit(s, r.prompt_len - cached)
+            hit += cached
+            kv.free(s)
+        got[mode] = hit
+    assert got["radix"] > got["hash"] > 0  # Mooncake's last 512-token segment ends inside blocks

@@ -94,6 +94,7 @@ class ModelExecutor:
         self.block_size = 0
         # The last step's metadata, pool view and decode seq ids, for decode_attention_by_group.
         self._last: tuple[AttentionMetadata, torch.Tensor, list[int]] | None = None
+        self.logits_log: dict[int, list[np.ndarray]] | None = None  # set to {} to keep sampled logits
 
     def kv_bytes_per_token(self) -> int:
         return self.spec.kv_bytes_per_token("fp32" if self.dtype == torch.float32 else "bf16")
@@ -136,6 +137,9 @@ class ModelExecutor:
             tokens = logits.argmax(-1).tolist()
             attention = self._attention(inputs.meta, pool, batch.decode_seq_ids) if self.collect_attention else None
         order = [s for s, last in zip(batch.prefill_seq_ids, batch.prefill_last) if last] + list(batch.decode_seq_ids)
+        if self.logits_log is not None:  # selfcheck: every sampled row, per sequence, in order
+            for sid, row in zip(order, logits.float().cpu().numpy()):
+                self.logits_log.setdefault(sid, []).append(row)
         self._last = (inputs.meta, pool, list(batch.decode_seq_ids))
         host_scores = mass = None
         if self.collect_attention and batch.decode_seq_ids and inputs.meta.decode_records:

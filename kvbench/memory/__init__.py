@@ -9,13 +9,14 @@ LAYOUTS = {"paged": PagedKV, "slab": SlabKV}
 
 
 def make_kv(layout: str, num_blocks: int, block_size: int, *, prefix_cache: bool = True,
-            cache_policy: str = "lru"):
+            cache_policy: str = "lru", prefix_mode: str = "hash"):
     """The KV manager for a layout name (``--layout``)."""
     try:
         cls = LAYOUTS[layout]
     except KeyError:
         raise ValueError(f"unknown layout {layout!r} (choose from {', '.join(LAYOUTS)})") from None
-    return cls(num_blocks, block_size, prefix_cache=prefix_cache, cache_policy=cache_policy)
+    return cls(num_blocks, block_size, prefix_cache=prefix_cache, cache_policy=cache_policy,
+               prefix_mode=prefix_mode)
 
 
 __all__ = ["BlockPool", "PagedKV", "SeqKV", "SlabKV", "POLICIES", "LAYOUTS", "make_kv", "make_policy"]

@@ -40,6 +40,7 @@ class BlockPool:
         self.tokens_live = 0  # sum of fill over used blocks (a shared block counted once)
         self.evictions = 0  # cached blocks reclaimed for new content
         self.clock = 0  # logical time for policies (request index or step)
+        self.on_evict = None  # called with each cached block reclaimed (the radix tree forgets it)
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -66,6 +67,8 @@ class BlockPool:
             b = self._free.pop()
         else:
             b = self.policy.pop()  # raises IndexError/KeyError when nothing is evictable
+            if self.on_evict is not None:
+                self.on_evict(b)
             del self.index[self.key[b]]
             self.key[b] = None
             self.fill[b] = 0
@@ -88,8 +91,10 @@ class BlockPool:
             table.extend(got)
             self.num_used += take
         if n > take:  # evict cached blocks for the rest
-            index, key, fill, refcnt = self.index, self.key, self.fill, self.refcnt
+            index, key, fill, refcnt, on_evict = self.index, self.key, self.fill, self.refcnt, self.on_evict
             for b in self.policy.pop_many(n - take):
+                if on_evict is not None:
+                    on_evict(b)
                 del index[key[b]]
                 key[b] = None
                 fill[b] = 0

@@ -22,8 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 
 from kvbench.memory.block_pool import BlockPool
+from kvbench.memory.radix import PARTIAL_SALT, RadixChildren
 from kvbench.trace.tokens import ROOT_KEY, block_keys
 
 
@@ -41,6 +43,8 @@ class SeqKV:
     num_registered: int = 0  # leading blocks already offered to the prefix cache
     reserve: int = 0  # slab: slots to reserve (max_model_len or prompt+output)
     base: int = -1  # slab: first block of the reservation
+    partial_block: int = -1  # radix: cached block whose first partial_len tokens the last lookup matched
+    partial_len: int = 0
     dropped: int = 0  # computed tokens evicted from the slots (token eviction)
     compacted: bool = False  # slots no longer hold positions 0..num_kv-1: never register again
 
@@ -62,13 +66,21 @@ class Compaction:
 
 class PagedKV:
     layout = "paged"
+    watermark_frac = 0.01  # keep this share of blocks free at admission, for running sequences to grow
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_cache: bool = True,
-                 cache_policy: str = "lru"):
+                 cache_policy: str = "lru", prefix_mode: str = "hash"):
         self.pool = BlockPool(num_blocks, block_size, enable_cache=prefix_cache, policy=cache_policy)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.prefix_cache = prefix_cache
+        if prefix_mode not in ("hash", "radix"):
+            raise ValueError(f"unknown prefix mode {prefix_mode!r} (choose from hash, radix)")
+        self.radix = RadixChildren() if prefix_cache and prefix_mode == "radix" else None
+        if self.radix is not None:
+            self.pool.on_evict = self.radix.remove
+        self._pinned: list[int] = []  # sources of pending partial-hit copies, held until handed over
+        self.partial_hit_tokens = 0  # radix: tokens served by copying a partly matching block
         self.copies: list[tuple[int, int]] = []  # copy-on-write copies not yet handed to an executor
         self.cow_copies = 0
         self.last_shortfall = 0  # after a failed allocate: the blocks it would have needed free
@@ -103,12 +115,22 @@ class PagedKV:
     def lookup(self, s: SeqKV, num_tokens: int) -> list[int]:
         """Blocks caching the longest prefix of the sequence's first ``num_tokens`` tokens, never
         the block holding the last of them (its KV must be computed to sample the next token)."""
+        s.partial_block, s.partial_len = -1, 0
         if not self.prefix_cache or s.tokens is None:
             return []
-        n_max = min((num_tokens - 1) // self.block_size, len(s.tokens) // self.block_size)
-        if n_max <= 0:
-            return []
-        return self.pool.match(self._keys(s), s.tokens, n_max, ROOT_KEY)
+        bs = self.block_size
+        n_max = min((num_tokens - 1) // bs, len(s.tokens) // bs)
+        hits = self.pool.match(self._keys(s), s.tokens, n_max, ROOT_KEY) if n_max > 0 else []
+        if self.radix is not None:  # radix: extend the match into the next block, token by token
+            pos = len(hits) * bs
+            want = s.tokens[pos:min(pos + bs, num_tokens - 1, len(s.tokens))]
+            parent = s.keys[len(hits) - 1] if hits else ROOT_KEY
+            s.partial_block, s.partial_len = self.radix.best(parent, want, self.pool.tokens, self.pool.fill)
+        return hits
+
+    def hit_tokens(self, s: SeqKV, hits: list[int]) -> int:
+        """Tokens the last ``lookup`` serves from cache: whole blocks, plus a radix partial block."""
+        return len(hits) * self.block_size + s.partial_len
 
     # -- allocation --------------------------------------------------------------------------
     def allocate(self, s: SeqKV, num_new: int, hits: list[int] = (), watermark: int = 0) -> bool:
@@ -119,18 +141,22 @@ class PagedKV:
         """
         p, bs = self.pool, self.block_size
         n_hit = len(hits)
-        if not n_hit:  # fast path (every decode step): room in an unshared tail block
+        fresh = not s.table and s.num_kv == 0
+        part = s.partial_len if fresh else 0  # radix: tokens copied from a partly matching block
+        if not n_hit and not part:  # fast path (every decode step): room in an unshared tail block
             total = s.num_kv + num_new
             if total <= len(s.table) * bs and (s.num_kv % bs == 0 or num_new == 0
                                                or p.refcnt[s.table[-1]] == 1):
                 return True
         have = len(s.table) + n_hit
-        total = s.num_kv + n_hit * bs + num_new
+        total = s.num_kv + n_hit * bs + part + num_new
         need = max(0, -(-total // bs) - have)
         tail_shared = (num_new > 0 and s.num_kv % bs != 0 and n_hit == 0
                        and p.refcnt[s.table[-1]] > 1)
         # cached hits with no holder leave the evictable set when taken
         revived = list(map(p.refcnt.__getitem__, hits)).count(0) if n_hit else 0
+        if part and p.refcnt[s.partial_block] == 0:
+            revived += 1
         if need + tail_shared + revived > p.num_available - watermark:
             self.last_shortfall = need + tail_shared + revived + watermark
             return False
@@ -150,8 +176,18 @@ class PagedKV:
             s.table[-1] = dst
             self.copies.append((src, dst))
             self.cow_copies += 1
+        if part:  # pin the source until the copy is handed to the executor (take_copies)
+            p.incref(s.partial_block)
+            self._pinned.append(s.partial_block)
         if need:
             p.alloc_into(s.table, need)
+        if part:
+            dst = s.table[n_hit]
+            p.add_fill(dst, part)
+            self.copies.append((s.partial_block, dst))
+            self.partial_hit_tokens += part
+            s.num_kv += part
+            s.partial_block, s.partial_len = -1, 0
         return True
 
     def commit(self, s: SeqKV, n: int) -> None:
@@ -185,9 +221,35 @@ class PagedKV:
         self.pool.register_run(s.table[a:full], keys[a:full], keys[a - 1] if a else ROOT_KEY,
                                s.tokens[a * bs:full * bs], nu)
         s.num_registered = full
+        if self.radix is not None:
+            key_of, tokens = self.pool.key, s.tokens
+            for j in range(a, full):
+                b = s.table[j]
+                if key_of[b] == keys[j]:
+                    self.radix.add(b, keys[j - 1] if j else ROOT_KEY, tokens[j * bs])
+
+    def _register_partial_tail(self, s: SeqKV) -> None:
+        """Radix: leave a finished or preempted sequence's partial last block in the tree, when its
+        tokens are known (prompt or named answer) and nobody else holds it."""
+        bs, p = self.block_size, self.pool
+        j, f = divmod(s.num_kv, bs)
+        if not f or j >= len(s.table) or j * bs + f > len(s.tokens):
+            return
+        b = s.table[j]
+        if p.refcnt[b] != 1 or p.key[b] is not None:
+            return
+        parent = self._keys(s)[j - 1] if j else ROOT_KEY
+        toks = s.tokens[j * bs:j * bs + f]
+        row = np.zeros(bs, dtype=np.int32)
+        row[:f] = toks
+        key = xxhash.xxh3_64_intdigest(toks.tobytes(), parent) ^ PARTIAL_SALT
+        if p.register(b, key, parent, row):
+            self.radix.add(b, parent, toks[0])
 
     def free(self, s: SeqKV) -> None:
         """Drop the sequence's references, tail first so its last blocks are evicted first."""
+        if self.radix is not None and s.tokens is not None and not s.compacted:
+            self._register_partial_tail(s)
         self.pool.release_all(reversed(s.table))
         s.table = []
         s.num_kv = 0
@@ -275,5 +337,9 @@ class PagedKV:
         return Compaction(src, dst, app, src_phys, self.slots_of(s, dst), self.slots_of(s, app))
 
     def take_copies(self) -> list[tuple[int, int]]:
+        """Copies for the executor to perform before the next forward; unpins their sources."""
         c, self.copies = self.copies, []
+        if self._pinned:
+            self.pool.release_all(self._pinned)
+            self._pinned = []
         return c

@@ -17,7 +17,7 @@ from kvbench.memory.paged import SeqKV
 class SlabKV:
     layout = "slab"
     prefix_cache = False
-
+    watermark_frac = 0.0  # a reservation never grows: no room to keep for growth
     def __init__(self, num_blocks: int, block_size: int, **_ignored):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -45,6 +45,9 @@ class SlabKV:
 
     def lookup(self, s: SeqKV, num_tokens: int) -> list[int]:
         return []
+
+    def hit_tokens(self, s: SeqKV, hits: list[int]) -> int:
+        return 0
 
     def _take(self, n: int) -> int:
         for i, ln in enumerate(self._lens):
