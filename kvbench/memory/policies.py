@@ -12,18 +12,21 @@ reused (refcount 0 -> 1) and forgotten; the policy answers ``pop()`` with the vi
 - belady: the block whose next use lies furthest in the future (never used again = infinitely far),
   the offline optimum; the caller passes each block's next use (a request index) when it uses it.
 
-fifo, lfu and belady keep a binary heap with lazy deletion: O(log n) per operation. Ties in their
-priority go to the block released longest ago (lru's order): for belady, blocks that the same future
-request needs are then given up tail first, and no decision depends on which physical block id holds
-a prefix, so a caller may number blocks as it likes (kvbench.whatif numbers them by prefix key).
-The same classes serve the replay engine and ``kvbench trace whatif``. The ``*_many`` forms do what
-the one-block calls do, block by block in order, with the per-call overhead paid once.
+fifo, lfu and belady are bucket queues of OrderedDicts, since their priorities are small ints (a
+count, a request index; fifo needs only one bucket): insert, release, reuse and pop cost O(1)
+dict operations in C, which matters when nearly every block is inserted and then evicted. Ties in
+priority go to the block released longest ago (lru's order): for belady, blocks that the same
+future request needs are then given up tail first, and no decision depends on which physical block
+id holds a prefix, so a caller may number blocks as it likes (kvbench.whatif numbers them by prefix
+key); fifo and lfu never tie. tests/test_policies.py holds every policy to this rule, evaluated by
+brute force. The same classes serve the replay engine and ``kvbench trace whatif``. The ``*_many``
+forms do what the one-block calls do, block by block in order, with the per-call overhead paid once.
 """
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
-from itertools import islice
+from collections import OrderedDict, deque
+from itertools import groupby, islice, repeat
 
 NEVER = 1 << 62  # next use of a block no later request looks up
 
@@ -123,149 +126,209 @@ class LRUPolicy(CachePolicy):
         return len(self._q)
 
 
-_BITS = 40  # release sequence numbers and block ids each fit in 40 bits
+_consume = deque(maxlen=0).extend  # runs a map for its side effects, in C
+_BITS = 40  # park sequence numbers and block ids each fit in 40 bits
 _LOW = (1 << _BITS) - 1
 
 
-class _HeapPolicy(CachePolicy):
-    """Evict the evictable block with the smallest ``_priority`` (an int >= 0), ties to the block
-    released longest ago.
+class _TouchOrder(CachePolicy):
+    """Evict the evictable block with the smallest ``(key, tick)``: both are set when the block is
+    inserted or used (fifo: key 0; lfu: key = uses), and the tick counts those calls, so no two
+    blocks tie and release order never matters.
 
-    A heap entry is one int, ``priority << 80 | release seq << 40 | block``: heapq compares ints
-    several times faster than tuples. An entry is live while its block is evictable and its seq is
-    the block's latest release; pop skips the others, and the heap is rebuilt from the live ones
-    when stale entries outnumber them (a cache that never evicts would otherwise keep one per hit).
+    A bucket queue: ``_buckets[key]`` is an OrderedDict (a linked list in C) of the cached blocks
+    with that key in tick order, in use or not: a block takes its place when touched, and touches
+    come in tick order. Release and reuse only update the evictable set, so a hit costs no queue
+    operation. ``pop`` walks the smallest non-empty bucket from its front; a block it finds there in
+    use is *parked* (taken out), and once released it goes to ``_late``, a heap of
+    ``key << 80 | park seq << 40 | block``. What is parked from a bucket was at its front, so it
+    comes before everything in that bucket and blocks are parked in tick order: a late block with a
+    key <= the smallest bucket's goes first, and park order stands in for tick order. A late entry
+    is stale once its block is used again (lfu) and leaves ``_late_seq``.
+
+    Protocol (what BlockPool and kvbench.whatif keep): ``on_insert`` only for blocks not cached,
+    ``on_use`` and ``release`` for blocks in use, ``reuse`` for evictable ones.
     """
 
     def __init__(self, num_blocks: int):
         super().__init__(num_blocks)
-        self._heap: list[int] = []
-        self._seq_of = [0] * num_blocks  # seq of each block's latest release
-        self._evictable = [False] * num_blocks
-        self._n = 0
-        self._seq = 0
+        self._buckets: list[OrderedDict[int, None]] = [OrderedDict(), OrderedDict()]
+        self._key = [0] * num_blocks
+        self._min = 0  # no bucket below it holds a block
+        self._ev: set[int] = set()
+        self._parked: dict[int, int] = {}  # block in use -> park seq; in no bucket, not in _late
+        self._late: list[int] = []
+        self._late_seq: dict[int, int] = {}  # block -> park seq of its live _late entry
+        self._parks = 0
 
-    def _priority(self, block: int) -> int:
-        raise NotImplementedError
+    def _queue(self, blocks, key: int) -> None:
+        """Blocks not cached before join bucket ``key``, in order."""
+        self._buckets[key].update(dict.fromkeys(blocks))
+        if key < self._min:
+            self._min = key
 
     def release_many(self, blocks) -> None:
-        heap, seq_of, ev, prio = self._heap, self._seq_of, self._evictable, self._priority
-        push = heapq.heappush
-        seq = first = self._seq
-        for b in blocks:
-            seq += 1
-            seq_of[b] = seq
-            ev[b] = True
-            push(heap, (prio(b) << 80) | (seq << _BITS) | b)
-        self._seq = seq
-        self._n += seq - first
-        if len(heap) > 2 * self._n + 4096:
-            self._compact()
+        self._ev.update(blocks)
+        parked = self._parked
+        if parked:
+            back = parked.keys() & blocks
+            late, key = self._late, self._key
+            for b in back:
+                seq = self._late_seq[b] = parked.pop(b)
+                heapq.heappush(late, (key[b] << 80) | (seq << _BITS) | b)
+            if len(late) > 2 * len(self._late_seq) + 4096:  # stale entries of blocks used again
+                self._late = [e for e in late if self._late_seq.get(e & _LOW) == (e >> _BITS) & _LOW]
+                heapq.heapify(self._late)
 
     def reuse_many(self, blocks) -> None:
-        ev = self._evictable
-        n = 0
-        for b in blocks:
-            ev[b] = False
-            n += 1
-        self._n -= n
+        self._ev.difference_update(blocks)
 
     def pop_many(self, n: int) -> list[int]:
-        heap, seq_of, ev, pop = self._heap, self._seq_of, self._evictable, heapq.heappop
+        if n > len(self._ev):
+            raise IndexError(f"pop {n} of {len(self._ev)} evictable blocks")
+        buckets, ev, late, late_seq, parked = (self._buckets, self._ev, self._late, self._late_seq,
+                                               self._parked)
         victims: list[int] = []
+        c = self._min
         while len(victims) < n:
-            e = pop(heap)
-            b = e & _LOW
-            if ev[b] and (e >> _BITS) & _LOW == seq_of[b]:
-                ev[b] = False
-                victims.append(b)
-        self._n -= n
+            while c < len(buckets) and not buckets[c]:
+                c += 1
+            while late and late_seq.get(late[0] & _LOW) != (late[0] >> _BITS) & _LOW:
+                heapq.heappop(late)
+            if late and (c == len(buckets) or late[0] >> 80 <= c):
+                b = heapq.heappop(late) & _LOW
+                seq = late_seq.pop(b)
+                if b in ev:
+                    ev.discard(b)
+                    victims.append(b)
+                else:
+                    parked[b] = seq
+                continue
+            bucket = buckets[c]
+            front = list(islice(bucket, n - len(victims)))
+            _consume(map(bucket.__delitem__, front))
+            if ev.issuperset(front):  # the usual case: no block in use up front
+                ev.difference_update(front)
+                victims += front
+                continue
+            for b in front:
+                if b in ev:
+                    ev.discard(b)
+                    victims.append(b)
+                else:
+                    parked[b] = self._parks
+                    self._parks += 1
+        self._min = c
         return victims
 
-    def _compact(self) -> None:
-        seq_of, ev = self._seq_of, self._evictable
-        live = [e for e in self._heap if ev[e & _LOW] and (e >> _BITS) & _LOW == seq_of[e & _LOW]]
-        heapq.heapify(live)
-        self._heap = live
-
     def __len__(self) -> int:
-        return self._n
+        return len(self._ev)
 
 
-class FIFOPolicy(_HeapPolicy):
+class FIFOPolicy(_TouchOrder):
     name = "fifo"
 
-    def __init__(self, num_blocks: int):
-        super().__init__(num_blocks)
-        self._inserted = [0] * num_blocks
-        self._inserts = 0
-
     def on_insert_many(self, blocks, now: int, next_uses=None) -> None:
-        inserted, k = self._inserted, self._inserts
-        for b in blocks:
-            k += 1
-            inserted[b] = k
-        self._inserts = k
-
-    def _priority(self, block: int) -> int:
-        return self._inserted[block]
+        self._queue(blocks, 0)
 
 
-class LFUPolicy(_HeapPolicy):
+class LFUPolicy(_TouchOrder):
     name = "lfu"
 
-    def __init__(self, num_blocks: int):
-        super().__init__(num_blocks)
-        self._count = [0] * num_blocks
-        self._last = [0] * num_blocks
-        self._tick = 0
-
     def on_insert_many(self, blocks, now: int, next_uses=None) -> None:
-        count, last, tick = self._count, self._last, self._tick
-        for b in blocks:
-            count[b] = 1
-            tick += 1
-            last[b] = tick
-        self._tick = tick
+        _consume(map(self._key.__setitem__, blocks, repeat(1)))
+        self._queue(blocks, 1)
 
     def on_use_many(self, blocks, now: int, next_uses=None) -> None:
-        count, last, tick = self._count, self._last, self._tick
+        buckets, key, low = self._buckets, self._key, self._min
         for b in blocks:
-            count[b] += 1
-            tick += 1
-            last[b] = tick
-        self._tick = tick
+            c = key[b]
+            if b in buckets[c]:
+                del buckets[c][b]
+            elif self._parked.pop(b, None) is None:
+                del self._late_seq[b]  # its _late entry is stale now
+            c += 1
+            if c == len(buckets):
+                buckets.append(OrderedDict())
+            buckets[c][b] = None
+            key[b] = c
+            if c < low:  # a parked block's bucket may lie below the smallest queued one
+                low = c
+        self._min = low
 
-    def _priority(self, block: int) -> int:
-        return (self._count[block] << _BITS) | self._last[block]
 
+class BeladyPolicy(CachePolicy):
+    """Evict the block whose next use is furthest, ties to the block released longest ago.
 
-class BeladyPolicy(_HeapPolicy):
+    A bucket queue keyed by next use, filled at release: ``_buckets[t]`` holds the evictable blocks
+    whose next use is ``t`` in release order (an OrderedDict: append, delete and pop-first in C), and
+    ``_keys`` is a heap of ``-t`` over the buckets that exist, so the furthest is on top. A heap
+    entry per bucket, not per block: a request's blocks mostly share their next use. A bucket that
+    ``reuse`` empties stays until it reaches the top. An evictable block's next use only changes
+    through ``on_recompute``, which takes it out first, so ``_next`` always names its bucket.
+    """
+
     name = "belady"
 
     def __init__(self, num_blocks: int):
         super().__init__(num_blocks)
         self._next = [NEVER] * num_blocks
+        self._ev: set[int] = set()
+        self._buckets: dict[int, OrderedDict[int, None]] = {}
+        self._keys: list[int] = []
 
     def on_insert_many(self, blocks, now: int, next_uses=None) -> None:
-        nxt = self._next
-        if next_uses is None:
-            for b in blocks:
-                nxt[b] = NEVER
-        else:
-            for b, nu in zip(blocks, next_uses):
-                nxt[b] = nu
+        _consume(map(self._next.__setitem__, blocks, repeat(NEVER) if next_uses is None else next_uses))
 
     on_use_many = on_insert_many
 
     def on_recompute_many(self, blocks, now: int, next_uses=None) -> None:
+        waiting = [b for b in blocks if b in self._ev]
+        self.reuse_many(waiting)  # out of the bucket of the old next use ...
         self.on_insert_many(blocks, now, next_uses)
-        waiting = [b for b in blocks if self._evictable[b]]
-        self.reuse_many(waiting)  # re-queued under the new priority
-        self.release_many(waiting)
+        self.release_many(waiting)  # ... into the new one's, as released now
 
-    def _priority(self, block: int) -> int:
-        return NEVER - self._next[block]  # furthest next use = smallest priority = evicted first
+    def release_many(self, blocks) -> None:
+        self._ev.update(blocks)
+        buckets = self._buckets
+        for t, run in groupby(blocks, self._next.__getitem__):
+            bucket = buckets.get(t)
+            if bucket is None:
+                bucket = buckets[t] = OrderedDict()
+                heapq.heappush(self._keys, -t)
+            bucket.update(dict.fromkeys(run))
+        if len(self._keys) > 2 * len(self._ev) + 4096:  # buckets emptied by reuse
+            self._buckets = {t: q for t, q in buckets.items() if q}
+            self._keys = [-t for t in self._buckets]
+            heapq.heapify(self._keys)
+
+    def reuse_many(self, blocks) -> None:
+        self._ev.difference_update(blocks)
+        buckets = self._buckets
+        for t, run in groupby(blocks, self._next.__getitem__):
+            _consume(map(buckets[t].__delitem__, run))
+
+    def pop_many(self, n: int) -> list[int]:
+        if n > len(self._ev):
+            raise IndexError(f"pop {n} of {len(self._ev)} evictable blocks")
+        buckets, keys = self._buckets, self._keys
+        victims: list[int] = []
+        while len(victims) < n:
+            t = -keys[0]
+            bucket = buckets[t]
+            if n - len(victims) >= len(bucket):
+                victims += bucket
+                del buckets[t]
+                heapq.heappop(keys)
+            else:
+                front = list(islice(bucket, n - len(victims)))
+                _consume(map(bucket.__delitem__, front))
+                victims += front
+        self._ev.difference_update(victims)
+        return victims
+
+    def __len__(self) -> int:
+        return len(self._ev)
 
 
 POLICIES: dict[str, type[CachePolicy]] = {
