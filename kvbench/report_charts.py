@@ -244,15 +244,16 @@ def eviction(section: Section) -> Figure | None:
     runs = [r for r in section.runs if r.setting("eviction") not in (None, "none")]
     if not runs:
         return None
-    fig = _figure(10, 3.8)
+    fig = _figure(11, 4.6)
     axes = fig.subplots(1, 2)
     x = np.arange(len(runs))
     width = 0.4
     for i, (key, name) in enumerate((("evicted_tokens", "evicted"), ("recalled_tokens", "recalled"))):
         bars = axes[0].bar(x + (i - 0.5) * width, [r.metric(key) or 0 for r in runs], width,
                            label=f"{name} tokens", color=PALETTE[i])
-        axes[0].bar_label(bars, fmt="{:,.0f}", fontsize=8)
+        axes[0].bar_label(bars, fmt="{:,.0f}", fontsize=7, rotation=90, padding=2)
     axes[0].set_ylabel("tokens (whole run)")
+    axes[0].margins(y=0.25)  # room for the rotated value labels
     axes[0].set_title("Evicted and recalled tokens")
     mass = [r.metric("attention_mass_kept") for r in runs]
     bars = axes[1].bar(x, [100 * m if m is not None else 0 for m in mass], 0.5, color=PALETTE[2],
@@ -266,7 +267,7 @@ def eviction(section: Section) -> Figure | None:
     axes[1].set_title("Attention mass kept")
     for ax in axes:
         ax.set_xlim(-1, len(runs))  # a lone run gets a bar, not a wall
-        ax.set_xticks(x, [r.label for r in runs], rotation=20, ha="right")
+        ax.set_xticks(x, [r.label for r in runs], rotation=30, ha="right", fontsize=8)
         ax.set_xlabel("configuration")
         ax.legend(loc="best")
     fig.suptitle("Token eviction", weight="bold")
@@ -292,8 +293,13 @@ def whatif(w: WhatIf) -> Figure | None:
                 color=PALETTE[i % len(PALETTE)], label=name)
     if "ceiling" in df.columns:
         ax.axhline(100 * float(df["ceiling"].max()), label="ceiling (infinite cache)", **BASELINE_STYLE)
-    _log_if_wide(ax)
-    ax.set_xlabel("prefix-cache budget (GiB, log scale)")
+    ax.set_xscale("log")
+    # tick every budget asked, labelled as the user wrote it (e.g. 512MiB), not as powers of ten
+    budgets = df.drop_duplicates("budget_bytes").sort_values("budget_bytes")
+    labels = budgets["budget"] if "budget" in budgets.columns else (budgets["budget_bytes"] / 2**30).map("{:g} GiB".format)
+    ax.set_xticks(budgets["budget_bytes"] / 2**30, list(labels))
+    ax.minorticks_off()
+    ax.set_xlabel("prefix-cache budget (log scale)")
     ax.set_ylabel("prefix hit rate (% of prompt tokens)")
     ax.set_ylim(0, 105)
     ax.set_title(f"What-if: hit rate against cache budget ({w.label})", weight="bold")

@@ -6,6 +6,9 @@
 #    in 4 GiB of KV: slab fits 3 sequences of 8192 slots, paged fits what the tokens need.
 #  - agent: block size 16,64 x cache policy lru,fifo,lfu,belady in 3 GiB, where cached agent
 #    scaffolds must be reclaimed and the policy decides which.
+#  - agent: token eviction none,streaming,h2o,infinigen at a 20% KV budget (sim, and the tiny model
+#    on the CPU for the attention mass each policy keeps).
+#  - chat: the cache what-if curve (hit rate against KV budget and policy).
 # The run directories (about 20 MB of parquet) go to runs/example, which git ignores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,5 +21,14 @@ kvbench sweep traces/chat.jsonl "${SIM[@]}" --max-model-len 8192 --kv-mem 4GiB -
     --layout paged,slab --block-size 8,16,32,64 --prefix-cache on,off -j "$JOBS" --out "$RUNS/chat"
 kvbench sweep traces/agent.jsonl "${SIM[@]}" --max-model-len 16384 --kv-mem 3GiB \
     --layout paged,slab --block-size 16,64 --cache-policy lru,fifo,lfu,belady -j "$JOBS" --out "$RUNS/agent"
-kvbench report "$RUNS/chat" "$RUNS/agent" --out reports/example \
+# token eviction on the agent trace at a 20% budget, and the what-if curve of the chat trace
+kvbench sweep traces/agent.jsonl "${SIM[@]}" --max-model-len 16384 --kv-mem 3GiB \
+    --eviction none,streaming,h2o,infinigen --kv-budget 0.2 -j "$JOBS" --out "$RUNS/agent-eviction"
+# the same on the real model executor (tiny model, CPU, 8 requests): attention mass kept is measured
+kvbench sweep traces/agent.jsonl --executor model --device cpu --limit 8 \
+    --eviction none,streaming,h2o,infinigen --kv-budget 0.2 -j "$JOBS" --out "$RUNS/agent-eviction-model"
+kvbench trace whatif traces/chat.jsonl --block-size 16 --model llama-3-8b \
+    --budgets 256MiB,512MiB,1GiB,2GiB,4GiB --out "$RUNS/chat-whatif"
+kvbench report "$RUNS/chat" "$RUNS/agent" "$RUNS/agent-eviction" "$RUNS/agent-eviction-model" \
+    "$RUNS/chat-whatif" --out reports/example \
     --title "kvbench example: paged vs slab, block size, prefix caching (sim, Llama-3-8B, H200)"
