@@ -163,7 +163,7 @@ class _TouchOrder(CachePolicy):
 
     def _queue(self, blocks, key: int) -> None:
         """Blocks not cached before join bucket ``key``, in order."""
-        self._buckets[key].update(dict.fromkeys(blocks))
+        _consume(map(self._buckets[key].__setitem__, blocks, repeat(None)))
         if key < self._min:
             self._min = key
 
@@ -273,7 +273,7 @@ class BeladyPolicy(CachePolicy):
     def __init__(self, num_blocks: int):
         super().__init__(num_blocks)
         self._next = [NEVER] * num_blocks
-        self._ev: set[int] = set()
+        self._n = 0  # evictable blocks
         self._buckets: dict[int, OrderedDict[int, None]] = {}
         self._keys: list[int] = []
 
@@ -283,34 +283,35 @@ class BeladyPolicy(CachePolicy):
     on_use_many = on_insert_many
 
     def on_recompute_many(self, blocks, now: int, next_uses=None) -> None:
-        waiting = [b for b in blocks if b in self._ev]
+        buckets, nxt = self._buckets, self._next
+        waiting = [b for b in blocks if b in buckets.get(nxt[b], ())]
         self.reuse_many(waiting)  # out of the bucket of the old next use ...
         self.on_insert_many(blocks, now, next_uses)
         self.release_many(waiting)  # ... into the new one's, as released now
 
     def release_many(self, blocks) -> None:
-        self._ev.update(blocks)
         buckets = self._buckets
         for t, run in groupby(blocks, self._next.__getitem__):
             bucket = buckets.get(t)
             if bucket is None:
                 bucket = buckets[t] = OrderedDict()
                 heapq.heappush(self._keys, -t)
-            bucket.update(dict.fromkeys(run))
-        if len(self._keys) > 2 * len(self._ev) + 4096:  # buckets emptied by reuse
+            _consume(map(bucket.__setitem__, run, repeat(None)))
+        self._n += len(blocks)
+        if len(self._keys) > 2 * self._n + 4096:  # buckets emptied by reuse
             self._buckets = {t: q for t, q in buckets.items() if q}
             self._keys = [-t for t in self._buckets]
             heapq.heapify(self._keys)
 
     def reuse_many(self, blocks) -> None:
-        self._ev.difference_update(blocks)
         buckets = self._buckets
         for t, run in groupby(blocks, self._next.__getitem__):
             _consume(map(buckets[t].__delitem__, run))
+        self._n -= len(blocks)
 
     def pop_many(self, n: int) -> list[int]:
-        if n > len(self._ev):
-            raise IndexError(f"pop {n} of {len(self._ev)} evictable blocks")
+        if n > self._n:
+            raise IndexError(f"pop {n} of {self._n} evictable blocks")
         buckets, keys = self._buckets, self._keys
         victims: list[int] = []
         while len(victims) < n:
@@ -324,11 +325,11 @@ class BeladyPolicy(CachePolicy):
                 front = list(islice(bucket, n - len(victims)))
                 _consume(map(bucket.__delitem__, front))
                 victims += front
-        self._ev.difference_update(victims)
+        self._n -= n
         return victims
 
     def __len__(self) -> int:
-        return len(self._ev)
+        return self._n
 
 
 POLICIES: dict[str, type[CachePolicy]] = {
