@@ -23,7 +23,10 @@ Speed (see benchmarks/bench_whatif.py): every request's keys are computed once, 
 flat int array of dense ids and shared by all (budget, policy) points (forked workers inherit it);
 belady's next uses come from one backward pass (another only for a budget that some requests
 exceed: they look nothing up there); each point touches the policy once per request per
-kind of call (a batch), and numpy does the per-block lookups; points run in processes (``jobs``).
+kind of call (a batch), and numpy does the per-block lookups; the policies are bucket queues whose
+per-block work is dict operations in C; points run in processes (``jobs``). The whole Mooncake trace
+at block size 16, 6 budgets x 4 policies, takes about 55 s with -j 2 on 2 cores, a third of it the
+preparation (mostly hashing the blocks' tokens).
 """
 from __future__ import annotations
 
@@ -236,7 +239,7 @@ def run_points(bt: BlockTrace, budget_blocks: Sequence[int], policies: Sequence[
                jobs: int = 1) -> dict[tuple[int, str], Point]:
     """Every (budget, policy) point, in ``jobs`` processes (forked: they share ``bt``)."""
     global _SHARED
-    # the heap policies are the slow ones: start them first so the last point to finish is short
+    # lru is the fastest: start the others first so the last point to finish is short
     points = sorted({(b, p) for b in budget_blocks for p in policies}, key=lambda bp: bp[1] == "lru")
     if jobs <= 1 or len(points) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         return {(b, p): simulate(bt, b, p) for b, p in points}
