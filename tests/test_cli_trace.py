@@ -101,7 +101,7 @@ def test_shipped_traces_are_reproducible(tmp_path, command):
 
 
 def test_readme_lists_every_shipped_trace():
-    assert len(_readme_commands()) == 4
+    assert len(_readme_commands()) == 5
     text = (REPO / "traces" / "README.md").read_text()
     for path in (REPO / "traces").glob("*.jsonl"):
         assert f"`{path.name}`" in text
