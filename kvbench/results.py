@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pyarrow as pa
@@ -106,10 +108,22 @@ def _jsonable(v):
 
 class RunWriter:
     def __init__(self, run_dir: str, config: dict):
-        os.makedirs(run_dir, exist_ok=True)
         self.dir = run_dir
+        if os.path.isdir(run_dir):
+            write_json(os.path.join(run_dir, "summary.json"), {"complete": False})
+        else:
+            # A new run directory appears whole, already marked incomplete: built under a temporary
+            # name and renamed, so an interrupt can never leave a directory without summary.json.
+            parent = os.path.dirname(os.path.abspath(run_dir))
+            os.makedirs(parent, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=".kvbench-run-", dir=parent)
+            try:
+                write_json(os.path.join(tmp, "summary.json"), {"complete": False})
+                os.rename(tmp, run_dir)
+            except BaseException:  # Ctrl-C included: leave nothing half-made behind
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
         write_json(os.path.join(run_dir, "config.json"), config)
-        write_json(os.path.join(run_dir, "summary.json"), {"complete": False})
         self.requests = _Table(os.path.join(run_dir, "requests.parquet"), REQUEST_SCHEMA, 1024)
         self.steps = _Table(os.path.join(run_dir, "steps.parquet"), STEP_SCHEMA, 8192)
         self.closed = False
