@@ -36,6 +36,38 @@ def check_invariants(kv: PagedKV, seqs: list[SeqKV]) -> None:
         assert len(s.table) * kv.block_size >= s.num_kv
 
 
+def apply_op(kv: PagedKV, seqs: list[SeqKV], prompts: list[np.ndarray], op: str, k: int, n: int) -> bool:
+    """One random allocator operation (new/append/fork/free) as the scheduler would do it;
+    False for an operation this does not know (the caller's own)."""
+    if op == "new":
+        s = SeqKV(tokens=prompts[k])
+        plen = min(len(prompts[k]), n * 3)
+        hits = kv.lookup(s, plen)
+        cached = kv.hit_tokens(s, hits)
+        assert cached < plen  # never the last prompt token
+        if kv.allocate(s, plen - cached, hits):
+            kv.take_copies()  # the executor would copy these now; partial-hit sources unpinned
+            kv.commit(s, plen - cached)
+            seqs.append(s)
+    elif op == "append":
+        if seqs:
+            s = seqs[k % len(seqs)]
+            if kv.allocate(s, n):
+                kv.commit(s, n)
+    elif op == "fork":
+        if seqs:
+            s = seqs[k % len(seqs)]
+            child = SeqKV(tokens=s.tokens)
+            assert kv.fork(s, child)
+            seqs.append(child)
+    elif op == "free":
+        if seqs:
+            kv.free(seqs.pop(k % len(seqs)))
+    else:
+        return False
+    return True
+
+
 ops = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free"]),
                          st.integers(0, 7), st.integers(1, 40)), min_size=1, max_size=60)
 
@@ -50,31 +82,8 @@ def test_pool_invariants_random_ops(ops, policy, bs, n_blocks, mode):
     prompts = [STREAMS.stream(f"p{k % 3}", 200) for k in range(7)]
     prompts.append(np.concatenate([prompts[0][:100], STREAMS.stream("p-tail", 100)]))
     seqs: list[SeqKV] = []
-    hit = query = 0
     for op, k, n in ops:
-        if op == "new":
-            s = SeqKV(tokens=prompts[k])
-            plen = min(len(prompts[k]), n * 3)
-            hits = kv.lookup(s, plen)
-            cached = kv.hit_tokens(s, hits)
-            assert cached < plen
-            if kv.allocate(s, plen - cached, hits):
-                kv.take_copies()  # the executor would copy these now; partial-hit sources unpinned
-                query += plen
-                hit += cached
-                kv.commit(s, plen - cached)
-                seqs.append(s)
-        elif op == "append" and seqs:
-            s = seqs[k % len(seqs)]
-            if kv.allocate(s, n):
-                kv.commit(s, n)
-        elif op == "fork" and seqs:
-            s = seqs[k % len(seqs)]
-            child = SeqKV(tokens=s.tokens)
-            assert kv.fork(s, child)
-            seqs.append(child)
-        elif op == "free" and seqs:
-            kv.free(seqs.pop(k % len(seqs)))
+        apply_op(kv, seqs, prompts, op, k, n)
         check_invariants(kv, seqs)
     for s in seqs:
         kv.free(s)
@@ -90,34 +99,16 @@ evict_ops = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free",
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=evict_ops, policy=st.sampled_from(sorted(POLICIES)), bs=st.sampled_from([1, 4, 16]),
-       n_blocks=st.integers(8, 64))
-def test_pool_invariants_under_token_eviction(ops, policy, bs, n_blocks):
+       n_blocks=st.integers(8, 64), mode=st.sampled_from(["hash", "radix"]))
+def test_pool_invariants_under_token_eviction(ops, policy, bs, n_blocks, mode):
     """Compaction (token eviction) among prefix hits, forks and frees: refcounts and counters stay
     exact, whole blocks come back, and no block shared or in the prefix cache is ever written."""
-    kv = PagedKV(n_blocks, bs, prefix_cache=True, cache_policy=policy)
+    kv = PagedKV(n_blocks, bs, prefix_cache=True, cache_policy=policy, prefix_mode=mode)
     prompts = [STREAMS.stream(f"p{k % 3}", 200) for k in range(8)]
     seqs: list[SeqKV] = []
     for op, k, n, r in ops:
         rng = np.random.default_rng(r)
-        if op == "new":
-            s = SeqKV(tokens=prompts[k])
-            plen = min(len(prompts[k]), n * 3)
-            hits = kv.lookup(s, plen)
-            if kv.allocate(s, plen - len(hits) * bs, hits):
-                kv.commit(s, plen - len(hits) * bs)
-                seqs.append(s)
-        elif op == "append" and seqs:
-            s = seqs[k % len(seqs)]
-            if kv.allocate(s, n):
-                kv.commit(s, n)
-        elif op == "fork" and seqs:
-            s = seqs[k % len(seqs)]
-            child = SeqKV(tokens=s.tokens)
-            kv.fork(s, child)
-            seqs.append(child)
-        elif op == "free" and seqs:
-            kv.free(seqs.pop(k % len(seqs)))
-        elif op == "evict" and seqs:
+        if not apply_op(kv, seqs, prompts, op, k, n) and seqs:  # evict
             s = seqs[k % len(seqs)]
             if not s.num_kv:
                 continue
@@ -402,3 +393,27 @@ def test_radix_never_hits_less_than_hash_on_real_mooncake():
             kv.free(s)
         got[mode] = hit
     assert got["radix"] > got["hash"] > 0  # Mooncake's last 512-token segment ends inside blocks
+
+
+def test_radix_copy_source_is_pinned_until_handed_over():
+    """The partly matched block must survive the allocations of the same admission: it is the
+    oldest cached block here, so an unpinned source would be the first one evicted."""
+    a_toks = STREAMS.stream("pin-a", 48)  # 3 blocks of 16, released tail first: block 2 oldest
+    kv = PagedKV(6, 16, prefix_mode="radix")
+    a = SeqKV(tokens=a_toks)
+    kv.allocate(a, 48)
+    kv.commit(a, 48)
+    src = a.table[2]
+    kv.free(a)
+    c = SeqKV(tokens=STREAMS.stream("pin-c", 16))  # another cached block, released after a's
+    kv.allocate(c, 16)
+    kv.commit(c, 16)
+    kv.free(c)
+    b_toks = np.concatenate([a_toks[:40], STREAMS.stream("pin-b", 40)])  # 2 blocks + 8 tokens shared
+    b = SeqKV(tokens=b_toks)
+    hits = kv.lookup(b, 80)
+    assert len(hits) == 2 and b.partial_block == src and b.partial_len == 8
+    assert kv.allocate(b, 80 - 40, hits)  # 3 new blocks: the 2 free ones and one eviction
+    assert src not in b.table and kv.pool.key[src] is not None
+    assert kv.take_copies() == [(src, b.table[2])]
+    check_invariants(kv, [b])
