@@ -151,15 +151,3 @@ def distribution(prefix: str, values) -> dict:
             out[f"{prefix}_{name}"] = float(a.mean() if q is None else np.percentile(a, q))
     return out
 
-
-def load_run(run_dir: str) -> dict:
-    """A run directory back as {config, summary, requests (DataFrame), steps (DataFrame)}."""
-    import pandas as pd
-
-    with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as fh:
-        config = json.load(fh)
-    with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
-        summary = json.load(fh)
-    return {"dir": run_dir, "config": config, "summary": summary,
-            "requests": pd.read_parquet(os.path.join(run_dir, "requests.parquet")),
-            "steps": pd.read_parquet(os.path.join(run_dir, "steps.parquet"))}

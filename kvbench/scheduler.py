@@ -241,11 +241,10 @@ class Scheduler:
             rs = s.rs
             req = rs.req
             # a token was sampled
-            if s.out_tokens is not None or req.output is not None:
+            if s.out_tokens is not None:  # only executors that take tokens need them
                 tok = self._emitted_token(s, sampled)
                 s.last_token = tok
-                if s.out_tokens is not None:
-                    s.out_tokens.append(tok)
+                s.out_tokens.append(tok)
             s.num_out += 1
             s.num_tokens += 1
             rs.output_tokens += 1

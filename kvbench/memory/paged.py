@@ -90,10 +90,6 @@ class PagedKV:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def blocks_needed(self, s: SeqKV, num_tokens: int) -> int:
-        """Blocks a table must hold for ``num_tokens`` tokens, minus those it has."""
-        return max(0, -(-num_tokens // self.block_size) - len(s.table))
-
     def admission_floor(self, s: SeqKV, num_tokens: int, budget: int) -> tuple[int, int]:
         """(a lower bound on the blocks admitting ``s`` takes, the blocks available): a cheap test
         that spares the prefix lookup while memory is plainly short."""

@@ -36,9 +36,6 @@ class SlabKV:
         r = self.blocks_reserved
         return r, 0, self.num_blocks - r, r * self.block_size, self.tokens_live
 
-    def blocks_needed(self, s: SeqKV, num_tokens: int) -> int:
-        return 0 if s.base >= 0 else -(-s.reserve // self.block_size)
-
     def admission_floor(self, s: SeqKV, num_tokens: int, budget: int) -> tuple[int, int]:
         free = self.num_blocks - self.blocks_reserved
         return (0 if s.base >= 0 else -(-s.reserve // self.block_size)), free
