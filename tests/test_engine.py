@@ -14,6 +14,7 @@ import pytest
 
 from kvbench.config import ReplayConfig
 from kvbench.engine import Replay, replay
+from kvbench.trace.format import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT / "traces"
@@ -148,10 +149,11 @@ def test_best_of_n_shares_prompt_blocks(tmp_path):
 def test_requests_over_max_model_len_are_rejected_and_counted(tmp_path):
     s = replay(str(TRACES / "chat.jsonl"), sim(max_model_len=2048), str(tmp_path / "r"))
     req = pd.read_parquet(tmp_path / "r" / "requests.parquet")
-    too_long = (req["prompt_tokens"] + req["output_tokens"].where(req["rejected"].isna(), 0)) > 0
     assert s["rejected"] > 0 and s["rejected"] + s["completed"] == s["requests"]
     assert (req.loc[req["rejected"].notna(), "rejected"] == "max_model_len").all()
-    assert too_long.all()
+    # exactly the requests whose prompt + output exceed the limit, and only those
+    too_long = {r.id for r in load_trace(str(TRACES / "chat.jsonl")) if r.prompt_len + r.output_len > 2048}
+    assert set(req.loc[req["rejected"].notna(), "id"]) == too_long
 
 
 def _cli(*args):
