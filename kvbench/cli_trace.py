@@ -42,9 +42,9 @@ def _knob_option(f: dataclasses.Field) -> click.Option:
     meta = f.metadata
     kind = type(f.default)
     if kind is int:
-        ptype = click.IntRange(min=meta.get("min"), min_open=meta.get("min_open", False))
+        ptype = click.IntRange(min=meta.get("min"), max=meta.get("max"), min_open=meta.get("min_open", False))
     else:
-        ptype = click.FloatRange(min=meta.get("min"), min_open=meta.get("min_open", False))
+        ptype = click.FloatRange(min=meta.get("min"), max=meta.get("max"), min_open=meta.get("min_open", False))
     return click.Option([f"--{f.name.replace('_', '-')}"], type=ptype, default=f.default,
                         show_default=True, help=meta.get("help"))
 

@@ -5,6 +5,14 @@ A run opens with a shared tool/scaffold prompt (``sys/agent-v<k>``) and its task
 earlier step its answer (the ``output`` stream ``agent/<run>/a<j>``, re-sent at full length) and the
 tool result that followed it (``agent/<run>/tool<j>``: new to this run, shared-named only so later
 steps re-send the same tokens). After the first step nearly every prompt token is a prefix hit.
+
+With chance ``quote`` a step's answer quotes earlier context instead of saying something new, as
+agents do when they act on what they read (a path from a listing, a line of a file, the task's
+words): its ``output`` stream is the task's or an earlier tool result's, chosen uniformly, so its
+first tokens repeat that segment's opening tokens (beyond the segment's length the stream goes on
+with tokens the context does not hold). Later steps re-send the answer under that name. Quoting
+changes no prompt's prefix structure; it gives attention something old to re-read, which is what
+separates permanent token eviction (H2O) from offload and recall (InfiniGen) on a real model.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ class AgentParams:
     steps: float = knob(6.0, "mean steps per run (geometric)", min=1)
     think_s: float = knob(2.0, "mean tool latency between steps, seconds")
     max_context: int = knob(16000, "end a run before prompt+answer would pass this", min=16)
+    quote: float = knob(0.5, "chance a step's answer quotes the task or an earlier tool result", max=1)
 
 
 def build(c: Common, p: AgentParams, rng: np.random.Generator) -> list[Request]:
@@ -48,7 +57,9 @@ def build(c: Common, p: AgentParams, rng: np.random.Generator) -> list[Request]:
             answer_len = lognormal_len(rng, p.output_len, c.len_sigma, hi=cap)
             if context_len + answer_len > p.max_context:
                 break
-            answer = f"agent/{rid}/a{k}"
+            quoted = [task.name] + [f"agent/{rid}/tool{j}" for j in range(1, k)]
+            pick = quoted[rng.integers(len(quoted))]
+            answer = pick if rng.random() < p.quote else f"agent/{rid}/a{k}"
             steps.append(Request(id=f"{rid}-s{k}", t=0.0, prompt=tuple(context), output_len=answer_len,
                                  session=rid, output=answer, meta=meta, prompt_len=context_len))
             tool = Segment("shared", lognormal_len(rng, p.tool_len, c.len_sigma, hi=cap),

@@ -11,9 +11,9 @@ from kvbench.trace.format import Request
 from kvbench.workloads.sampling import arrival_times_s, session_times_s
 
 
-def knob(default, help: str, min: float = 0, min_open: bool = False):
-    """A generator parameter: its default, its --help text and its smallest valid value."""
-    return field(default=default, metadata={"help": help, "min": min, "min_open": min_open})
+def knob(default, help: str, min: float = 0, min_open: bool = False, max: float | None = None):
+    """A generator parameter: its default, its --help text and its smallest (and largest) valid value."""
+    return field(default=default, metadata={"help": help, "min": min, "min_open": min_open, "max": max})
 
 
 @dataclass(frozen=True)
