@@ -54,8 +54,8 @@ class ModelSpec:
 
 MODELS: dict[str, ModelSpec] = {
     # A random-initialised toy that a CPU runs in seconds; GQA 4:2 like the real ones.
-    "tiny": ModelSpec("tiny", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
-                      intermediate_size=344, vocab_size=32000, max_model_len=32768, rope_theta=10000.0),
+    "tiny": ModelSpec("tiny", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64,
+                      intermediate_size=344, vocab_size=32000, max_model_len=32768),
     # Llama 3 / 3.1 8B share one architecture; the preset takes 3.1's 128k context so long traces fit.
     "llama-3-8b": ModelSpec("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, 131072),
     "llama-3-70b": ModelSpec("llama-3-70b", 80, 8192, 64, 8, 128, 28672, 128256, 131072),

@@ -130,3 +130,36 @@ def test_every_preset_shape_builds():
                         intermediate_size=16)
         net = build_model(small, "cpu")
         assert net.model.layers[0].self_attn.k_proj.out_features == spec.num_kv_heads * 8, name
+
+
+def test_random_init_has_local_and_retrieval_heads():
+    """The random initialisation's attention (init_random): local heads keep their weight on the last
+    few dozen tokens; retrieval heads attend to the query's own token, and split with an earlier copy
+    of it when the context has one, however far back — on a random prompt, the same for every seed."""
+    from kvbench.memory import PagedKV, SeqKV
+
+    n, bs, src = 700, 16, 40
+    ctx = np.random.default_rng(5).integers(0, 32000, n).astype(np.int32)
+    fresh = next(t for t in range(32000) if t not in set(ctx.tolist()))
+    for seed in (0, 1):
+        ex = ModelExecutor("tiny", "cpu", seed=seed, attention="torch", collect_attention=True)
+        ex.bind_pool(64, bs)
+        for token, copy_at in ((int(ctx[src]), src), (fresh, None)):
+            kv = PagedKV(64, bs, prefix_cache=False)
+            s = SeqKV()
+            kv.allocate(s, n + 1)
+            table = {1: list(s.table)}
+            ex.execute(StepBatch(block_size=bs, prefill_seq_ids=[1], prefill_starts=[0], prefill_lens=[n],
+                                 prefill_last=[True], prefill_tokens=[ctx], block_tables=table))
+            ex.execute(StepBatch(block_size=bs, decode_seq_ids=[1], decode_positions=[n], decode_tokens=[token],
+                                 block_tables=table))
+            w = ex.decode_attention_by_group([1])[1] / 2  # [L, Hkv, n + 1], 2 query heads per group
+            for layer in range(2):
+                for h in range(2):
+                    head = w[layer, h]
+                    if (h + layer) % 2 == 0:  # local
+                        assert head[-64:].sum() > 0.9
+                    elif copy_at is None:  # retrieval, nothing to re-read: the query's own token
+                        assert head[-1] > 0.9
+                    else:  # retrieval: itself and the copy 660 tokens back, nothing else
+                        assert head[copy_at] > 0.3 and head[-1] > 0.3 and head[copy_at] + head[-1] > 0.95

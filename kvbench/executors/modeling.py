@@ -193,7 +193,7 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -218,8 +218,8 @@ class PagedAttention(nn.Module):
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         cos, sin = cos[:, None, :], sin[:, None, :]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         # Write first: every query then reads its own chunk's K/V from the cache like any cached token.
         kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, backend=self.backend)
         p = meta.num_prefill_tokens
@@ -324,34 +324,113 @@ def decode_attention_stats(model: PagedLlama, kv_pool: torch.Tensor, meta: Atten
 # Weights
 
 
-QK_LOGIT_STD = 2.0
-EMBED_SHARED_STD = 0.02  # the shared embedding direction, as strong as each token's own part  # std of q.k / sqrt(d) under random weights (about what trained models show)
+# The attention a random initialisation is given (init_random), in logits (q.k / sqrt(d)).
+LOCAL_SLOPE = 2.0  # local heads: logit falls by this per e-fold of distance (weight ~ distance^-2)
+HEAVY_STD = 2.0  # local heads: std of a token's persistent key bias (its heavy-hitter score)
+RETRIEVAL_LOGIT = 16.0  # retrieval heads: logit of a key holding the query's own token
+RETRIEVAL_SPAN = 2048  # tokens over which a retrieval match holds (rotation of its dims < 1 rad)
+QK_NOISE = 0.05  # plain random part of the query and key projections (std x sqrt(hidden))
 
 
 @torch.no_grad()
 def init_random(model: PagedLlama, seed: int) -> None:
-    """Random weights from ``seed``: matrices N(0, 0.02), biases N(0, 0.02), norm scales 1 + N(0, 0.1).
+    """Random weights from ``seed`` whose attention behaves like a trained model's.
 
-    Norm scales and biases are not left at 1 and 0 so that a misplaced one changes the logits
-    (the selfcheck would miss it otherwise). The query and key projections are drawn with std
-    sqrt(QK_LOGIT_STD / hidden) instead, so attention logits have std ~QK_LOGIT_STD at any width, as
-    in trained models: with 0.02 a narrow model (``tiny``) attends almost uniformly, and token
-    eviction would have no heavy hitters to find."""
+    Matrices N(0, 0.02), biases N(0, 0.02), norm scales 1 + N(0, 0.1) (not 1 and 0, so that a
+    misplaced one changes the logits and the selfcheck sees it); then embeddings and the query and
+    key projections are set by ``_shape_attention`` so that token eviction has what it meets in real
+    models: plain random projections give a narrow model near-uniform attention, and wider random
+    ones give spikes on arbitrary tokens that move with every query, so no policy can be judged."""
     dev = next(model.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed)
-    qk_std = (QK_LOGIT_STD / model.spec.hidden_size) ** 0.5
     for name, p in sorted(model.named_parameters()):  # shared (tied) weights appear once
         if name.endswith("norm.weight"):
             p.normal_(0.0, 0.1, generator=gen).add_(1.0)
-        elif name.endswith(("q_proj.weight", "k_proj.weight")):
-            p.normal_(0.0, qk_std, generator=gen)
         else:
             p.normal_(0.0, 0.02, generator=gen)
-    # A direction every token embedding shares (trained models have one): it gives queries a common
-    # component, so consecutive decode steps attend to overlapping keys and heavy hitters persist,
-    # which is the locality H2O and InfiniGen rely on; random embeddings alone have none.
+    _shape_attention(model, gen)
+
+
+def _unit_rows(gen: torch.Generator, n: int, m: int, away: torch.Tensor | None = None) -> torch.Tensor:
+    """n random unit vectors of R^m (float32, on gen's device), orthogonal to the unit vector ``away``."""
+    w = torch.randn(n, m, generator=gen, device=gen.device)
+    if away is not None:
+        w -= torch.outer(w @ away, away)
+    return w / w.norm(dim=1, keepdim=True)
+
+
+def _shape_attention(model: PagedLlama, gen: torch.Generator) -> None:
+    """Embeddings and q/k projections with the head types trained models show.
+
+    Every embedding is a shared direction u plus an equally long token part orthogonal to it (after
+    RMSNorm: u-component sqrt(hidden/2) for every token; token part of unit-vector projections
+    ~N(0, 1/2)). The rotary pairs of a head split in two: those that turn less than 1 rad over
+    RETRIEVAL_SPAN tokens are position-free, the faster ones carry position. Each KV head (with its
+    query heads) is one of two kinds, alternating by head and layer:
+    - local: q and k put u on every position pair, so the logit is LOCAL_SLOPE x sum of cos(w_i x
+      distance) x ln of the frequency step — about LOCAL_SLOPE x ln(1/distance) plus a constant: a
+      recent window with a power-law tail; and one position-free pair pairs u in the query with a
+      fixed token direction v in the key: a per-token bias ~N(0, HEAVY_STD) that every query sees,
+      the persistent heavy hitters of H2O (and its attention sinks, whichever tokens they fall on);
+    - retrieval: q and k both project the token part onto the other position-free pairs by the same
+      random matrix, so a key holding the query's own token scores RETRIEVAL_LOGIT and any other
+      ~N(0, RETRIEVAL_LOGIT / sqrt(dims)): the head attends to the query itself, and splits with
+      an earlier copy of its token when there is one — the re-reading of copy/retrieval heads
+      (Olsson et al. 2022; Wu et al. 2024), which is what punishes permanent eviction when an
+      answer quotes its context and what InfiniGen's recall recovers.
+    Within RETRIEVAL_SPAN the position-free pairs keep most of their match (cos 1 rad = 0.54 at the
+    span's end); beyond it, matches fade. The residual stream stays dominated by the embeddings
+    (attention and MLP outputs are ~0.02-scale), so every layer sees the same structure."""
+    spec = model.spec
+    dev = gen.device
+    hidden, d, half = spec.hidden_size, spec.head_dim, spec.head_dim // 2
+    sd = math.sqrt(d)
+    inv = model.inv_freq.float().cpu()
+    free = [i for i in range(half) if float(inv[i]) * RETRIEVAL_SPAN < 1.0]
+    pos_pairs = [i for i in range(half) if i not in free]
+    u = _unit_rows(gen, 1, hidden)[0]
+    v = _unit_rows(gen, 1, hidden, u)[0]
+    if len(free) < 2 or hidden < 2 * len(free) + 2:
+        return  # no room for position-free channels: leave the plain random projections
+    hh, ret = free[-1], free[:-1]
+    r = 2 * len(ret)
+    # the retrieval subspace: r orthonormal directions orthogonal to u
+    basis, _ = torch.linalg.qr(_unit_rows(gen, r, hidden, u).T)  # [hidden, r]
+    share = r / (hidden - 1)  # of a token part's squared length, what lies in the retrieval subspace
     emb = model.model.embed_tokens.weight
-    emb.add_(torch.randn(emb.shape[1], generator=gen, device=dev).to(emb.dtype) * EMBED_SHARED_STD)
+    for lo in range(0, emb.shape[0], 8192):  # in chunks: a 128k vocabulary at once is GBs of float32
+        z = _unit_rows(gen, min(8192, emb.shape[0] - lo), hidden, u)
+        zb = z @ basis  # [n, r]
+        rest = z - zb @ basis.T
+        z = (rest / rest.norm(dim=1, keepdim=True) * math.sqrt(1 - share)
+             + (zb / zb.norm(dim=1, keepdim=True) * math.sqrt(share)) @ basis.T)
+        emb[lo:lo + len(z)] = ((z + u) * math.sqrt(hidden)).to(emb.dtype)
+    # after RMSNorm a token is (z + u) sqrt(hidden / 2): u-component x_u, token part of norm x_u
+    x_u = math.sqrt(hidden / 2)
+    s_tok = math.sqrt(0.5)  # std of the token part along a direction orthogonal to u
+    step = math.log(float(inv[0]) / float(inv[1]))
+    a = math.sqrt(LOCAL_SLOPE * step * sd) / x_u  # per position pair: a^2 x_u^2 / sqrt(d) = slope x step
+    b = HEAVY_STD * sd / (x_u * s_tok)
+    g = math.sqrt(RETRIEVAL_LOGIT * sd / share) / x_u  # g^2 |token part in the subspace|^2 / sqrt(d)
+    ret_rows = torch.tensor(ret + [i + half for i in ret], device=dev)
+    for li, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        hq, hkv = attn.num_heads, attn.num_kv_heads
+        wq = torch.randn(hkv, hq // hkv, d, hidden, generator=gen, device=dev) * (QK_NOISE / math.sqrt(hidden))
+        wk = torch.randn(hkv, d, hidden, generator=gen, device=dev) * (QK_NOISE / math.sqrt(hidden))
+        for h in range(hkv):
+            if (h + li) % 2 == 0:  # local
+                wq[h, :, pos_pairs] += a * u
+                wk[h, pos_pairs] += a * u
+                wq[h, :, hh] += b * u
+            else:  # retrieval
+                rot, _ = torch.linalg.qr(torch.randn(r, r, generator=gen, device=dev))
+                proj = g * (rot @ basis.T)  # a head of its own, the same matches
+                wq[h, :, ret_rows] += proj
+                wk[h, ret_rows] += proj
+            wk[h, hh] += v
+        attn.q_proj.weight.copy_(wq.reshape(hq * d, hidden))
+        attn.k_proj.weight.copy_(wk.reshape(hkv * d, hidden))
 
 
 def rope_from_config(folder: str) -> tuple[float | None, dict | None]:
