@@ -28,14 +28,20 @@ Decisions:
   so compaction only moves slots: a decode keeps its true position (``decode_positions``) while it
   writes slot ``num_kv`` and attends to ``num_kv + 1`` slots (``decode_slots``, ``decode_ctx_lens``).
   Moves, offloads and recalls are queued here and handed to the executor with the next batch.
-- InfiniGen's speculation: exact q.k over the pooled keys rather than InfiniGen's reduced-dimension
-  partial weights. Partial weights save work when the offloaded KV is large against the GPU's
-  compute; here heads are small and the pool is a few thousand tokens, so the exact scores cost less
-  than keeping a second, projected key cache, and they give the recall rule's best case. A pooled
-  token is recalled when its weight relative to the kept tokens exceeds RECALL_ALPHA times the mean
-  kept token's; at most RECALL_SHARE of the budget per step. PCIe traffic = offloaded + recalled
-  tokens x KV bytes per token; its time comes from the GPU preset's pcie_bw (sim) or is measured
-  (model executor), added to the step (no overlap with compute assumed: an upper bound).
+- InfiniGen's speculation: before a decode, every pooled token is scored against the query that
+  decode will have, so what it needs is back on the GPU when it runs (scoring the query that just
+  ran would always recall one step late: an answer that quotes its context re-reads the next
+  token of the quote each step). The model executor's ``speculate`` approximates each layer's
+  coming query from the next token's embedding and scores exactly (q.k over the host keys) rather
+  than with InfiniGen's reduced-dimension partial weights: partial weights save work when the
+  offloaded KV is large against the GPU's compute; here heads are small and the pool is a few
+  thousand tokens, so the exact scores cost less than keeping a second, projected key cache, and
+  they give the recall rule's best case. The sim scores its synthetic attention at the coming
+  query's position. A pooled token is recalled when its weight relative to the kept tokens
+  exceeds RECALL_ALPHA times the mean kept token's; at most RECALL_SHARE of the budget per step.
+  PCIe traffic = offloaded + recalled tokens x KV bytes per token; its time comes from the GPU
+  preset's pcie_bw (sim) or is measured (model executor), added to the step (no overlap with
+  compute assumed: an upper bound); the model executor's speculation time is added too.
 - Attention mass kept (model executor): every evicted token's K also goes to a host shadow (never
   counted as traffic or memory) so the executor can add, per decode, the weight the query gives to
   evicted tokens to the kept tokens' log-sum-exp; mass kept = kept / (kept + evicted), averaged
@@ -171,6 +177,8 @@ class Evictor:
         self.bytes_per_token = kv_bytes_per_token
         cap = cpu_pool_tokens if cpu_pool_tokens is not None else CPU_POOL_FACTOR * kv.capacity_tokens
         self.cpu = CpuPool(cap, cpu_pool_rule) if policy.offload else None
+        # the model executor's look-ahead scorer (ModelExecutor.speculate); None: synthetic attention
+        self.speculate = None
         # queued for the next batch
         self._offload: list = []
         self._recall: list = []
@@ -210,16 +218,18 @@ class Evictor:
         if result.mass_kept:
             self.mass_sum += sum(result.mass_kept.values())
             self.mass_n += len(result.mass_kept)
-        for s in seqs:
-            computed = s.num_kv + s.dropped
-            if computed != s.num_tokens - 1 or s.num_out == 0:
-                continue  # mid-prefill: eviction waits for the prompt to be computed
-            self._one(s, computed, result, step)
+        due = [s for s in seqs if s.num_kv + s.dropped == s.num_tokens - 1 and s.num_out > 0]
+        ahead = None  # mid-prefill sequences wait: eviction starts once the prompt is computed
+        if self.cpu is not None and self.speculate is not None:
+            ahead = self.speculate([(s.seq_id, s.last_token, s.num_kv + s.dropped) for s in due
+                                    if self.cpu.get(s.seq_id) is not None and len(self.cpu.get(s.seq_id))])
+        for s in due:
+            self._one(s, s.num_kv + s.dropped, result, ahead, step)
         if self.cpu is not None:
             self.cpu.enforce_capacity()
 
     # -- one sequence ----------------------------------------------------------------------
-    def _one(self, s, computed: int, result, step: int) -> None:
+    def _one(self, s, computed: int, result, ahead, step: int) -> None:
         st = s.ev
         if st is None:
             if s.dropped:
@@ -231,7 +241,6 @@ class Evictor:
             st.sync(s.num_kv, computed)
         n = st.n
         t = computed - 1  # the query of the step that just ran
-        kept_raw = None
         if self.policy.scored:
             if result.attention is not None:
                 w = result.attention.get(s.seq_id)
@@ -239,10 +248,9 @@ class Evictor:
                     st.score[:len(w)] += w
             else:
                 raw = synth.raw_weights(st.key, st.pos[:n], t, st.reread_p)
-                kept_raw = raw.sum()
-                st.score[:n] += raw / kept_raw
+                st.score[:n] += raw / raw.sum()
         budget = budget_tokens(self.kv_budget, s.num_tokens, self.floor)
-        cand = self._recall_candidates(s, st, t, kept_raw, result, step) if self.cpu is not None else None
+        cand = self._recall_candidates(s, st, computed, ahead, step) if self.cpu is not None else None
         n_cand = 0 if cand is None else len(cand)
         if n >= budget:
             target = max(self.floor - 1, budget - self.kv.block_size)
@@ -304,21 +312,22 @@ class Evictor:
         self.pcie_bytes += (n_recall + (len(gone_idx) if self.cpu is not None else 0)) * self.bytes_per_token
         self._note_size(new_n, budget)
 
-    def _recall_candidates(self, s, st: SeqState, t: int, kept_raw, result, step: int) -> np.ndarray | None:
-        """Indices into the sequence's pooled tokens worth recalling, best first."""
+    def _recall_candidates(self, s, st: SeqState, t_next: int, ahead, step: int) -> np.ndarray | None:
+        """Indices into the sequence's pooled tokens worth recalling for the decode at position
+        t_next, best first. ahead: the model executor's speculation (seq_id -> host positions,
+        weights), or None for the synthetic attention."""
         o = self.cpu.get(s.seq_id)
         if o is None or not len(o):
             return None
-        if result.host_scores is not None:
-            got = result.host_scores.get(s.seq_id)
+        if ahead is not None:
+            got = ahead.get(s.seq_id)
             if got is None:
                 return None
             hpos, hw = got  # every host copy of the sequence, sorted by position
             w = hw[np.searchsorted(hpos, o.pos)]
         else:
-            if kept_raw is None:
-                kept_raw = synth.raw_weights(st.key, st.pos[:st.n], t, st.reread_p).sum()
-            w = synth.raw_weights(st.key, o.pos, t, st.reread_p) / kept_raw
+            kept = synth.raw_weights(st.key, st.pos[:st.n], t_next, st.reread_p).sum()
+            w = synth.raw_weights(st.key, o.pos, t_next, st.reread_p) / kept
         o.score += w
         hot = np.flatnonzero(w > RECALL_ALPHA / max(1, st.n))
         if not len(hot):

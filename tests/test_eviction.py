@@ -1,6 +1,8 @@
 """Token eviction through its public interfaces: every policy through replay with both executors,
 the per-sequence budget and the concurrency it buys, InfiniGen against H2O on agentic and chat
-traffic (tiny model on CPU), and compaction giving the same attention as the uncompacted cache."""
+traffic (tiny model on CPU: its random initialisation has local and retrieval heads, see
+kvbench.executors.modeling.init_random), and compaction giving the same attention as the
+uncompacted cache."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -114,24 +116,33 @@ def test_budget_holds_and_buys_concurrency(tmp_path):
 
 
 def test_infinigen_keeps_more_mass_than_h2o_on_agent(model_runs):
+    """Half the agent's answers quote the task or an earlier tool result (the generator's ``quote``);
+    the model's retrieval heads re-read the quoted tokens, which H2O has evicted for good and which
+    InfiniGen's look-ahead recalls before the step that reads them."""
     h2o, _ = model_runs["agent", "h2o"]
     inf, _ = model_runs["agent", "infinigen"]
     assert inf["recalled_tokens"] > 0 and inf["pcie_bytes"] > 0
     assert inf["attention_mass_kept"] > h2o["attention_mass_kept"] + 0.03
+    # the quotes are what costs H2O: on chat, with the same budget, it keeps more
+    assert h2o["attention_mass_kept"] < model_runs["chat", "h2o"][0]["attention_mass_kept"] - 0.03
     assert inf["peak_seq_tokens"] <= h2o["peak_seq_tokens"] + 2  # the same budget
 
 
 def test_infinigen_costs_little_on_chat(model_runs, tmp_path):
-    """Chat: InfiniGen never keeps less than H2O (model), and where few steps re-read history (the sim's
-    chat workload) it recalls a small share of what it offloads and its PCIe time is a rounding
-    error next to the run; agentic traffic recalls a larger share."""
-    assert model_runs["chat", "infinigen"][0]["attention_mass_kept"] >= model_runs["chat", "h2o"][0]["attention_mass_kept"]
-    share = {}
+    """Chat answers say new things: nothing old is re-read, so on the model InfiniGen recalls almost
+    none of what it offloads (a far smaller share than on the agent trace) and keeps no less attention
+    than H2O, with little left to gain; in the sim, whose chat workload rarely re-reads, its PCIe time
+    is a rounding error next to the run."""
+    chat_h2o, chat_inf = model_runs["chat", "h2o"][0], model_runs["chat", "infinigen"][0]
+    agent_inf = model_runs["agent", "infinigen"][0]
+    share = {k: s["recalled_tokens"] / s["offloaded_tokens"] for k, s in (("chat", chat_inf), ("agent", agent_inf))}
+    assert share["chat"] < 0.02 and share["agent"] > 3 * share["chat"]
+    assert chat_h2o["attention_mass_kept"] - 0.002 <= chat_inf["attention_mass_kept"] <= chat_h2o["attention_mass_kept"] + 0.01
     for wl in ("chat", "agent"):
         s = replay(str(TRACES / f"{wl}.jsonl"), sim(eviction="infinigen", limit=60), str(tmp_path / wl))
         share[wl] = s["recalled_tokens"] / s["offloaded_tokens"]
         assert s["pcie_s"] < 0.01 * s["duration_s"]
-    assert share["chat"] < 0.06 < share["agent"] or share["chat"] < 0.6 * share["agent"]
+    assert share["chat"] < 0.6 * share["agent"]
 
 
 def test_compacted_decode_equals_masked_decode():

@@ -80,9 +80,7 @@ class StepResult:
     ``sampled`` maps seq_id -> next token for every decode sequence and every prefill chunk with
     ``prefill_last`` (None from executors that produce no tokens). ``attention`` (optional) maps
     seq_id -> float array of this step's attention weight per cached position, summed over heads,
-    for token-eviction policies. ``host_scores`` (model executor, with host KV): seq_id ->
-    (positions int64 [n] sorted, float64 [n]) the weight each host-held token would get from this
-    step's query, relative to the kept tokens' total (mean over layers and heads). ``mass_kept``:
+    for token-eviction policies. ``mass_kept`` (model executor):
     seq_id -> share of the full-cache attention on the kept tokens, per decode. ``pcie_s``: time the
     step spent moving KV between host and device.
     """
@@ -90,7 +88,6 @@ class StepResult:
     duration_s: float
     sampled: dict[int, int] | None = None
     attention: dict[int, np.ndarray] | None = None
-    host_scores: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
     mass_kept: dict[int, float] | None = None
     pcie_s: float = 0.0
 

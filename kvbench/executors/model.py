@@ -9,7 +9,9 @@ second pass (what H2O accumulates).
 Token eviction: before the forward it carries out the batch's KV traffic (kvbench.executors.base
 StepBatch: offload to host, slot moves, recall, release), timing the host<->device part as the
 step's PCIe time (a measurement-only shadow offload is done outside the timed step); after it,
-it scores host-held tokens against the decode queries (InfiniGen recall, attention mass kept).
+it scores host-held tokens against the decode queries to measure the attention mass kept (not
+timed: a measurement). ``speculate`` is InfiniGen's look-ahead: between steps it scores the host
+tokens against the coming decode's queries, and its time is added to the next step.
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ import torch
 from kvbench import kernels
 from kvbench.eviction_host import HostKV
 from kvbench.executors.base import StepBatch, StepResult
-from kvbench.executors.modeling import (AttentionMetadata, ForwardInputs, build_inputs, build_model,
-                                        decode_attention_stats, default_dtype, make_kv_pool)
+from kvbench.executors.modeling import (AttentionMetadata, ForwardInputs, rotate_half, build_inputs,
+                                        build_model, decode_attention_stats, default_dtype, make_kv_pool)
 from kvbench.presets import ModelSpec
 
 # KV pool on CPU when none is asked: zeros are committed memory, so stay modest (1M slots of `tiny`).
@@ -95,7 +97,8 @@ class ModelExecutor:
         # The last step's metadata, pool view and decode seq ids, for decode_attention_by_group.
         self._last: tuple[AttentionMetadata, torch.Tensor, list[int]] | None = None
         self.logits_log: dict[int, list[np.ndarray]] | None = None  # set to {} to keep sampled logits
-        self.host_scoring_is_work = False  # count the host scoring pass in the step time (InfiniGen)
+        self._lse: dict[int, torch.Tensor] = {}  # seq_id -> f32 [L, Hq]: its last decode's lse (kept tokens)
+        self._pending_s = 0.0  # speculation time, charged to the next step
 
     def kv_bytes_per_token(self) -> int:
         return self.spec.kv_bytes_per_token("fp32" if self.dtype == torch.float32 else "bf16")
@@ -142,18 +145,51 @@ class ModelExecutor:
             for sid, row in zip(order, logits.float().cpu().numpy()):
                 self.logits_log.setdefault(sid, []).append(row)
         self._last = (inputs.meta, pool, list(batch.decode_seq_ids))
-        host_scores = mass = None
-        duration_s = timer.seconds
+        mass = None
+        duration_s, self._pending_s = timer.seconds + self._pending_s, 0.0
         if self.collect_attention and batch.decode_seq_ids and inputs.meta.decode_records:
-            t0 = time.perf_counter()
             q = torch.stack([r[0] for r in inputs.meta.decode_records]).cpu()  # [L, D, Hq, Dh]
             lse = torch.stack([r[1] for r in inputs.meta.decode_records]).cpu()  # [L, D, Hq]
-            host_scores, mass = self.host.score(list(batch.decode_seq_ids), q, lse,
-                                                self.net.model.layers[0].self_attn.scale)
-            if self.host_scoring_is_work:
-                duration_s += time.perf_counter() - t0
+            _, mass = self.host.score(list(batch.decode_seq_ids), q, lse, self.net.model.layers[0].self_attn.scale)
+            for sid in batch.host_release:
+                self._lse.pop(sid, None)
+            for i, sid in enumerate(batch.decode_seq_ids):
+                self._lse[sid] = lse[:, i]
         return StepResult(duration_s=duration_s, sampled=dict(zip(order, tokens)), attention=attention,
-                          host_scores=host_scores, mass_kept=mass, pcie_s=pcie_s)
+                          mass_kept=mass, pcie_s=pcie_s)
+
+    @torch.inference_mode()
+    def speculate(self, items: list[tuple[int, int, int]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """InfiniGen's speculation for the coming step: items = (seq_id, next input token, its position).
+
+        Every layer's query is approximated by that layer's query projection of the token's
+        embedding (InfiniGen projects the previous layer's input with partial query weights; the
+        embedding stands in for every layer's input, which is exact for layer 0 and close while the
+        residual stream is dominated by it), rotated to the position, and scored exactly against
+        the host keys, normalised by the sequence's last decode's log-sum-exp over its kept tokens.
+        -> seq_id -> (host positions sorted, float64 weight relative to the kept total). Sequences
+        with no decode yet are skipped. The time it takes is charged to the next step."""
+        items = [it for it in items if it[0] in self._lse]
+        if not items:
+            return {}
+        t0 = time.perf_counter()
+        net = self.net
+        toks = torch.tensor([it[1] for it in items], device=self.device)
+        pos = torch.tensor([it[2] for it in items], device=self.device, dtype=torch.float32)
+        h = net.model.embed_tokens(toks)  # [S, hidden]
+        ang = pos[:, None] * net.inv_freq.float()[None, :]
+        emb = torch.cat((ang, ang), dim=-1)
+        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+        qs = []
+        for layer in net.model.layers:
+            attn = layer.self_attn
+            q = attn.q_proj(layer.input_layernorm(h)).view(len(items), attn.num_heads, attn.head_dim).float()
+            qs.append(q * cos + rotate_half(q) * sin)
+        q = torch.stack(qs).cpu()  # [L, S, Hq, D]
+        lse = torch.stack([self._lse[it[0]] for it in items], dim=1)  # [L, S, Hq]
+        scores, _ = self.host.score([it[0] for it in items], q, lse, net.model.layers[0].self_attn.scale)
+        self._pending_s += time.perf_counter() - t0
+        return scores
 
     def _kv_traffic(self, pool: torch.Tensor, batch: StepBatch) -> float:
         """Offload, slot moves, recall, release (in that order); returns the host<->device seconds."""
@@ -218,10 +254,5 @@ class ModelExecutor:
 def make_model_executor(cfg, model: ModelSpec) -> ModelExecutor:
     """The executor for a ReplayConfig: a model folder's own weights, or the preset random-initialised."""
     source = cfg.model if os.path.isdir(cfg.model) else model
-    ex = ModelExecutor(source, cfg.device, cfg.seed, cfg.attention,
-                       collect_attention=cfg.eviction != "none")
-    # InfiniGen's speculation (scoring the offloaded keys each decode) is work the policy adds to a
-    # step; for the other policies the same host pass only measures the attention mass kept
-    ex.host_scoring_is_work = cfg.eviction == "infinigen"
-    return ex
+    return ModelExecutor(source, cfg.device, cfg.seed, cfg.attention, collect_attention=cfg.eviction != "none")
 
