@@ -7,7 +7,8 @@
 #  - agent: block size 16,64 x cache policy lru,fifo,lfu,belady in 3 GiB, where cached agent
 #    scaffolds must be reclaimed and the policy decides which.
 #  - agent: token eviction none,streaming,h2o,infinigen at a 20% KV budget (sim, and the tiny model
-#    on the CPU for the attention mass each policy keeps).
+#    on the CPU for the attention mass each policy keeps); chat: the same on the tiny model, where
+#    answers quote nothing and InfiniGen has almost nothing to recall.
 #  - chat: the cache what-if curve (hit rate against KV budget and policy).
 # The run directories (about 20 MB of parquet) go to runs/example, which git ignores.
 set -euo pipefail
@@ -27,8 +28,11 @@ kvbench sweep traces/agent.jsonl "${SIM[@]}" --max-model-len 16384 --kv-mem 3GiB
 # the same on the real model executor (tiny model, CPU, 8 requests): attention mass kept is measured
 kvbench sweep traces/agent.jsonl --executor model --device cpu --limit 8 \
     --eviction none,streaming,h2o,infinigen --kv-budget 0.2 -j "$JOBS" --out "$RUNS/agent-eviction-model"
+kvbench sweep traces/chat.jsonl --executor model --device cpu --limit 8 \
+    --eviction none,streaming,h2o,infinigen --kv-budget 0.2 -j "$JOBS" --out "$RUNS/chat-eviction-model"
 kvbench trace whatif traces/chat.jsonl --block-size 16 --model llama-3-8b \
     --budgets 256MiB,512MiB,1GiB,2GiB,4GiB --out "$RUNS/chat-whatif"
 kvbench report "$RUNS/chat" "$RUNS/agent" "$RUNS/agent-eviction" "$RUNS/agent-eviction-model" \
+    "$RUNS/chat-eviction-model" \
     "$RUNS/chat-whatif" --out reports/example \
     --title "kvbench example: paged vs slab, block size, prefix caching (sim, Llama-3-8B, H200)"
