@@ -42,6 +42,8 @@ Decisions:
   PCIe traffic = offloaded + recalled tokens x KV bytes per token; its time comes from the GPU
   preset's pcie_bw (sim) or is measured (model executor), added to the step (no overlap with
   compute assumed: an upper bound); the model executor's speculation time is added too.
+- Counters: ``evicted_tokens`` counts evictions (a token recalled and evicted again counts each
+  time), ``recalled_tokens`` recalls, ``offloaded_tokens`` the evictions that went to the CPU pool.
 - Attention mass kept (model executor): every evicted token's K also goes to a host shadow (never
   counted as traffic or memory) so the executor can add, per decode, the weight the query gives to
   evicted tokens to the kept tokens' log-sum-exp; mass kept = kept / (kept + evicted), averaged
