@@ -34,6 +34,9 @@ def check_invariants(kv: PagedKV, seqs: list[SeqKV]) -> None:
     assert p.num_used + p.num_cached + p.num_free == p.num_blocks
     for s in seqs:  # every token of a sequence has a slot
         assert len(s.table) * kv.block_size >= s.num_kv
+        if p.kids is not None:  # leaves-only (radix): whoever holds a counted child holds its parent
+            mine = set(s.table)
+            assert all(p.kid_of[b] < 0 or p.kid_of[b] in mine for b in s.table)
 
 
 def apply_op(kv: PagedKV, seqs: list[SeqKV], prompts: list[np.ndarray], op: str, k: int, n: int) -> bool:
@@ -417,3 +420,37 @@ def test_radix_copy_source_is_pinned_until_handed_over():
     assert src not in b.table and kv.pool.key[src] is not None
     assert kv.take_copies() == [(src, b.table[2])]
     check_invariants(kv, [b])
+
+
+def test_radix_evicts_leaves_only():
+    """Radix mode (SGLang's rule): a cached block that another cached block continues is not evicted
+    before it, whatever the policy — a shared prefix outlives every branch hanging off it, even under
+    fifo, which would take the prefix first (it was cached first). Hash mode (vLLM) has no such rule."""
+    bs = 4
+    trunk = STREAMS.stream("trunk", 16)
+    prompts = [np.concatenate([trunk, STREAMS.stream(f"branch{k}", 9)]) for k in range(3)]
+    for mode, policy in (("radix", "fifo"), ("radix", "lfu"), ("radix", "lru"), ("hash", "fifo")):
+        kv = PagedKV(24, bs, cache_policy=policy, prefix_mode=mode)
+        order = []
+        kv.pool.on_evict = (lambda b, prev=kv.pool.on_evict: (order.append(b), prev and prev(b)))
+        seqs = []
+        for t in prompts:  # three requests share 4 trunk blocks, each adds 2 blocks and a partial one
+            s = SeqKV(tokens=t)
+            hits = kv.lookup(s, len(t))
+            kv.allocate(s, len(t) - kv.hit_tokens(s, hits), hits)
+            kv.take_copies()
+            kv.commit(s, len(t) - kv.hit_tokens(s, hits))
+            seqs.append(s)
+        trunk = seqs[0].table[:4]
+        trunk_blocks = set(trunk)
+        for s in seqs:
+            kv.free(s)
+        check_invariants(kv, [])
+        big = SeqKV(tokens=STREAMS.stream("other", 24 * bs))
+        assert kv.allocate(big, 24 * bs)  # takes every block: all cached ones are evicted
+        first_trunk = min(i for i, b in enumerate(order) if b in trunk_blocks)
+        if mode == "radix":
+            assert len(order) == 13 and first_trunk == 9  # 3 x (2 branch + 1 partial) first, the trunk last
+            assert [b for b in order if b in trunk_blocks] == trunk[::-1]  # then from its end to the root
+        else:
+            assert first_trunk < 4  # fifo takes the oldest registered blocks: the trunk's

@@ -6,6 +6,12 @@ A block is in exactly one of three states, and the counters follow every transit
 - cached: refcount 0 but still indexed under its prefix key, held by the cache policy, which picks
   the victim when a block is needed and no free one is left.
 
+With leaves-only eviction (``enable_leaf_eviction``, the radix mode's rule, as SGLang evicts only
+leaves of its tree) a cached block that another cached block continues is *held*: refcount 0, not
+evictable, until its last such child is evicted. Only a child registered by a sequence holding
+that very parent block counts, so every user of a child holds its parent and every held block is
+reachable by evicting leaves: held blocks count as available.
+
 Prefix keys are the chained block keys of kvbench.trace.tokens. A lookup trusts a key only after the
 block's stored tokens and its parent's key match, so a hash collision can never return wrong KV.
 All per-block state is in flat lists indexed by block id: no per-block Python objects, O(1) work per
@@ -41,6 +47,15 @@ class BlockPool:
         self.evictions = 0  # cached blocks reclaimed for new content
         self.clock = 0  # logical time for policies (request index or step)
         self.on_evict = None  # called with each cached block reclaimed (the radix tree forgets it)
+        # leaves-only eviction (None until enable_leaf_eviction)
+        self.kids: list[int] | None = None  # cached children counted against a block
+        self.kid_of: list[int] = []  # the block a child is counted against, or -1
+        self.held: list[bool] = []
+        self.num_held = 0
+
+    def enable_leaf_eviction(self) -> None:
+        n = self.num_blocks
+        self.kids, self.kid_of, self.held = [0] * n, [-1] * n, [False] * n
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -49,12 +64,12 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return len(self.policy)
+        return len(self.policy) + self.num_held
 
     @property
     def num_available(self) -> int:
-        """Blocks that can be handed out now: free plus evictable cached ones."""
-        return len(self._free) + len(self.policy)
+        """Blocks that can be handed out now: free plus cached ones (held ones after their leaves)."""
+        return len(self._free) + len(self.policy) + self.num_held
 
     @property
     def slots_allocated(self) -> int:
@@ -69,6 +84,8 @@ class BlockPool:
             b = self.policy.pop()  # raises IndexError/KeyError when nothing is evictable
             if self.on_evict is not None:
                 self.on_evict(b)
+            if self.kids is not None:
+                self._leaf_gone(b)
             del self.index[self.key[b]]
             self.key[b] = None
             self.fill[b] = 0
@@ -90,23 +107,45 @@ class BlockPool:
                 refcnt[b] = 1
             table.extend(got)
             self.num_used += take
-        if n > take:  # evict cached blocks for the rest
+        need = n - take
+        while need:  # evict cached blocks for the rest
             index, key, fill, refcnt, on_evict = self.index, self.key, self.fill, self.refcnt, self.on_evict
-            for b in self.policy.pop_many(n - take):
+            k = need if self.kids is None else 1  # leaves-only: each victim may make its parent next
+            for b in self.policy.pop_many(k):
                 if on_evict is not None:
                     on_evict(b)
+                if self.kids is not None:
+                    self._leaf_gone(b)
                 del index[key[b]]
                 key[b] = None
                 fill[b] = 0
                 refcnt[b] = 1
                 table.append(b)
-            self.evictions += n - take
-            self.num_used += n - take
+            self.evictions += k
+            self.num_used += k
+            need -= k
+
+    def _leaf_gone(self, b: int) -> None:
+        """Leaves-only: evicted ``b`` no longer holds its parent back."""
+        p = self.kid_of[b]
+        if p < 0:
+            return
+        self.kid_of[b] = -1
+        self.kids[p] -= 1
+        if not self.kids[p] and self.held[p]:
+            self.held[p] = False
+            self.num_held -= 1
+            self.policy.unhold(p)
 
     def incref(self, b: int) -> None:
         """Take another reference to a block; a cached one becomes used again."""
         if self.refcnt[b] == 0:
-            self.policy.reuse(b)
+            if self.kids is not None and self.held[b]:
+                self.held[b] = False
+                self.num_held -= 1
+                self.policy.reuse_held(b)
+            else:
+                self.policy.reuse(b)
             self.num_used += 1
             self.tokens_live += self.fill[b]
         self.refcnt[b] += 1
@@ -120,13 +159,22 @@ class BlockPool:
         self.num_used -= 1
         self.tokens_live -= self.fill[b]
         if self.key[b] is not None:
-            self.policy.release(b)
+            if self.kids is not None and self.kids[b]:
+                self.held[b] = True
+                self.num_held += 1
+                self.policy.hold(b)
+            else:
+                self.policy.release(b)
         else:
             self.fill[b] = 0
             self._free.append(b)
 
     def release_all(self, blocks) -> None:
         """``decref`` every block of an iterable, in its order (inlined: the free path)."""
+        if self.kids is not None:
+            for b in blocks:
+                self.decref(b)
+            return
         refcnt, fill, key, free = self.refcnt, self.fill, self.key, self._free
         cached: list[int] = []  # handed to the policy in one batch, in this order
         used = live = 0
@@ -153,9 +201,10 @@ class BlockPool:
 
     # -- prefix cache -----------------------------------------------------------------------
     def register(self, b: int, key: int, parent_key: int, tokens: np.ndarray,
-                 next_use: int = NEVER) -> bool:
-        """Index a full, computed block under ``key``. False when the key is already cached
-        (another sequence computed the same block first): this block then stays private."""
+                 next_use: int = NEVER, parent_block: int = -1) -> bool:
+        """Index a computed block under ``key``. False when the key is already cached
+        (another sequence computed the same block first): this block then stays private.
+        ``parent_block``: the registering sequence's block before this one (leaves-only eviction)."""
         if not self.enable_cache or key in self.index or self.key[b] is not None:
             return False
         self.index[key] = b
@@ -163,17 +212,28 @@ class BlockPool:
         self.parent[b] = parent_key
         self.tokens[b] = tokens
         self.policy.on_insert(b, self.clock, next_use)
+        if self.kids is not None:
+            self._count_kid(b, parent_block, parent_key)
         return True
 
+    def _count_kid(self, b: int, parent_block: int, parent_key: int) -> None:
+        """Leaves-only: a new cached child holds its parent back when the sequence that registers
+        it holds the cached parent itself (not a private copy of the same content)."""
+        if parent_block >= 0 and self.key[parent_block] == parent_key:
+            self.kids[parent_block] += 1
+            self.kid_of[b] = parent_block
+
     def register_run(self, blocks: list[int], keys: list[int], parent_key: int,
-                     tokens: np.ndarray, next_uses=None) -> None:
+                     tokens: np.ndarray, next_uses=None, parent_block: int = -1) -> None:
         """Register consecutive full blocks (``tokens`` holds exactly their ids, in order);
-        ``keys[i]`` is ``blocks[i]``'s key and ``parent_key`` the key before the first."""
+        ``keys[i]`` is ``blocks[i]``'s key, ``parent_key`` the key before the first and
+        ``parent_block`` the sequence's block before the first (leaves-only eviction)."""
         if not self.enable_cache or not blocks:
             return
         index, key_of, parent_of = self.index, self.key, self.parent
         rows = []
         again = []  # rows whose key another block caches: this copy stays private
+        kids = self.kids
         for i, b in enumerate(blocks):
             k = keys[i]
             if k not in index and key_of[b] is None:
@@ -181,9 +241,12 @@ class BlockPool:
                 key_of[b] = k
                 parent_of[b] = parent_key
                 rows.append(i)
+                if kids is not None:
+                    self._count_kid(b, parent_block, parent_key)
             elif key_of[b] is None:
                 again.append(i)
             parent_key = k
+            parent_block = b
         if again and next_uses is not None:
             self.policy.on_recompute_many([index[keys[i]] for i in again], self.clock,
                                           [int(next_uses[i]) for i in again])
@@ -231,5 +294,18 @@ class BlockPool:
         """Recompute the counters from scratch (for tests; O(num_blocks))."""
         used = [b for b in range(self.num_blocks) if self.refcnt[b] > 0]
         cached = [b for b in range(self.num_blocks) if self.refcnt[b] == 0 and self.key[b] is not None]
-        return {"num_used": len(used), "tokens_live": sum(self.fill[b] for b in used),
-                "num_cached": len(cached), "num_free": self.num_blocks - len(used) - len(cached)}
+        out = {"num_used": len(used), "tokens_live": sum(self.fill[b] for b in used),
+               "num_cached": len(cached), "num_free": self.num_blocks - len(used) - len(cached)}
+        if self.kids is not None:  # leaves-only: children counted right, held = cached with a child
+            kids = [0] * self.num_blocks
+            for b in range(self.num_blocks):
+                p = self.kid_of[b]
+                if p >= 0:
+                    kids[p] += 1
+                    assert self.key[b] is not None and self.key[p] == self.parent[b], "a stale child edge"
+            assert kids == self.kids, "child counts drifted"
+            held = [b for b in cached if kids[b]]
+            assert held == [b for b in range(self.num_blocks) if self.held[b]], "held set drifted"
+            assert len(held) == self.num_held and len(self.policy) == len(cached) - len(held)
+            out["num_held"] = len(held)
+        return out

@@ -79,6 +79,7 @@ class PagedKV:
         self.radix = RadixChildren() if prefix_cache and prefix_mode == "radix" else None
         if self.radix is not None:
             self.pool.on_evict = self.radix.remove
+            self.pool.enable_leaf_eviction()  # SGLang evicts only the leaves of its tree
         self._pinned: list[int] = []  # sources of pending partial-hit copies, held until handed over
         self.partial_hit_tokens = 0  # radix: tokens served by copying a partly matching block
         self.copies: list[tuple[int, int]] = []  # copy-on-write copies not yet handed to an executor
@@ -215,7 +216,7 @@ class PagedKV:
         keys, bs, a = self._keys(s), self.block_size, s.num_registered
         nu = None if s.next_use is None else s.next_use[a:full]
         self.pool.register_run(s.table[a:full], keys[a:full], keys[a - 1] if a else ROOT_KEY,
-                               s.tokens[a * bs:full * bs], nu)
+                               s.tokens[a * bs:full * bs], nu, s.table[a - 1] if a else -1)
         s.num_registered = full
         if self.radix is not None:
             key_of, tokens = self.pool.key, s.tokens
@@ -239,7 +240,7 @@ class PagedKV:
         row = np.zeros(bs, dtype=np.int32)
         row[:f] = toks
         key = xxhash.xxh3_64_intdigest(toks.tobytes(), parent) ^ PARTIAL_SALT
-        if p.register(b, key, parent, row):
+        if p.register(b, key, parent, row, parent_block=s.table[j - 1] if j else -1):
             self.radix.add(b, parent, toks[0])
 
     def free(self, s: SeqKV) -> None:
@@ -302,6 +303,9 @@ class PagedKV:
             elif self._frozen(table[k]):
                 lo, f = k * bs, fill[table[k]]
                 stay[k] = (lo + f <= n and (f == bs or lo + f == n) and bool(kept[lo:lo + f].all()))
+                par = -1 if p.kids is None else p.kid_of[table[k]]
+                if stay[k] and par >= 0 and not (k and stay[k - 1] and table[k - 1] == par):
+                    stay[k] = False  # leaves-only: a cached block is never held without its parent
         n_new = int(nb - stay.sum())
         if n_new > p.num_available:
             return None

@@ -21,6 +21,11 @@ id holds a prefix, so a caller may number blocks as it likes (kvbench.whatif num
 key); fifo and lfu never tie. tests/test_policies.py holds every policy to this rule, evaluated by
 brute force. The same classes serve the replay engine and ``kvbench trace whatif``. The ``*_many``
 forms do what the one-block calls do, block by block in order, with the per-call overhead paid once.
+
+Radix mode evicts leaves only (kvbench.memory.block_pool): a released block that a cached block
+continues is ``hold``-ed — released for ordering, not evictable — and ``unhold``-en when its last
+cached child is evicted, so it takes the place its release gave it (lru parks held blocks it meets
+at the front; the bucket queues simply keep them out of the evictable set).
 """
 from __future__ import annotations
 
@@ -63,6 +68,18 @@ class CachePolicy:
         """Remove and return the victim among evictable blocks (the caller checks len first)."""
         return self.pop_many(1)[0]
 
+    # -- leaves-only eviction (radix mode): a cached block that another cached block continues ---
+    def hold(self, block: int) -> None:
+        """The block's refcount fell to 0 but it is not evictable yet: a cached block continues it.
+        It is released *now* for ordering purposes; ``unhold`` makes it evictable in that place."""
+
+    def unhold(self, block: int) -> None:
+        """A held block's last cached child was evicted: it becomes evictable."""
+        self.release(block)
+
+    def reuse_held(self, block: int) -> None:
+        """A held block is taken again (hit)."""
+
     # -- batch forms: the one-block call applied to every block, in order ----------------------
     def on_insert_many(self, blocks, now: int, next_uses=None) -> None:
         """``next_uses[i]`` belongs to ``blocks[i]``; None means NEVER for all."""
@@ -90,11 +107,36 @@ class CachePolicy:
 
 
 class LRUPolicy(CachePolicy):
+    """Held blocks (leaves-only eviction) take their place in the queue at release but are skipped:
+    one found at the front is parked, and once unheld it goes to ``_late``, a heap by park order,
+    whose entries come before everything still queued (they were at its front)."""
+
     name = "lru"
 
     def __init__(self, num_blocks: int):
         super().__init__(num_blocks)
         self._q: OrderedDict[int, None] = OrderedDict()
+        self._held: set[int] = set()  # in _q or _parked, not evictable
+        self._parked: dict[int, int] = {}  # held block taken off the front -> park seq
+        self._late: list[tuple[int, int]] = []  # (park seq, block), unheld parked blocks
+        self._late_live: dict[int, int] = {}  # block -> park seq of its current _late entry
+        self._parks = 0
+
+    def hold(self, block: int) -> None:
+        self._q[block] = None
+        self._held.add(block)
+
+    def unhold(self, block: int) -> None:
+        self._held.discard(block)
+        seq = self._parked.pop(block, None)
+        if seq is not None:
+            heapq.heappush(self._late, (seq, block))
+            self._late_live[block] = seq
+
+    def reuse_held(self, block: int) -> None:
+        self._held.discard(block)
+        if self._parked.pop(block, None) is None:
+            del self._q[block]
 
     def on_insert(self, block: int, now: int, next_use: int = NEVER) -> None:
         pass  # lru orders by release only; the block pool skips this call on its hot path
@@ -112,18 +154,45 @@ class LRUPolicy(CachePolicy):
 
     def reuse_many(self, blocks) -> None:
         q = self._q
+        if self._late_live:
+            for b in blocks:
+                if b in q:
+                    del q[b]
+                else:
+                    del self._late_live[b]  # its _late entry is stale now
+            return
         for b in blocks:
             del q[b]
 
     def pop_many(self, n: int) -> list[int]:
         q = self._q
-        victims = list(islice(q, n))
-        for b in victims:
-            del q[b]
+        if not self._held and not self._late_live:  # the usual case
+            victims = list(islice(q, n))
+            for b in victims:
+                del q[b]
+            return victims
+        victims = []
+        late, live = self._late, self._late_live
+        while len(victims) < n and late:
+            seq, b = heapq.heappop(late)
+            if live.get(b) == seq:
+                del live[b]
+                victims.append(b)
+        while len(victims) < n:
+            front = list(islice(q, n - len(victims)))
+            if not front:
+                raise IndexError("no evictable block")
+            for b in front:
+                del q[b]
+                if b in self._held:
+                    self._parked[b] = self._parks
+                    self._parks += 1
+                else:
+                    victims.append(b)
         return victims
 
     def __len__(self) -> int:
-        return len(self._q)
+        return len(self._q) - len(self._held) + len(self._parked) + len(self._late_live)
 
 
 _consume = deque(maxlen=0).extend  # runs a map for its side effects, in C
