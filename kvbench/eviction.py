@@ -7,8 +7,8 @@ whether evicted tokens go to a CPU pool and can come back:
 - ``h2o``: sinks + a recent window + the heavy hitters (highest accumulated attention), half recent
   and half heavy as the H2O paper's 10% + 10% of a 20% budget; evicted tokens are gone for good;
 - ``infinigen``: H2O's choice of what stays on the GPU, but evicted tokens' KV moves to a CPU pool
-  (kvbench.eviction_cpu_pool: a capacity and a counter/lru/fifo rule) and every decode step scores
-  the pooled tokens against the current query and recalls those above a threshold.
+  (kvbench.eviction_cpu_pool: a capacity and a counter/lru/fifo rule), and before every decode the
+  pooled tokens are scored against the coming query and those above a threshold recalled.
 
 Decisions:
 - Budget = ``--kv-budget`` tokens when >= 1, else ceil(kv_budget x sequence length) (prompt plus
@@ -113,7 +113,7 @@ def select(pos: np.ndarray, score: np.ndarray, keep_n: int, sinks: int, recent_s
 class SeqState:
     """A sequence's eviction state, slot-aligned: the position and the accumulated score of each slot."""
 
-    __slots__ = ("pos", "score", "n", "key", "reread_p")
+    __slots__ = ("pos", "score", "n", "key", "reread_p", "ahead")
 
     def __init__(self, num_kv: int, key: int, reread_p: float):
         cap = max(64, 2 * num_kv)
@@ -123,6 +123,7 @@ class SeqState:
         self.n = num_kv
         self.key = key
         self.reread_p = reread_p
+        self.ahead = None  # sim: (t, raw weights of slots [0, n) for the query at t), computed ahead
 
     def sync(self, num_kv: int, computed: int) -> None:
         """Slots [n, num_kv) were written since: the latest tokens, positions up to computed - 1."""
@@ -143,6 +144,16 @@ class SeqState:
             self.pos, self.score = np.zeros(2 * n, dtype=np.int64), np.zeros(2 * n)
         self.pos[:n], self.score[:n] = pos, score
         self.n = n
+        self.ahead = None
+
+    def raw_weights(self, t: int) -> np.ndarray:
+        """Synthetic weights of slots [0, n) for the query at t, reusing what speculation computed
+        for the same query before the latest slot was written."""
+        a = self.ahead
+        if a is not None and a[0] == t and len(a[1]) <= self.n:
+            have = a[1]
+            return np.concatenate([have, synth.raw_weights(self.key, self.pos[len(have):self.n], t, self.reread_p)])
+        return synth.raw_weights(self.key, self.pos[:self.n], t, self.reread_p)
 
 
 class NoEviction:
@@ -223,8 +234,8 @@ class Evictor:
         due = [s for s in seqs if s.num_kv + s.dropped == s.num_tokens - 1 and s.num_out > 0]
         ahead = None  # mid-prefill sequences wait: eviction starts once the prompt is computed
         if self.cpu is not None and self.speculate is not None:
-            ahead = self.speculate([(s.seq_id, s.last_token, s.num_kv + s.dropped) for s in due
-                                    if self.cpu.get(s.seq_id) is not None and len(self.cpu.get(s.seq_id))])
+            ahead = self.speculate([(s.seq_id, s.last_token, s.num_kv + s.dropped, o.pos) for s in due
+                                    if (o := self.cpu.get(s.seq_id)) is not None and len(o)])
         for s in due:
             self._one(s, s.num_kv + s.dropped, result, ahead, step)
         if self.cpu is not None:
@@ -249,7 +260,7 @@ class Evictor:
                 if w is not None:
                     st.score[:len(w)] += w
             else:
-                raw = synth.raw_weights(st.key, st.pos[:n], t, st.reread_p)
+                raw = st.raw_weights(t)
                 st.score[:n] += raw / raw.sum()
         budget = budget_tokens(self.kv_budget, s.num_tokens, self.floor)
         cand = self._recall_candidates(s, st, computed, ahead, step) if self.cpu is not None else None
@@ -322,14 +333,13 @@ class Evictor:
         if o is None or not len(o):
             return None
         if ahead is not None:
-            got = ahead.get(s.seq_id)
-            if got is None:
+            w = ahead.get(s.seq_id)  # one weight per pooled token, in the pool's order
+            if w is None:
                 return None
-            hpos, hw = got  # every host copy of the sequence, sorted by position
-            w = hw[np.searchsorted(hpos, o.pos)]
         else:
-            kept = synth.raw_weights(st.key, st.pos[:st.n], t_next, st.reread_p).sum()
-            w = synth.raw_weights(st.key, o.pos, t_next, st.reread_p) / kept
+            raw = st.raw_weights(t_next)
+            st.ahead = (t_next, raw)  # the next step's scoring needs these again
+            w = synth.raw_weights(st.key, o.pos, t_next, st.reread_p) / raw.sum()
         o.score += w
         hot = np.flatnonzero(w > RECALL_ALPHA / max(1, st.n))
         if not len(hot):

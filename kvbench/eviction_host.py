@@ -4,9 +4,10 @@ shadow of every evicted token that measuring the attention mass kept needs.
 Per sequence: the positions of its host-held tokens (sorted) and their K/V for every layer, on the
 CPU. ``offload`` gathers pool slots to the host, ``recall`` writes host rows back into pool slots
 (and forgets them: the token is on the device again), ``release`` drops a finished sequence.
-``score`` compares this step's decode queries with the host keys: exact q.k in float32 (see
-kvbench.eviction on why not InfiniGen's partial weights), normalised by the decode's log-sum-exp over
-the kept tokens, so a token's weight is relative to the kept tokens' total of 1.
+``score`` compares decode queries with the host keys — this step's, for the attention mass kept, or
+the coming step's, for InfiniGen's speculation over the pooled tokens only: exact q.k in float32
+(see kvbench.eviction on why not InfiniGen's partial weights), normalised by a decode's log-sum-exp
+over the kept tokens, so a token's weight is relative to the kept tokens' total of 1.
 """
 from __future__ import annotations
 
@@ -63,25 +64,34 @@ class HostKV:
             self.pos.pop(sid, None)
             self.kv.pop(sid, None)
 
-    def score(self, seq_ids: list[int], q: torch.Tensor, lse: torch.Tensor, scale: float):
-        """Host tokens against this step's decode queries.
+    def score(self, seq_ids: list[int], q: torch.Tensor, lse: torch.Tensor, scale: float,
+              only: list[np.ndarray] | None = None):
+        """Host tokens against decode queries.
 
-        q: [L, S, Hq, D], lse: f32 [L, S, Hq] (over the kept tokens), row i of S = seq_ids[i]
-        -> (host_scores: seq_id -> (positions, float64 [n] mean weight over layers and heads),
-            mass_kept: seq_id -> share of the full-cache weight on kept tokens, for every seq).
+        q: [L, S, Hq, D], lse: f32 [L, S, Hq] (over the kept tokens), row i of S = seq_ids[i].
+        Without ``only``: -> (None, mass_kept: seq_id -> share of the full-cache weight on kept
+        tokens, for every seq). With ``only`` (per row, host positions to score, e.g. the CPU
+        pool's): -> (seq_id -> float64 weight of each of those positions, mean over layers and
+        heads, relative to the kept tokens' total of 1; None for mass).
         """
-        scores, mass = {}, {}
+        scores, mass = ({}, None) if only is not None else (None, {})
         for i, sid in enumerate(seq_ids):
             pos = self.pos.get(sid)
             if pos is None or not len(pos):
-                mass[sid] = 1.0
+                if mass is not None:
+                    mass[sid] = 1.0
                 continue
-            k = self.kv[sid][0::2].float()  # [L, n, Hkv, D]
+            k = self.kv[sid][0::2]  # [L, n, Hkv, D]
+            if only is not None:
+                k = k[:, torch.from_numpy(np.searchsorted(pos, only[i]))]
+            k = k.float()
             n_layers, n, hkv, d = k.shape
             qi = q[:, i].float().view(n_layers, hkv, -1, d)  # [L, Hkv, G, D]
             logits = torch.einsum("lhgd,lnhd->lhgn", qi, k) * scale
             p = torch.exp(logits - lse[:, i].view(n_layers, hkv, -1, 1))  # [L, Hkv, G, n]
-            evicted = p.sum(-1)  # [L, Hkv, G]: evicted weight against the kept total of 1
-            mass[sid] = float((1.0 / (1.0 + evicted)).mean())
-            scores[sid] = (pos, p.mean((0, 1, 2)).double().numpy())
+            if only is not None:
+                scores[sid] = p.mean((0, 1, 2)).double().numpy()
+            else:
+                evicted = p.sum(-1)  # [L, Hkv, G]: evicted weight against the kept total of 1
+                mass[sid] = float((1.0 / (1.0 + evicted)).mean())
         return scores, mass

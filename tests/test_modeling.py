@@ -132,17 +132,25 @@ def test_every_preset_shape_builds():
         assert net.model.layers[0].self_attn.k_proj.out_features == spec.num_kv_heads * 8, name
 
 
-def test_random_init_has_local_and_retrieval_heads():
-    """The random initialisation's attention (init_random): local heads keep their weight on the last
-    few dozen tokens; retrieval heads attend to the query's own token, and split with an earlier copy
-    of it when the context has one, however far back — on a random prompt, the same for every seed."""
+WIDE = ModelSpec("wide", num_layers=6, hidden_size=1024, num_heads=8, num_kv_heads=2, head_dim=128,
+                 intermediate_size=2752, vocab_size=32000, max_model_len=32768)
+
+
+@pytest.mark.parametrize("model", ["tiny", WIDE], ids=["tiny", "wide"])
+def test_random_init_has_local_and_retrieval_heads(model):
+    """The random initialisation's attention (init_random), in every layer of a narrow and a wider,
+    deeper model: local heads keep their weight on the last few dozen tokens; retrieval heads attend
+    to the query's own token, and split with an earlier copy of it when the context has one (660
+    tokens back here, within RETRIEVAL_SPAN) — on a random prompt, the same for every seed."""
     from kvbench.memory import PagedKV, SeqKV
 
     n, bs, src = 700, 16, 40
     ctx = np.random.default_rng(5).integers(0, 32000, n).astype(np.int32)
     fresh = next(t for t in range(32000) if t not in set(ctx.tolist()))
     for seed in (0, 1):
-        ex = ModelExecutor("tiny", "cpu", seed=seed, attention="torch", collect_attention=True)
+        ex = ModelExecutor(model, "cpu", seed=seed, attention="torch", collect_attention=True)
+        layers, hkv = ex.spec.num_layers, ex.spec.num_kv_heads
+        group = ex.spec.num_heads // hkv
         ex.bind_pool(64, bs)
         for token, copy_at in ((int(ctx[src]), src), (fresh, None)):
             kv = PagedKV(64, bs, prefix_cache=False)
@@ -153,13 +161,13 @@ def test_random_init_has_local_and_retrieval_heads():
                                  prefill_last=[True], prefill_tokens=[ctx], block_tables=table))
             ex.execute(StepBatch(block_size=bs, decode_seq_ids=[1], decode_positions=[n], decode_tokens=[token],
                                  block_tables=table))
-            w = ex.decode_attention_by_group([1])[1] / 2  # [L, Hkv, n + 1], 2 query heads per group
-            for layer in range(2):
-                for h in range(2):
+            w = ex.decode_attention_by_group([1])[1] / group  # [L, Hkv, n + 1]
+            for layer in range(layers):
+                for h in range(hkv):
                     head = w[layer, h]
                     if (h + layer) % 2 == 0:  # local
-                        assert head[-64:].sum() > 0.9
+                        assert head[-64:].sum() > 0.9, (layer, h)
                     elif copy_at is None:  # retrieval, nothing to re-read: the query's own token
-                        assert head[-1] > 0.9
-                    else:  # retrieval: itself and the copy 660 tokens back, nothing else
-                        assert head[copy_at] > 0.3 and head[-1] > 0.3 and head[copy_at] + head[-1] > 0.95
+                        assert head[-1] > 0.9, (layer, h)
+                    else:  # retrieval: itself and the copy, nothing else
+                        assert head[copy_at] > 0.3 and head[-1] > 0.3 and head[copy_at] + head[-1] > 0.95, (layer, h)

@@ -97,7 +97,7 @@ class ModelExecutor:
         # The last step's metadata, pool view and decode seq ids, for decode_attention_by_group.
         self._last: tuple[AttentionMetadata, torch.Tensor, list[int]] | None = None
         self.logits_log: dict[int, list[np.ndarray]] | None = None  # set to {} to keep sampled logits
-        self._lse: dict[int, torch.Tensor] = {}  # seq_id -> f32 [L, Hq]: its last decode's lse (kept tokens)
+        self._lse: dict[int, torch.Tensor] = {}  # seq_id -> f32 [L, Hq]: this step's decode lse (kept tokens)
         self._pending_s = 0.0  # speculation time, charged to the next step
 
     def kv_bytes_per_token(self) -> int:
@@ -151,24 +151,23 @@ class ModelExecutor:
             q = torch.stack([r[0] for r in inputs.meta.decode_records]).cpu()  # [L, D, Hq, Dh]
             lse = torch.stack([r[1] for r in inputs.meta.decode_records]).cpu()  # [L, D, Hq]
             _, mass = self.host.score(list(batch.decode_seq_ids), q, lse, self.net.model.layers[0].self_attn.scale)
-            for sid in batch.host_release:
-                self._lse.pop(sid, None)
-            for i, sid in enumerate(batch.decode_seq_ids):
-                self._lse[sid] = lse[:, i]
+        # speculation follows this step, for the sequences that just decoded: only their lse is current
+        self._lse = ({sid: lse[:, i] for i, sid in enumerate(batch.decode_seq_ids)} if mass is not None else {})
         return StepResult(duration_s=duration_s, sampled=dict(zip(order, tokens)), attention=attention,
                           mass_kept=mass, pcie_s=pcie_s)
 
     @torch.inference_mode()
-    def speculate(self, items: list[tuple[int, int, int]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """InfiniGen's speculation for the coming step: items = (seq_id, next input token, its position).
+    def speculate(self, items: list[tuple[int, int, int, np.ndarray]]) -> dict[int, np.ndarray]:
+        """InfiniGen's speculation for the coming step: items = (seq_id, next input token, its
+        position, the host positions to score: the CPU pool's tokens of the sequence).
 
         Every layer's query is approximated by that layer's query projection of the token's
         embedding (InfiniGen projects the previous layer's input with partial query weights; the
         embedding stands in for every layer's input, which is exact for layer 0 and close while the
         residual stream is dominated by it), rotated to the position, and scored exactly against
         the host keys, normalised by the sequence's last decode's log-sum-exp over its kept tokens.
-        -> seq_id -> (host positions sorted, float64 weight relative to the kept total). Sequences
-        with no decode yet are skipped. The time it takes is charged to the next step."""
+        -> seq_id -> float64 weight of each position asked, relative to the kept total. Sequences
+        that did not decode in the step just run are skipped. Its time is charged to the next step."""
         items = [it for it in items if it[0] in self._lse]
         if not items:
             return {}
@@ -187,7 +186,8 @@ class ModelExecutor:
             qs.append(q * cos + rotate_half(q) * sin)
         q = torch.stack(qs).cpu()  # [L, S, Hq, D]
         lse = torch.stack([self._lse[it[0]] for it in items], dim=1)  # [L, S, Hq]
-        scores, _ = self.host.score([it[0] for it in items], q, lse, net.model.layers[0].self_attn.scale)
+        scores, _ = self.host.score([it[0] for it in items], q, lse, net.model.layers[0].self_attn.scale,
+                                    only=[it[3] for it in items])
         self._pending_s += time.perf_counter() - t0
         return scores
 

@@ -330,6 +330,8 @@ HEAVY_STD = 2.0  # local heads: std of a token's persistent key bias (its heavy-
 RETRIEVAL_LOGIT = 16.0  # retrieval heads: logit of a key holding the query's own token
 RETRIEVAL_SPAN = 2048  # tokens over which a retrieval match holds (rotation of its dims < 1 rad)
 QK_NOISE = 0.05  # plain random part of the query and key projections (std x sqrt(hidden))
+RETRIEVAL_MIN_DIMS = 16  # fewer position-free dims than this: no retrieval heads (matches too noisy)
+WRITE_FAN_IN, WRITE_DEPTH = 256, 2  # o_proj/down_proj keep tiny's scale up to this fan-in and depth
 
 
 @torch.no_grad()
@@ -343,9 +345,15 @@ def init_random(model: PagedLlama, seed: int) -> None:
     ones give spikes on arbitrary tokens that move with every query, so no policy can be judged."""
     dev = next(model.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed)
+    # The projections that write into the residual stream are scaled down with width and depth so
+    # that, as in ``tiny``, what every layer adds stays small next to the embeddings: the structure
+    # below is built on the embedding and must reach the last layer of a wide, deep preset too.
+    depth = min(1.0, math.sqrt(WRITE_DEPTH / model.spec.num_layers))
     for name, p in sorted(model.named_parameters()):  # shared (tied) weights appear once
         if name.endswith("norm.weight"):
             p.normal_(0.0, 0.1, generator=gen).add_(1.0)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            p.normal_(0.0, 0.02 * depth * min(1.0, math.sqrt(WRITE_FAN_IN / p.shape[1])), generator=gen)
         else:
             p.normal_(0.0, 0.02, generator=gen)
     _shape_attention(model, gen)
@@ -379,8 +387,10 @@ def _shape_attention(model: PagedLlama, gen: torch.Generator) -> None:
       (Olsson et al. 2022; Wu et al. 2024), which is what punishes permanent eviction when an
       answer quotes its context and what InfiniGen's recall recovers.
     Within RETRIEVAL_SPAN the position-free pairs keep most of their match (cos 1 rad = 0.54 at the
-    span's end); beyond it, matches fade. The residual stream stays dominated by the embeddings
-    (attention and MLP outputs are ~0.02-scale), so every layer sees the same structure."""
+    span's end); beyond it, matches fade. With fewer than RETRIEVAL_MIN_DIMS position-free dims
+    (a low rope theta or a small head) every head is local. The residual stream stays dominated by
+    the embeddings (init_random scales the projections that write into it), so every layer, up to
+    the last of a 32-layer preset, sees the same structure."""
     spec = model.spec
     dev = gen.device
     hidden, d, half = spec.hidden_size, spec.head_dim, spec.head_dim // 2
@@ -390,20 +400,25 @@ def _shape_attention(model: PagedLlama, gen: torch.Generator) -> None:
     pos_pairs = [i for i in range(half) if i not in free]
     u = _unit_rows(gen, 1, hidden)[0]
     v = _unit_rows(gen, 1, hidden, u)[0]
-    if len(free) < 2 or hidden < 2 * len(free) + 2:
-        return  # no room for position-free channels: leave the plain random projections
-    hh, ret = free[-1], free[:-1]
+    if not free or hidden < 2 * len(free) + 2:  # a low rope theta: every pair turns fast
+        free, pos_pairs = [], list(range(half))
+    hh, ret = (free[-1], free[:-1]) if free else (None, [])
     r = 2 * len(ret)
+    if r < RETRIEVAL_MIN_DIMS:
+        log.warning("%s: %d position-free rotary dims, too few for retrieval heads: every head is local",
+                    spec.name, r)
+        ret, r = [], 0
     # the retrieval subspace: r orthonormal directions orthogonal to u
-    basis, _ = torch.linalg.qr(_unit_rows(gen, r, hidden, u).T)  # [hidden, r]
+    basis = torch.linalg.qr(_unit_rows(gen, r, hidden, u).T)[0] if r else None  # [hidden, r]
     share = r / (hidden - 1)  # of a token part's squared length, what lies in the retrieval subspace
     emb = model.model.embed_tokens.weight
     for lo in range(0, emb.shape[0], 8192):  # in chunks: a 128k vocabulary at once is GBs of float32
         z = _unit_rows(gen, min(8192, emb.shape[0] - lo), hidden, u)
-        zb = z @ basis  # [n, r]
-        rest = z - zb @ basis.T
-        z = (rest / rest.norm(dim=1, keepdim=True) * math.sqrt(1 - share)
-             + (zb / zb.norm(dim=1, keepdim=True) * math.sqrt(share)) @ basis.T)
+        if basis is not None:  # every token gets the same length in the subspace: exact self-matches
+            zb = z @ basis  # [n, r]
+            rest = z - zb @ basis.T
+            z = (rest / rest.norm(dim=1, keepdim=True) * math.sqrt(1 - share)
+                 + (zb / zb.norm(dim=1, keepdim=True) * math.sqrt(share)) @ basis.T)
         emb[lo:lo + len(z)] = ((z + u) * math.sqrt(hidden)).to(emb.dtype)
     # after RMSNorm a token is (z + u) sqrt(hidden / 2): u-component x_u, token part of norm x_u
     x_u = math.sqrt(hidden / 2)
@@ -411,7 +426,7 @@ def _shape_attention(model: PagedLlama, gen: torch.Generator) -> None:
     step = math.log(float(inv[0]) / float(inv[1]))
     a = math.sqrt(LOCAL_SLOPE * step * sd) / x_u  # per position pair: a^2 x_u^2 / sqrt(d) = slope x step
     b = HEAVY_STD * sd / (x_u * s_tok)
-    g = math.sqrt(RETRIEVAL_LOGIT * sd / share) / x_u  # g^2 |token part in the subspace|^2 / sqrt(d)
+    g = math.sqrt(RETRIEVAL_LOGIT * sd / share) / x_u if r else 0.0  # g^2 |token part in it|^2 / sqrt(d)
     ret_rows = torch.tensor(ret + [i + half for i in ret], device=dev)
     for li, layer in enumerate(model.model.layers):
         attn = layer.self_attn
@@ -419,16 +434,18 @@ def _shape_attention(model: PagedLlama, gen: torch.Generator) -> None:
         wq = torch.randn(hkv, hq // hkv, d, hidden, generator=gen, device=dev) * (QK_NOISE / math.sqrt(hidden))
         wk = torch.randn(hkv, d, hidden, generator=gen, device=dev) * (QK_NOISE / math.sqrt(hidden))
         for h in range(hkv):
-            if (h + li) % 2 == 0:  # local
+            if not r or (h + li) % 2 == 0:  # local
                 wq[h, :, pos_pairs] += a * u
                 wk[h, pos_pairs] += a * u
-                wq[h, :, hh] += b * u
+                if hh is not None:
+                    wq[h, :, hh] += b * u
             else:  # retrieval
                 rot, _ = torch.linalg.qr(torch.randn(r, r, generator=gen, device=dev))
                 proj = g * (rot @ basis.T)  # a head of its own, the same matches
                 wq[h, :, ret_rows] += proj
                 wk[h, ret_rows] += proj
-            wk[h, hh] += v
+            if hh is not None:
+                wk[h, hh] += v
         attn.q_proj.weight.copy_(wq.reshape(hq * d, hidden))
         attn.k_proj.weight.copy_(wk.reshape(hkv * d, hidden))
 
