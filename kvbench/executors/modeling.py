@@ -331,7 +331,7 @@ RETRIEVAL_LOGIT = 16.0  # retrieval heads: logit of a key holding the query's ow
 RETRIEVAL_SPAN = 2048  # tokens over which a retrieval match holds (rotation of its dims < 1 rad)
 QK_NOISE = 0.05  # plain random part of the query and key projections (std x sqrt(hidden))
 RETRIEVAL_MIN_DIMS = 16  # fewer position-free dims than this: no retrieval heads (matches too noisy)
-WRITE_FAN_IN, WRITE_DEPTH = 256, 2  # o_proj/down_proj keep tiny's scale up to this fan-in and depth
+WRITE_FAN_IN, WRITE_DEPTH = 344, 2  # o_proj/down_proj keep std 0.02 up to this fan-in (tiny's MLP) and depth
 
 
 @torch.no_grad()
