@@ -32,11 +32,10 @@ Decisions:
   decode will have, so what it needs is back on the GPU when it runs (scoring the query that just
   ran would always recall one step late: an answer that quotes its context re-reads the next
   token of the quote each step). The model executor's ``speculate`` approximates each layer's
-  coming query from the next token's embedding and scores exactly (q.k over the host keys) rather
-  than with InfiniGen's reduced-dimension partial weights: partial weights save work when the
-  offloaded KV is large against the GPU's compute; here heads are small and the pool is a few
-  thousand tokens, so the exact scores cost less than keeping a second, projected key cache, and
-  they give the recall rule's best case. The sim scores its synthetic attention at the coming
+  coming query from the next token's embedding and scores it, on the device, with InfiniGen's
+  reduced-dimension partial keys (half of each head's key dims, kept on the device for the pooled
+  tokens; kvbench.eviction_host says why half), normalised by the same partial scores over the
+  kept tokens and the query's own key. The sim scores its synthetic attention at the coming
   query's position. A pooled token is recalled when its weight relative to the kept tokens
   exceeds RECALL_ALPHA times the mean kept token's; at most RECALL_SHARE of the budget per step.
   PCIe traffic = offloaded + recalled tokens x KV bytes per token; its time comes from the GPU

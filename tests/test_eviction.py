@@ -189,3 +189,38 @@ def test_compacted_decode_equals_masked_decode():
     assert logits[0] == logits[2]
     np.testing.assert_allclose(logits[1], logits[3], rtol=1e-4, atol=1e-6)
     assert torch.get_num_threads() >= 1
+
+
+def test_host_partial_keys_follow_offload_and_recall():
+    """InfiniGen's partial keys (kvbench.eviction_host): with every dim kept they score exactly
+    exp(q.k x scale - lse), averaged over layers and heads; with half, the half of largest mean |k|
+    per layer and KV head; and they follow the host copies through offload, recall and release."""
+    import torch
+
+    from kvbench.eviction_host import HostKV
+
+    g = torch.Generator().manual_seed(0)
+    n_layers, hkv, group, d, bs = 2, 2, 2, 8, 4
+    pool = torch.randn(2 * n_layers, 8, bs, hkv, d, generator=g)
+    pool[0::2, ..., :4] *= 20  # the first half of every key is the large one
+    q = torch.randn(n_layers, 1, hkv * group, d, generator=g)
+    lse = torch.randn(n_layers, 1, hkv * group, generator=g).abs() + 3
+    slots = np.array([3, 9, 14, 20, 27])
+    pos = np.array([40, 10, 30, 20, 50])
+    for share in (1.0, 0.5):
+        host = HostKV(partial_dims=share)
+        host.offload(pool, [(7, pos[:3], slots[:3])], keep_partial=True)
+        host.offload(pool, [(7, pos[3:], slots[3:])], keep_partial=True)
+        host.recall(pool, [(7, np.array([30]), np.array([31]))])
+        want = np.array([10, 50, 20])
+        got = host.speculate([7], q, lse, 0.5, [want])[7]
+        keys = pool[0::2].reshape(n_layers, -1, hkv, d)[:, torch.as_tensor(slots[[1, 4, 3]])]  # [L, 3, Hkv, D]
+        if share < 1:
+            assert (host.dims.sort(-1).values == torch.arange(4)).all()
+            keys = keys.clone()
+            keys[..., 4:] = 0
+        logits = torch.einsum("lhgd,lnhd->lhgn", q[:, 0].view(n_layers, hkv, group, d), keys) * 0.5
+        ref = torch.exp(logits - lse[:, 0].view(n_layers, hkv, group, 1)).mean((0, 1, 2)).double().numpy()
+        np.testing.assert_allclose(got, ref, rtol=1e-5)
+        host.release([7])
+        assert not host.pk and not host.pos

@@ -97,7 +97,6 @@ class ModelExecutor:
         # The last step's metadata, pool view and decode seq ids, for decode_attention_by_group.
         self._last: tuple[AttentionMetadata, torch.Tensor, list[int]] | None = None
         self.logits_log: dict[int, list[np.ndarray]] | None = None  # set to {} to keep sampled logits
-        self._lse: dict[int, torch.Tensor] = {}  # seq_id -> f32 [L, Hq]: this step's decode lse (kept tokens)
         self._pending_s = 0.0  # speculation time, charged to the next step
 
     def kv_bytes_per_token(self) -> int:
@@ -150,9 +149,7 @@ class ModelExecutor:
         if self.collect_attention and batch.decode_seq_ids and inputs.meta.decode_records:
             q = torch.stack([r[0] for r in inputs.meta.decode_records]).cpu()  # [L, D, Hq, Dh]
             lse = torch.stack([r[1] for r in inputs.meta.decode_records]).cpu()  # [L, D, Hq]
-            _, mass = self.host.score(list(batch.decode_seq_ids), q, lse, self.net.model.layers[0].self_attn.scale)
-        # speculation follows this step, for the sequences that just decoded: only their lse is current
-        self._lse = ({sid: lse[:, i] for i, sid in enumerate(batch.decode_seq_ids)} if mass is not None else {})
+            mass = self.host.mass_kept(list(batch.decode_seq_ids), q, lse, self.net.model.layers[0].self_attn.scale)
         return StepResult(duration_s=duration_s, sampled=dict(zip(order, tokens)), attention=attention,
                           mass_kept=mass, pcie_s=pcie_s)
 
@@ -164,11 +161,18 @@ class ModelExecutor:
         Every layer's query is approximated by that layer's query projection of the token's
         embedding (InfiniGen projects the previous layer's input with partial query weights; the
         embedding stands in for every layer's input, which is exact for layer 0 and close while the
-        residual stream is dominated by it), rotated to the position, and scored exactly against
-        the host keys, normalised by the sequence's last decode's log-sum-exp over its kept tokens.
-        -> seq_id -> float64 weight of each position asked, relative to the kept total. Sequences
-        that did not decode in the step just run are skipped. Its time is charged to the next step."""
-        items = [it for it in items if it[0] in self._lse]
+        residual stream is dominated by it) and rotated to the position. On the device, restricted
+        to the partial key dims (kvbench.eviction_host), it is scored against the pooled tokens'
+        partial keys and, through the decode kernel over the sequence's block table, against the
+        kept tokens and its own key, whose log-sum-exp normalises the pooled scores: a pooled
+        token's weight is relative to the kept tokens' total of 1 in the same partial scores.
+        -> seq_id -> float64 weight of each position asked. Sequences that did not decode in the
+        step just run are skipped. Its time is charged to the next step."""
+        if self._last is None or self.host.dims is None:
+            return {}
+        meta, pool, ids = self._last
+        row_of = {sid: i for i, sid in enumerate(ids)}
+        items = [it for it in items if it[0] in row_of and it[0] in self.host.pk]
         if not items:
             return {}
         t0 = time.perf_counter()
@@ -179,15 +183,30 @@ class ModelExecutor:
         ang = pos[:, None] * net.inv_freq.float()[None, :]
         emb = torch.cat((ang, ang), dim=-1)
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
-        qs = []
-        for layer in net.model.layers:
+        dims = self.host.dims  # [L, Hkv, r]
+        rows = torch.tensor([row_of[it[0]] for it in items], device=self.device)
+        qs, lses = [], []
+        for i, layer in enumerate(net.model.layers):
             attn = layer.self_attn
-            q = attn.q_proj(layer.input_layernorm(h)).view(len(items), attn.num_heads, attn.head_dim).float()
-            qs.append(q * cos + rotate_half(q) * sin)
-        q = torch.stack(qs).cpu()  # [L, S, Hq, D]
-        lse = torch.stack([self._lse[it[0]] for it in items], dim=1)  # [L, S, Hq]
-        scores, _ = self.host.score([it[0] for it in items], q, lse, net.model.layers[0].self_attn.scale,
-                                    only=[it[3] for it in items])
+            x = layer.input_layernorm(h)
+            group = attn.num_heads // attn.num_kv_heads
+            q = attn.q_proj(x).view(len(items), attn.num_heads, attn.head_dim).float()
+            k = attn.k_proj(x).view(len(items), attn.num_kv_heads, attn.head_dim).float()
+            keep = torch.zeros(attn.num_kv_heads, attn.head_dim, dtype=torch.bool, device=self.device)
+            keep.scatter_(1, dims[i], True)
+            q = (q * cos + rotate_half(q) * sin) * keep.repeat_interleave(group, dim=0)  # partial dims only
+            k = (k * cos + rotate_half(k) * sin) * keep
+            q_all = torch.zeros(len(ids), attn.num_heads, attn.head_dim, dtype=pool.dtype, device=self.device)
+            q_all[rows] = q.to(pool.dtype)
+            _, lse = kernels.decode_attention(q_all, pool[2 * i], pool[2 * i + 1], meta.decode_block_tables,
+                                              meta.decode_seq_lens, attn.scale, meta.max_decode_len,
+                                              kept=meta.decode_kept, backend=attn.backend)
+            # the coming token attends to its own key too (not written yet): add it to the kept total
+            own = torch.einsum("shgd,shd->shg", q.view(len(items), attn.num_kv_heads, group, -1), k)
+            qs.append(q)
+            lses.append(torch.logaddexp(lse[rows].float(), own.reshape(len(items), -1) * attn.scale))
+        scores = self.host.speculate([it[0] for it in items], torch.stack(qs), torch.stack(lses),
+                                     net.model.layers[0].self_attn.scale, [it[3] for it in items])
         self._pending_s += time.perf_counter() - t0
         return scores
 
@@ -197,7 +216,7 @@ class ModelExecutor:
         pcie_s = 0.0
         if batch.offload and batch.offload_is_transfer:
             t0 = time.perf_counter()
-            self.host.offload(pool, batch.offload)  # .to("cpu") synchronises
+            self.host.offload(pool, batch.offload, keep_partial=True)  # .to("cpu") synchronises
             pcie_s += time.perf_counter() - t0
         if batch.slot_moves is not None:
             src, dst = (torch.as_tensor(a, device=self.device) for a in batch.slot_moves)
