@@ -197,6 +197,7 @@ class Evictor:
         self._src: list[np.ndarray] = []
         self._dst: list[np.ndarray] = []
         self._release: list[int] = []
+        self._dropped: list = []  # (seq_id, positions) the CPU pool dropped for capacity
         self._pcie_pending = 0
         # totals
         self.evicted = self.recalled = self.offloaded = self.pcie_bytes = 0
@@ -221,9 +222,10 @@ class Evictor:
             batch.slot_moves = (np.concatenate(self._src), np.concatenate(self._dst))
             self._src, self._dst = [], []
         batch.offload, batch.recall, batch.host_release = self._offload, self._recall, self._release
+        batch.pool_dropped = self._dropped
         batch.offload_is_transfer = self.policy.offload
         batch.pcie_bytes = self._pcie_pending
-        self._offload, self._recall, self._release, self._pcie_pending = [], [], [], 0
+        self._offload, self._recall, self._release, self._dropped, self._pcie_pending = [], [], [], [], 0
 
     def after_step(self, seqs, result, step: int) -> None:
         """Score, recall and evict for every sequence whose next step is a decode."""
@@ -238,7 +240,7 @@ class Evictor:
         for s in due:
             self._one(s, s.num_kv + s.dropped, result, ahead, step)
         if self.cpu is not None:
-            self.cpu.enforce_capacity()
+            self._dropped.extend(self.cpu.enforce_capacity().items())
 
     # -- one sequence ----------------------------------------------------------------------
     def _one(self, s, computed: int, result, ahead, step: int) -> None:

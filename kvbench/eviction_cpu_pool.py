@@ -77,10 +77,11 @@ class CpuPool:
         if o is not None:
             self.size -= len(o)
 
-    def enforce_capacity(self) -> int:
-        """Drop entries by the rule until the pool is within capacity; returns how many."""
+    def enforce_capacity(self) -> dict[int, np.ndarray]:
+        """Drop entries by the rule until the pool is within capacity; returns the positions dropped,
+        per sequence (empty when nothing was)."""
         if self.size <= self.capacity:
-            return 0
+            return {}
         ids = list(self.seqs)
         owner = np.concatenate([np.full(len(self.seqs[i]), k) for k, i in enumerate(ids)])
         idx = np.concatenate([np.arange(len(self.seqs[i])) for i in ids])
@@ -93,12 +94,14 @@ class CpuPool:
             order = np.lexsort((born, np.concatenate([self.seqs[i].hits for i in ids])))
         n_drop = self.size - int(self.capacity * CPU_POOL_LOW)
         victims = order[:n_drop]
+        gone = {}
         for k, sid in enumerate(ids):
             v = idx[victims[owner[victims] == k]]
             if len(v):
+                gone[sid] = self.seqs[sid].pos[v]
                 mask = np.ones(len(self.seqs[sid]), dtype=bool)
                 mask[v] = False
                 self.seqs[sid].keep_only(mask)
         self.size -= n_drop
         self.dropped += n_drop
-        return n_drop
+        return gone

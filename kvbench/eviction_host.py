@@ -9,12 +9,12 @@ host: a measurement, not timed), normalised by the decode's log-sum-exp over the
 
 InfiniGen's speculation (``speculate``) runs on the device, as InfiniGen's does: when a transfer
 offloads tokens it also keeps their *partial keys* on the device — for every layer and KV head the
-PARTIAL_DIMS share of key dims with the largest mean magnitude, chosen from the first tokens
-offloaded (InfiniGen picks its channels offline, after skewing the weights so that few carry the
-dot product) — and the coming decode's query, restricted to the same dims, is scored against them
+PARTIAL_DIMS share of key dims (whole rotary pairs) with the largest mean magnitude, chosen from
+the first tokens offloaded (InfiniGen picks its channels offline, after skewing the weights so that
+few carry the dot product); they leave the device when their token leaves the CPU pool — and the coming decode's query, restricted to the same dims, is scored against them
 and normalised by its partial scores over the kept tokens and itself. Half the dims: on this
 project's random models a quarter loses the position structure of the local heads (chat then
-recalled 1,660 of 5,482 offloaded tokens instead of 9 of 3,847 on the eviction tests' chat trace);
+recalled 1,219 of 5,036 offloaded tokens instead of 9 of 3,847 on the eviction tests' chat trace);
 PARTIAL_DIMS = 1 scores exactly. The partial keys' device memory is InfiniGen's cost too; the KV
 pool's figures do not count it.
 """
@@ -34,7 +34,9 @@ class HostKV:
         self.kv: dict[int, torch.Tensor] = {}  # seq_id -> [2L, n, Hkv, D] on the CPU
         self.partial_dims = partial_dims
         self.dims: torch.Tensor | None = None  # int64 [L, Hkv, r] on the device: the partial key dims
-        self.pk: dict[int, torch.Tensor] = {}  # seq_id -> [L, n, Hkv, r] on the device, rows as pos
+        # the CPU pool's tokens (a subset of the host rows): positions sorted, partial keys on the device
+        self.pk_pos: dict[int, np.ndarray] = {}
+        self.pk: dict[int, torch.Tensor] = {}  # seq_id -> [L, n, Hkv, r]
 
     def __len__(self) -> int:
         return sum(len(p) for p in self.pos.values())
@@ -52,24 +54,44 @@ class HostKV:
             dev_rows = flat[:, torch.as_tensor(slots, device=pool.device)]  # [2L, n, Hkv, D]
             rows = dev_rows.to("cpu")
             nbytes += rows.numel() * rows.element_size()
-            part = self._partial(dev_rows[0::2]) if keep_partial else None
+            if keep_partial:
+                self._add_partial(sid, pos, self._partial(dev_rows[0::2]))
             if sid in self.pos:
                 pos = np.concatenate([self.pos[sid], pos])
                 rows = torch.cat([self.kv[sid], rows], dim=1)
-                if part is not None and sid in self.pk:
-                    part = torch.cat([self.pk[sid], part], dim=1)
             order = np.argsort(pos, kind="stable")
             self.pos[sid] = pos[order]
             self.kv[sid] = rows[:, torch.from_numpy(order)]
-            if part is not None:
-                self.pk[sid] = part[:, torch.from_numpy(order).to(part.device)]
         return nbytes
 
+    def _add_partial(self, sid: int, pos: np.ndarray, part: torch.Tensor) -> None:
+        if sid in self.pk_pos:
+            pos = np.concatenate([self.pk_pos[sid], pos])
+            part = torch.cat([self.pk[sid], part], dim=1)
+        order = np.argsort(pos, kind="stable")
+        self.pk_pos[sid] = pos[order]
+        self.pk[sid] = part[:, torch.from_numpy(order).to(part.device)]
+
+    def drop_partial(self, items) -> None:
+        """items: (seq_id, positions): tokens that left the CPU pool (recalled, or dropped for good)."""
+        for sid, pos in items:
+            have = self.pk_pos.get(sid)
+            if have is None:
+                continue
+            keep = ~np.isin(have, pos)
+            self.pk_pos[sid] = have[keep]
+            self.pk[sid] = self.pk[sid][:, torch.from_numpy(keep).to(self.pk[sid].device)]
+
     def _partial(self, k: torch.Tensor) -> torch.Tensor:
-        """k: [L, n, Hkv, D] on the device -> its partial keys [L, n, Hkv, r] (choosing the dims once)."""
+        """k: [L, n, Hkv, D] on the device -> its partial keys [L, n, Hkv, r] (choosing the dims once:
+        whole rotary pairs (i, i + D/2), those of largest mean squared length, so that a partial
+        score does not depend on the tokens' absolute positions)."""
         if self.dims is None:
-            r = max(1, min(k.shape[3], math.ceil(self.partial_dims * k.shape[3])))
-            self.dims = k.float().abs().mean(1).topk(r, dim=-1).indices  # [L, Hkv, r]
+            half = k.shape[3] // 2
+            pairs = max(1, min(half, math.ceil(self.partial_dims * half)))
+            energy = k.float().pow(2).mean(1)  # [L, Hkv, D]
+            top = (energy[..., :half] + energy[..., half:]).topk(pairs, dim=-1).indices  # [L, Hkv, pairs]
+            self.dims = torch.cat([top, top + half], dim=-1)  # [L, Hkv, r]
         return torch.gather(k, 3, self.dims[:, None].expand(-1, k.shape[1], -1, -1))
 
     def recall(self, pool: torch.Tensor, items) -> int:
@@ -87,14 +109,14 @@ class HostKV:
             keep[rows] = False
             self.pos[sid] = have[keep]
             self.kv[sid] = self.kv[sid][:, torch.from_numpy(keep)]
-            if sid in self.pk:
-                self.pk[sid] = self.pk[sid][:, torch.from_numpy(keep).to(self.pk[sid].device)]
+            self.drop_partial([(sid, pos)])
         return nbytes
 
     def release(self, seq_ids) -> None:
         for sid in seq_ids:
             self.pos.pop(sid, None)
             self.kv.pop(sid, None)
+            self.pk_pos.pop(sid, None)
             self.pk.pop(sid, None)
 
     def mass_kept(self, seq_ids: list[int], q: torch.Tensor, lse: torch.Tensor, scale: float) -> dict[int, float]:
@@ -124,7 +146,7 @@ class HostKV:
             pk = self.pk.get(sid)
             if pk is None:
                 continue
-            rows = torch.from_numpy(np.searchsorted(self.pos[sid], only[i])).to(pk.device)
+            rows = torch.from_numpy(np.searchsorted(self.pk_pos[sid], only[i])).to(pk.device)
             kp = pk[:, rows].float()  # [L, n, Hkv, r]
             n_layers, n, hkv, r = kp.shape
             qi = q[:, i].float().view(n_layers, hkv, -1, q.shape[-1])  # [L, Hkv, G, D]

@@ -193,8 +193,9 @@ def test_compacted_decode_equals_masked_decode():
 
 def test_host_partial_keys_follow_offload_and_recall():
     """InfiniGen's partial keys (kvbench.eviction_host): with every dim kept they score exactly
-    exp(q.k x scale - lse), averaged over layers and heads; with half, the half of largest mean |k|
-    per layer and KV head; and they follow the host copies through offload, recall and release."""
+    exp(q.k x scale - lse), averaged over layers and heads; with half, the rotary pairs of largest
+    mean |k|^2 per layer and KV head; and they follow the pool through offload, recall, drop and
+    release."""
     import torch
 
     from kvbench.eviction_host import HostKV
@@ -202,7 +203,8 @@ def test_host_partial_keys_follow_offload_and_recall():
     g = torch.Generator().manual_seed(0)
     n_layers, hkv, group, d, bs = 2, 2, 2, 8, 4
     pool = torch.randn(2 * n_layers, 8, bs, hkv, d, generator=g)
-    pool[0::2, ..., :4] *= 20  # the first half of every key is the large one
+    big = torch.tensor([0, 1, 4, 5])  # rotary pairs (0, 4) and (1, 5): the large half of every key
+    pool[0::2, ..., big] *= 20
     q = torch.randn(n_layers, 1, hkv * group, d, generator=g)
     lse = torch.randn(n_layers, 1, hkv * group, generator=g).abs() + 3
     slots = np.array([3, 9, 14, 20, 27])
@@ -216,11 +218,14 @@ def test_host_partial_keys_follow_offload_and_recall():
         got = host.speculate([7], q, lse, 0.5, [want])[7]
         keys = pool[0::2].reshape(n_layers, -1, hkv, d)[:, torch.as_tensor(slots[[1, 4, 3]])]  # [L, 3, Hkv, D]
         if share < 1:
-            assert (host.dims.sort(-1).values == torch.arange(4)).all()
+            assert (host.dims.sort(-1).values == big).all()
             keys = keys.clone()
-            keys[..., 4:] = 0
+            keys[..., [2, 3, 6, 7]] = 0
         logits = torch.einsum("lhgd,lnhd->lhgn", q[:, 0].view(n_layers, hkv, group, d), keys) * 0.5
         ref = torch.exp(logits - lse[:, 0].view(n_layers, hkv, group, 1)).mean((0, 1, 2)).double().numpy()
         np.testing.assert_allclose(got, ref, rtol=1e-5)
+        host.drop_partial([(7, np.array([50]))])  # the CPU pool dropped it: the host copy stays
+        assert host.pk_pos[7].tolist() == [10, 20, 40] and 50 in host.pos[7]
+        assert host.speculate([7], q, lse, 0.5, [np.array([20])])[7][0] == pytest.approx(got[2])
         host.release([7])
         assert not host.pk and not host.pos

@@ -54,6 +54,7 @@ class StepBatch:
     offload: list = field(default_factory=list)  # (seq_id, positions int64 [n], pool slots int64 [n])
     recall: list = field(default_factory=list)  # (seq_id, positions int64 [n], pool slots int64 [n])
     host_release: list[int] = field(default_factory=list)  # seq ids whose host KV is dropped
+    pool_dropped: list = field(default_factory=list)  # (seq_id, positions): left the CPU pool for good
     offload_is_transfer: bool = False  # offloads are PCIe traffic (InfiniGen), not just a shadow
     pcie_bytes: int = 0  # bytes this batch moves between host and device (offload + recall)
 

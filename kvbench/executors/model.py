@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from kvbench import kernels
-from kvbench.eviction_host import HostKV
+from kvbench.eviction import CPU_POOL_FACTOR
+from kvbench.eviction_host import PARTIAL_DIMS, HostKV
 from kvbench.executors.base import StepBatch, StepResult
 from kvbench.executors.modeling import (AttentionMetadata, ForwardInputs, rotate_half, build_inputs,
                                         build_model, decode_attention_stats, default_dtype, make_kv_pool)
@@ -98,15 +99,18 @@ class ModelExecutor:
         self._last: tuple[AttentionMetadata, torch.Tensor, list[int]] | None = None
         self.logits_log: dict[int, list[np.ndarray]] | None = None  # set to {} to keep sampled logits
         self._pending_s = 0.0  # speculation time, charged to the next step
+        # device bytes InfiniGen's partial keys may reach, as a share of the KV pool's (set for infinigen)
+        self.partial_key_share = 0.0
 
     def kv_bytes_per_token(self) -> int:
         return self.spec.kv_bytes_per_token("fp32" if self.dtype == torch.float32 else "bf16")
 
     def default_kv_bytes(self) -> int:
-        """GPU: 90% of the memory free after the weights; CPU: CPU_DEFAULT_KV_BYTES."""
+        """GPU: 90% of the memory free after the weights, less what InfiniGen's partial keys may take
+        (``partial_key_share`` of the pool's bytes at most); CPU: CPU_DEFAULT_KV_BYTES."""
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.9)
+            return int(free * 0.9 / (1.0 + self.partial_key_share))
         return CPU_DEFAULT_KV_BYTES
 
     def bind_pool(self, num_blocks: int, block_size: int) -> None:
@@ -185,6 +189,8 @@ class ModelExecutor:
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
         dims = self.host.dims  # [L, Hkv, r]
         rows = torch.tensor([row_of[it[0]] for it in items], device=self.device)
+        tables, lens = meta.decode_block_tables[rows], meta.decode_seq_lens[rows]
+        kept = None if meta.decode_kept is None else meta.decode_kept[rows]
         qs, lses = [], []
         for i, layer in enumerate(net.model.layers):
             attn = layer.self_attn
@@ -196,15 +202,12 @@ class ModelExecutor:
             keep.scatter_(1, dims[i], True)
             q = (q * cos + rotate_half(q) * sin) * keep.repeat_interleave(group, dim=0)  # partial dims only
             k = (k * cos + rotate_half(k) * sin) * keep
-            q_all = torch.zeros(len(ids), attn.num_heads, attn.head_dim, dtype=pool.dtype, device=self.device)
-            q_all[rows] = q.to(pool.dtype)
-            _, lse = kernels.decode_attention(q_all, pool[2 * i], pool[2 * i + 1], meta.decode_block_tables,
-                                              meta.decode_seq_lens, attn.scale, meta.max_decode_len,
-                                              kept=meta.decode_kept, backend=attn.backend)
+            _, lse = kernels.decode_attention(q.to(pool.dtype), pool[2 * i], pool[2 * i + 1], tables, lens,
+                                              attn.scale, meta.max_decode_len, kept=kept, backend=attn.backend)
             # the coming token attends to its own key too (not written yet): add it to the kept total
             own = torch.einsum("shgd,shd->shg", q.view(len(items), attn.num_kv_heads, group, -1), k)
             qs.append(q)
-            lses.append(torch.logaddexp(lse[rows].float(), own.reshape(len(items), -1) * attn.scale))
+            lses.append(torch.logaddexp(lse.float(), own.reshape(len(items), -1) * attn.scale))
         scores = self.host.speculate([it[0] for it in items], torch.stack(qs), torch.stack(lses),
                                      net.model.layers[0].self_attn.scale, [it[3] for it in items])
         self._pending_s += time.perf_counter() - t0
@@ -218,6 +221,8 @@ class ModelExecutor:
             t0 = time.perf_counter()
             self.host.offload(pool, batch.offload, keep_partial=True)  # .to("cpu") synchronises
             pcie_s += time.perf_counter() - t0
+        if batch.pool_dropped:
+            self.host.drop_partial(batch.pool_dropped)
         if batch.slot_moves is not None:
             src, dst = (torch.as_tensor(a, device=self.device) for a in batch.slot_moves)
             move_slots(pool, src, dst)
@@ -273,5 +278,8 @@ class ModelExecutor:
 def make_model_executor(cfg, model: ModelSpec) -> ModelExecutor:
     """The executor for a ReplayConfig: a model folder's own weights, or the preset random-initialised."""
     source = cfg.model if os.path.isdir(cfg.model) else model
-    return ModelExecutor(source, cfg.device, cfg.seed, cfg.attention, collect_attention=cfg.eviction != "none")
+    ex = ModelExecutor(source, cfg.device, cfg.seed, cfg.attention, collect_attention=cfg.eviction != "none")
+    if cfg.eviction == "infinigen":  # the CPU pool's partial keys: PARTIAL_DIMS of K for each pooled token
+        ex.partial_key_share = CPU_POOL_FACTOR * PARTIAL_DIMS * 0.5
+    return ex
 

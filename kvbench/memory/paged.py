@@ -245,6 +245,7 @@ class PagedKV:
 
     def free(self, s: SeqKV) -> None:
         """Drop the sequence's references, tail first so its last blocks are evicted first."""
+        self._check_unpinned()
         if self.radix is not None and s.tokens is not None and not s.compacted:
             self._register_partial_tail(s)
         self.pool.release_all(reversed(s.table))
@@ -253,6 +254,12 @@ class PagedKV:
         s.num_registered = 0
         s.dropped = 0
         s.compacted = False
+
+    def _check_unpinned(self) -> None:
+        """A pinned partial-hit source is referenced without its parent; dropping references before
+        ``take_copies`` could leave that parent held but unreachable (leaves-only eviction)."""
+        if self._pinned and self.pool.kids is not None:
+            raise RuntimeError("take_copies() must follow a partial-hit allocation before free or compact")
 
     def fork(self, s: SeqKV, child: SeqKV) -> bool:
         """Make ``child`` (an empty SeqKV) share every block, full and partial, of ``s``.
@@ -287,6 +294,7 @@ class PagedKV:
         written into it; otherwise a new private block replaces it. Returns None, changing nothing,
         when those new blocks are not available.
         """
+        self._check_unpinned()
         p, bs = self.pool, self.block_size
         old_n = s.num_kv
         keep = np.asarray(keep, dtype=np.int64)

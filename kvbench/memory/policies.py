@@ -24,8 +24,10 @@ forms do what the one-block calls do, block by block in order, with the per-call
 
 Radix mode evicts leaves only (kvbench.memory.block_pool): a released block that a cached block
 continues is ``hold``-ed — released for ordering, not evictable — and ``unhold``-en when its last
-cached child is evicted, so it takes the place its release gave it (lru parks held blocks it meets
-at the front; the bucket queues simply keep them out of the evictable set).
+cached child is evicted. lru and the touch-ordered queues (fifo, lfu) give it the place its release
+(or touch) gave it — lru parks held blocks it meets at its front, which the pool's tail-first
+release makes rare; belady re-queues it at its unhold, so among blocks of the same next use it goes
+last rather than by release.
 """
 from __future__ import annotations
 
