@@ -6,6 +6,7 @@ parquet footers and writes summary.json with ``complete`` true or false, leaving
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import platform
@@ -82,11 +83,11 @@ def environment(device_name: str | None = None) -> dict:
     """Versions and device, for config.json."""
     env = {"kvbench": __version__, "git_commit": _git_commit(), "python": sys.version.split()[0],
            "platform": platform.platform(), "device_name": device_name}
-    for mod in ("torch", "triton", "transformers", "numpy", "pandas", "pyarrow"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except Exception:  # not installed, or fails to import here (triton without a GPU)
-            env[mod] = None
+    for dist in ("torch", "triton", "transformers", "numpy", "pandas", "pyarrow"):
+        try:  # from the installed metadata: importing transformers and triton costs a second per run
+            env[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            env[dist] = None
     return env
 
 
