@@ -46,7 +46,8 @@ Decisions:
 - Attention mass kept (model executor): every evicted token's K also goes to a host shadow (never
   counted as traffic or memory) so the executor can add, per decode, the weight the query gives to
   evicted tokens to the kept tokens' log-sum-exp; mass kept = kept / (kept + evicted), averaged
-  over heads, layers and every decode step (steps with nothing evicted count 1). The sim executor
+  over heads, layers and every decode step (steps with nothing evicted count 1) — of up to
+  MASS_SAMPLE sequences per step, in turn, when more decode at once. The sim executor
   has no model: it uses the synthetic attention of kvbench.eviction_synth for scores and recalls
   and reports no mass kept.
 """

@@ -50,6 +50,9 @@ def move_slots(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None
     flat[:, dst] = flat[:, src]  # advanced indexing on the right gathers into a new tensor first
 
 
+# Most decoding sequences per step whose attention mass kept is measured (in turn when more decode).
+MASS_SAMPLE = 16
+
 # Below this hidden size a CPU forward is dominated by per-op overhead, and torch's thread pool only
 # adds synchronisation (the `tiny` model runs ~5x faster on one thread on a shared 2-core machine).
 SMALL_MODEL_HIDDEN = 512
@@ -101,6 +104,7 @@ class ModelExecutor:
         self._pending_s = 0.0  # speculation time, charged to the next step
         # device bytes InfiniGen's partial keys may reach, as a share of the KV pool's (set for infinigen)
         self.partial_key_share = 0.0
+        self._mass_turn = 0  # where the next step's sample of decodes for the mass measurement starts
 
     def kv_bytes_per_token(self) -> int:
         return self.spec.kv_bytes_per_token("fp32" if self.dtype == torch.float32 else "bf16")
@@ -151,11 +155,22 @@ class ModelExecutor:
         mass = None
         duration_s, self._pending_s = timer.seconds + self._pending_s, 0.0
         if self.collect_attention and batch.decode_seq_ids and inputs.meta.decode_records:
-            q = torch.stack([r[0] for r in inputs.meta.decode_records]).cpu()  # [L, D, Hq, Dh]
-            lse = torch.stack([r[1] for r in inputs.meta.decode_records]).cpu()  # [L, D, Hq]
-            mass = self.host.mass_kept(list(batch.decode_seq_ids), q, lse, self.net.model.layers[0].self_attn.scale)
+            ids = list(batch.decode_seq_ids)
+            rows = self._mass_rows(len(ids))
+            q = torch.stack([r[0][rows] for r in inputs.meta.decode_records]).cpu()  # [L, M, Hq, Dh]
+            lse = torch.stack([r[1][rows] for r in inputs.meta.decode_records]).cpu()  # [L, M, Hq]
+            mass = self.host.mass_kept([ids[i] for i in rows.tolist()], q, lse,
+                                       self.net.model.layers[0].self_attn.scale)
         return StepResult(duration_s=duration_s, sampled=dict(zip(order, tokens)), attention=attention,
                           mass_kept=mass, pcie_s=pcie_s)
+
+    def _mass_rows(self, n: int) -> torch.Tensor:
+        """Decode rows whose attention mass kept this step measures: all, or MASS_SAMPLE of them in
+        turn (the host pass scores every evicted token of each, which a large batch cannot afford)."""
+        if n <= MASS_SAMPLE:
+            return torch.arange(n, device=self.device)
+        self._mass_turn = (self._mass_turn + MASS_SAMPLE) % n
+        return (torch.arange(MASS_SAMPLE, device=self.device) + self._mass_turn) % n
 
     @torch.inference_mode()
     def speculate(self, items: list[tuple[int, int, int, np.ndarray]]) -> dict[int, np.ndarray]:
