@@ -25,9 +25,8 @@ forms do what the one-block calls do, block by block in order, with the per-call
 Radix mode evicts leaves only (kvbench.memory.block_pool): a released block that a cached block
 continues is ``hold``-ed — released for ordering, not evictable — and ``unhold``-en when its last
 cached child is evicted. lru and the touch-ordered queues (fifo, lfu) give it the place its release
-(or touch) gave it — lru parks held blocks it meets at its front, which the pool's tail-first
-release makes rare; belady re-queues it at its unhold, so among blocks of the same next use it goes
-last rather than by release.
+(or touch) gave it — lru keeps held blocks in its queue and skips them; belady re-queues it at its
+unhold, so among blocks of the same next use it goes last rather than by release.
 """
 from __future__ import annotations
 
@@ -109,20 +108,17 @@ class CachePolicy:
 
 
 class LRUPolicy(CachePolicy):
-    """Held blocks (leaves-only eviction) take their place in the queue at release but are skipped:
-    one found at the front is parked, and once unheld it goes to ``_late``, a heap by park order,
-    whose entries come before everything still queued (they were at its front)."""
+    """Held blocks (leaves-only eviction) take their place in the queue at release and stay there,
+    skipped by ``pop`` until unheld: their release order is kept exactly. The pool releases a
+    sequence tail first and every user of a cached child holds its parent, so a held block lies
+    behind its children and is unheld before the front reaches it; the skip is only a safeguard."""
 
     name = "lru"
 
     def __init__(self, num_blocks: int):
         super().__init__(num_blocks)
         self._q: OrderedDict[int, None] = OrderedDict()
-        self._held: set[int] = set()  # in _q or _parked, not evictable
-        self._parked: dict[int, int] = {}  # held block taken off the front -> park seq
-        self._late: list[tuple[int, int]] = []  # (park seq, block), unheld parked blocks
-        self._late_live: dict[int, int] = {}  # block -> park seq of its current _late entry
-        self._parks = 0
+        self._held: set[int] = set()  # in _q, not evictable
 
     def hold(self, block: int) -> None:
         self._q[block] = None
@@ -130,15 +126,10 @@ class LRUPolicy(CachePolicy):
 
     def unhold(self, block: int) -> None:
         self._held.discard(block)
-        seq = self._parked.pop(block, None)
-        if seq is not None:
-            heapq.heappush(self._late, (seq, block))
-            self._late_live[block] = seq
 
     def reuse_held(self, block: int) -> None:
         self._held.discard(block)
-        if self._parked.pop(block, None) is None:
-            del self._q[block]
+        del self._q[block]
 
     def on_insert(self, block: int, now: int, next_use: int = NEVER) -> None:
         pass  # lru orders by release only; the block pool skips this call on its hot path
@@ -156,45 +147,24 @@ class LRUPolicy(CachePolicy):
 
     def reuse_many(self, blocks) -> None:
         q = self._q
-        if self._late_live:
-            for b in blocks:
-                if b in q:
-                    del q[b]
-                else:
-                    del self._late_live[b]  # its _late entry is stale now
-            return
         for b in blocks:
             del q[b]
 
     def pop_many(self, n: int) -> list[int]:
         q = self._q
-        if not self._held and not self._late_live:  # the usual case
+        held = self._held
+        if not held or not held.intersection(islice(q, n)):  # the usual case: no held block up front
             victims = list(islice(q, n))
-            for b in victims:
-                del q[b]
-            return victims
-        victims = []
-        late, live = self._late, self._late_live
-        while len(victims) < n and late:
-            seq, b = heapq.heappop(late)
-            if live.get(b) == seq:
-                del live[b]
-                victims.append(b)
-        while len(victims) < n:
-            front = list(islice(q, n - len(victims)))
-            if not front:
-                raise IndexError("no evictable block")
-            for b in front:
-                del q[b]
-                if b in self._held:
-                    self._parked[b] = self._parks
-                    self._parks += 1
-                else:
-                    victims.append(b)
+        else:
+            victims = list(islice((b for b in q if b not in held), n))
+        if len(victims) < n:
+            raise IndexError("no evictable block")
+        for b in victims:
+            del q[b]
         return victims
 
     def __len__(self) -> int:
-        return len(self._q) - len(self._held) + len(self._parked) + len(self._late_live)
+        return len(self._q) - len(self._held)
 
 
 _consume = deque(maxlen=0).extend  # runs a map for its side effects, in C
