@@ -34,6 +34,7 @@ class HostKV:
         self.kv: dict[int, torch.Tensor] = {}  # seq_id -> [2L, n, Hkv, D] on the CPU
         self.partial_dims = partial_dims
         self.dims: torch.Tensor | None = None  # int64 [L, Hkv, r] on the device: the partial key dims
+        self.dim_mask: torch.Tensor | None = None  # bool [L, Hkv, D]: the same dims as a mask
         # the CPU pool's tokens (a subset of the host rows): positions sorted, partial keys on the device
         self.pk_pos: dict[int, np.ndarray] = {}
         self.pk: dict[int, torch.Tensor] = {}  # seq_id -> [L, n, Hkv, r]
@@ -92,6 +93,8 @@ class HostKV:
             energy = k.float().pow(2).mean(1)  # [L, Hkv, D]
             top = (energy[..., :half] + energy[..., half:]).topk(pairs, dim=-1).indices  # [L, Hkv, pairs]
             self.dims = torch.cat([top, top + half], dim=-1)  # [L, Hkv, r]
+            self.dim_mask = torch.zeros(k.shape[0], k.shape[2], k.shape[3], dtype=torch.bool, device=k.device)
+            self.dim_mask.scatter_(2, self.dims, True)  # [L, Hkv, D]
         return torch.gather(k, 3, self.dims[:, None].expand(-1, k.shape[1], -1, -1))
 
     def recall(self, pool: torch.Tensor, items) -> int:
@@ -128,11 +131,8 @@ class HostKV:
             if pos is None or not len(pos):
                 mass[sid] = 1.0
                 continue
-            k = self.kv[sid][0::2].float()  # [L, n, Hkv, D]
-            n_layers, n, hkv, d = k.shape
-            qi = q[:, i].float().view(n_layers, hkv, -1, d)  # [L, Hkv, G, D]
-            logits = torch.einsum("lhgd,lnhd->lhgn", qi, k) * scale
-            evicted = torch.exp(logits - lse[:, i].view(n_layers, hkv, -1, 1)).sum(-1)  # [L, Hkv, G]
+            k = self.kv[sid][0::2]  # [L, n, Hkv, D]
+            evicted = _weights(q[:, i].view(k.shape[0], k.shape[2], -1, k.shape[3]), k, lse[:, i], scale).sum(-1)
             mass[sid] = float((1.0 / (1.0 + evicted)).mean())  # evicted weight against the kept total of 1
         return mass
 
@@ -147,11 +147,15 @@ class HostKV:
             if pk is None:
                 continue
             rows = torch.from_numpy(np.searchsorted(self.pk_pos[sid], only[i])).to(pk.device)
-            kp = pk[:, rows].float()  # [L, n, Hkv, r]
-            n_layers, n, hkv, r = kp.shape
-            qi = q[:, i].float().view(n_layers, hkv, -1, q.shape[-1])  # [L, Hkv, G, D]
+            kp = pk[:, rows]  # [L, n, Hkv, r]
+            qi = q[:, i].view(kp.shape[0], kp.shape[2], -1, q.shape[-1])  # [L, Hkv, G, D]
             qp = torch.gather(qi, 3, self.dims[:, :, None, :].expand(-1, -1, qi.shape[2], -1))
-            logits = torch.einsum("lhgr,lnhr->lhgn", qp, kp) * scale
-            p = torch.exp(logits - lse[:, i].float().view(n_layers, hkv, -1, 1))
-            scores[sid] = p.mean((0, 1, 2)).double().cpu().numpy()
+            scores[sid] = _weights(qp, kp, lse[:, i], scale).mean((0, 1, 2)).double().cpu().numpy()
         return scores
+
+
+def _weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention weights of keys that the softmax left out, relative to its total (lse).
+    q: [L, Hkv, G, D], k: [L, n, Hkv, D], lse: [L, Hkv * G] -> float32 [L, Hkv, G, n]."""
+    logits = torch.einsum("lhgd,lnhd->lhgn", q.float(), k.float()) * scale
+    return torch.exp(logits - lse.float().view(*q.shape[:3], 1))

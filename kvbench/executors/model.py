@@ -25,8 +25,8 @@ from kvbench import kernels
 from kvbench.eviction import CPU_POOL_FACTOR
 from kvbench.eviction_host import PARTIAL_DIMS, HostKV
 from kvbench.executors.base import StepBatch, StepResult
-from kvbench.executors.modeling import (AttentionMetadata, ForwardInputs, rotate_half, build_inputs,
-                                        build_model, decode_attention_stats, default_dtype, make_kv_pool)
+from kvbench.executors.modeling import (AttentionMetadata, ForwardInputs, build_inputs, build_model,
+                                        decode_attention_stats, default_dtype, make_kv_pool)
 from kvbench.presets import ModelSpec
 
 # KV pool on CPU when none is asked: zeros are committed memory, so stay modest (1M slots of `tiny`).
@@ -197,26 +197,19 @@ class ModelExecutor:
         t0 = time.perf_counter()
         net = self.net
         toks = torch.tensor([it[1] for it in items], device=self.device)
-        pos = torch.tensor([it[2] for it in items], device=self.device, dtype=torch.float32)
         h = net.model.embed_tokens(toks)  # [S, hidden]
-        ang = pos[:, None] * net.inv_freq.float()[None, :]
-        emb = torch.cat((ang, ang), dim=-1)
-        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
-        dims = self.host.dims  # [L, Hkv, r]
+        cos, sin = net.rope(torch.tensor([it[2] for it in items], device=self.device), h.dtype)
         rows = torch.tensor([row_of[it[0]] for it in items], device=self.device)
         tables, lens = meta.decode_block_tables[rows], meta.decode_seq_lens[rows]
         kept = None if meta.decode_kept is None else meta.decode_kept[rows]
         qs, lses = [], []
         for i, layer in enumerate(net.model.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
             group = attn.num_heads // attn.num_kv_heads
-            q = attn.q_proj(x).view(len(items), attn.num_heads, attn.head_dim).float()
-            k = attn.k_proj(x).view(len(items), attn.num_kv_heads, attn.head_dim).float()
-            keep = torch.zeros(attn.num_kv_heads, attn.head_dim, dtype=torch.bool, device=self.device)
-            keep.scatter_(1, dims[i], True)
-            q = (q * cos + rotate_half(q) * sin) * keep.repeat_interleave(group, dim=0)  # partial dims only
-            k = (k * cos + rotate_half(k) * sin) * keep
+            q, k = attn.rotary_qk(layer.input_layernorm(h), cos, sin)
+            keep = self.host.dim_mask[i]  # [Hkv, D]
+            q = q.float() * keep.repeat_interleave(group, dim=0)  # partial dims only
+            k = k.float() * keep
             _, lse = kernels.decode_attention(q.to(pool.dtype), pool[2 * i], pool[2 * i + 1], tables, lens,
                                               attn.scale, meta.max_decode_len, kept=kept, backend=attn.backend)
             # the coming token attends to its own key too (not written yet): add it to the kept total

@@ -193,7 +193,7 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -210,16 +210,20 @@ class PagedAttention(nn.Module):
         self.scale = d ** -0.5
         self.backend = attention
 
+    def rotary_qk(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys of x: [T, hidden], rotated by cos, sin: [T, D] -> q [T, Hq, D], k [T, Hkv, D]."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, hidden]; cos, sin: [T, D]; k_cache, v_cache: [NB, BS, Hkv, D] -> [T, hidden]
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_qk(x, cos, sin)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
         # Write first: every query then reads its own chunk's K/V from the cache like any cached token.
         kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, backend=self.backend)
         p = meta.num_prefill_tokens
@@ -288,15 +292,18 @@ class PagedLlama(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(spec.head_dim, spec.rope_theta, rope_scaling),
                              persistent=False)
 
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] of positions: int64 [T]; angles in float32, then ``dtype``, as transformers does."""
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, kv_pool: torch.Tensor) -> torch.Tensor:
         """inputs: T flattened tokens; kv_pool: [2L, NB, BS, Hkv, D] -> float32 logits [N, vocab]
         for the rows in inputs.meta.sample_indices."""
         h = self.model.embed_tokens(inputs.input_ids)  # [T, hidden]
-        # Angles in float32, then the model dtype, as transformers does.
-        freqs = inputs.positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        cos, sin = self.rope(inputs.positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, kv_pool[2 * i], kv_pool[2 * i + 1], inputs.meta)
         h = self.model.norm(h[inputs.meta.sample_indices])  # [N, hidden]
