@@ -195,32 +195,35 @@ def _relative_t(ts: float, first: list, where: dict, fld: str) -> float:
     return t
 
 
-def read_azure(path: str, report: ImportReport) -> Iterator[Request]:
-    what = "an Azure LLM inference CSV (TIMESTAMP,ContextTokens,GeneratedTokens)"
+def _read_lengths_csv(path: str, report: ImportReport, what: str, columns: tuple[str, str, str],
+                      extra=None) -> Iterator[Request]:
+    """Rows of (time stamp, prompt tokens, output tokens) columns -> one ``unique``-prompt request each;
+    ``extra(row)`` gives more Request fields (session, meta)."""
+    ts_col, in_col, out_col = columns
     first: list[float] = []
-    for lineno, row in _csv_rows(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"), what):
+    for lineno, row in _csv_rows(path, columns, what):
         where = {"file": path, "line": lineno}
-        t = _relative_t(_timestamp_s(row["timestamp"], where, "TIMESTAMP", what), first, where,
-                        "TIMESTAMP")
-        req = _lengths_request(str(lineno), t, _count(row["contexttokens"], where, "ContextTokens", what),
-                               _count(row["generatedtokens"], where, "GeneratedTokens", what), report)
+        t = _relative_t(_timestamp_s(row[ts_col.lower()], where, ts_col, what), first, where, ts_col)
+        req = _lengths_request(str(lineno), t, _count(row[in_col.lower()], where, in_col, what),
+                               _count(row[out_col.lower()], where, out_col, what), report,
+                               **(extra(row) if extra else {}))
         if req is not None:
             yield req
+
+
+def read_azure(path: str, report: ImportReport) -> Iterator[Request]:
+    return _read_lengths_csv(path, report, "an Azure LLM inference CSV (TIMESTAMP,ContextTokens,GeneratedTokens)",
+                             ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
+
+
+def _burstgpt_extra(row: dict) -> dict:
+    meta = {k: row[c] for k, c in (("model", "model"), ("log_type", "log type")) if row.get(c)}
+    return {"session": row.get("session id") or None, "meta": meta or None}
 
 
 def read_burstgpt(path: str, report: ImportReport) -> Iterator[Request]:
-    what = "a BurstGPT CSV (Timestamp, Request tokens, Response tokens, ...)"
-    first: list[float] = []
-    for lineno, row in _csv_rows(path, ("Timestamp", "Request tokens", "Response tokens"), what):
-        where = {"file": path, "line": lineno}
-        t = _relative_t(_timestamp_s(row["timestamp"], where, "Timestamp", what), first, where,
-                        "Timestamp")
-        meta = {k: row[c] for k, c in (("model", "model"), ("log_type", "log type")) if row.get(c)}
-        req = _lengths_request(str(lineno), t, _count(row["request tokens"], where, "Request tokens", what),
-                               _count(row["response tokens"], where, "Response tokens", what), report,
-                               session=row.get("session id") or None, meta=meta or None)
-        if req is not None:
-            yield req
+    return _read_lengths_csv(path, report, "a BurstGPT CSV (Timestamp, Request tokens, Response tokens, ...)",
+                             ("Timestamp", "Request tokens", "Response tokens"), _burstgpt_extra)
 
 
 # ------------------------------------------------------------------------------------ ShareGPT
