@@ -433,14 +433,10 @@ def test_radix_evicts_leaves_only():
         kv = PagedKV(24, bs, cache_policy=policy, prefix_mode=mode)
         order = []
         kv.pool.on_evict = (lambda b, prev=kv.pool.on_evict: (order.append(b), prev and prev(b)))
-        seqs = []
-        for t in prompts:  # three requests share 4 trunk blocks, each adds 2 blocks and a partial one
-            s = SeqKV(tokens=t)
-            hits = kv.lookup(s, len(t))
-            kv.allocate(s, len(t) - kv.hit_tokens(s, hits), hits)
-            kv.take_copies()
-            kv.commit(s, len(t) - kv.hit_tokens(s, hits))
-            seqs.append(s)
+        seqs: list[SeqKV] = []
+        for k in range(3):  # three requests share 4 trunk blocks, each adds 2 blocks and a partial one
+            apply_op(kv, seqs, prompts, "new", k, 9)  # the whole 25-token prompt
+        assert [s.num_kv for s in seqs] == [25, 25, 25]
         trunk = seqs[0].table[:4]
         trunk_blocks = set(trunk)
         for s in seqs:
