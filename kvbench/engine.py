@@ -78,9 +78,8 @@ class Replay:
         self.executor.bind_pool(self.num_blocks, cfg.block_size)
         self.evictor = make_evictor(cfg.eviction, self.kv, kv_budget=cfg.kv_budget,
                                     sink_tokens=cfg.sink_tokens, seed=cfg.seed,
-                                    kv_bytes_per_token=self.executor.kv_bytes_per_token())
-        if hasattr(self.evictor, "speculate"):  # InfiniGen looks ahead with the model when there is one
-            self.evictor.speculate = getattr(self.executor, "speculate", None)
+                                    kv_bytes_per_token=self.executor.kv_bytes_per_token(),
+                                    speculate=getattr(self.executor, "speculate", None))
         self.sched = Scheduler(self.kv, SchedulerConfig(cfg.max_num_seqs, cfg.max_batched_tokens),
                                needs_tokens=self.executor.needs_tokens, streams=self.streams,
                                evictor=self.evictor)

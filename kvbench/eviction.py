@@ -179,7 +179,8 @@ class Evictor:
     """Applies a Policy to the running sequences after each step, through the paged KV's ``compact``."""
 
     def __init__(self, policy: Policy, kv, *, kv_budget: float, sink_tokens: int, seed: int,
-                 kv_bytes_per_token: int, cpu_pool_tokens: int | None = None, cpu_pool_rule: str = "counter"):
+                 kv_bytes_per_token: int, cpu_pool_tokens: int | None = None, cpu_pool_rule: str = "counter",
+                 speculate=None):
         self.policy = policy
         self.name = policy.name
         self.kv = kv
@@ -191,7 +192,7 @@ class Evictor:
         cap = cpu_pool_tokens if cpu_pool_tokens is not None else CPU_POOL_FACTOR * kv.capacity_tokens
         self.cpu = CpuPool(cap, cpu_pool_rule) if policy.offload else None
         # the model executor's look-ahead scorer (ModelExecutor.speculate); None: synthetic attention
-        self.speculate = None
+        self.speculate = speculate
         # queued for the next batch
         self._offload: list = []
         self._recall: list = []

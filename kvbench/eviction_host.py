@@ -39,9 +39,6 @@ class HostKV:
         self.pk_pos: dict[int, np.ndarray] = {}
         self.pk: dict[int, torch.Tensor] = {}  # seq_id -> [L, n, Hkv, r]
 
-    def __len__(self) -> int:
-        return sum(len(p) for p in self.pos.values())
-
     @staticmethod
     def _flat(pool: torch.Tensor) -> torch.Tensor:
         """[2L, NB, BS, Hkv, D] -> [2L, NB*BS, Hkv, D], a view: slot-indexed."""
