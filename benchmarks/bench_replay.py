@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.config import ReplayConfig
-from kvbench.engine import Replay
+from kvbench.engine.config import ReplayConfig
+from kvbench.engine.replay import Replay
 from kvbench.trace.importers import convert
 
 DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "traces" / "real" / "mooncake_conversation.jsonl"

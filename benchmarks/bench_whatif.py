@@ -15,11 +15,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvbench.config import parse_size
-from kvbench.presets import get_model
+from kvbench.engine.config import parse_size
+from kvbench.executors.presets import get_model
 from kvbench.trace.format import load_trace
 from kvbench.trace.importers import convert
-from kvbench.whatif import budgets_from_bytes, format_bytes, prepare, run_points
+from kvbench.whatif.curve import budgets_from_bytes, format_bytes, prepare, run_points
 
 DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "traces" / "real" / "mooncake_conversation.jsonl"
 

@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvbench.config import ReplayConfig
-from kvbench.engine import replay
-from kvbench.presets import get_model
+from kvbench.engine.config import ReplayConfig
+from kvbench.engine.replay import replay
+from kvbench.executors.presets import get_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

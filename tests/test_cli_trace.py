@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvbench.cli import _register, cli
+from kvbench.cli.main import _register, cli
 
 REPO = Path(__file__).resolve().parents[1]
 INSPECT_KEYS = {"requests", "sessions", "duration_s", "prompt_tokens", "output_tokens", "block_size",

@@ -12,8 +12,8 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench.config import ReplayConfig
-from kvbench.engine import Replay, replay
+from kvbench.engine.config import ReplayConfig
+from kvbench.engine.replay import Replay, replay
 from kvbench.trace.format import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]

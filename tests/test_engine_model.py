@@ -7,8 +7,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from kvbench.config import ReplayConfig
-from kvbench.engine import replay
+from kvbench.engine.config import ReplayConfig
+from kvbench.engine.replay import replay
 
 TRACE = str(Path(__file__).resolve().parents[1] / "traces" / "agent.jsonl")
 MEMORY = ["blocks_used", "blocks_cached", "blocks_free", "tokens_live", "slots_allocated", "running",

@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench.config import ReplayConfig
-from kvbench.engine import replay
+from kvbench.engine.config import ReplayConfig
+from kvbench.engine.replay import replay
 from kvbench.trace.format import Request, Segment, write_trace
 from kvbench.workloads import WORKLOADS, Common, generate
 
@@ -192,13 +192,13 @@ def test_compacted_decode_equals_masked_decode():
 
 
 def test_host_partial_keys_follow_offload_and_recall():
-    """InfiniGen's partial keys (kvbench.eviction_host): with every dim kept they score exactly
+    """InfiniGen's partial keys (kvbench.eviction.host_kv): with every dim kept they score exactly
     exp(q.k x scale - lse), averaged over layers and heads; with half, the rotary pairs of largest
     mean |k|^2 per layer and KV head; and they follow the pool through offload, recall, drop and
     release."""
     import torch
 
-    from kvbench.eviction_host import HostKV
+    from kvbench.eviction.host_kv import HostKV
 
     g = torch.Generator().manual_seed(0)
     n_layers, hkv, group, d, bs = 2, 2, 2, 8, 4

@@ -10,8 +10,8 @@ import torch
 from kvbench.executors.base import StepBatch
 from kvbench.executors.model import ModelExecutor
 from kvbench.executors.modeling import build_inputs, build_model, make_kv_pool
-from kvbench.presets import MODELS, ModelSpec
-from kvbench.selfcheck import hf_model, run_selfcheck
+from kvbench.executors.presets import MODELS, ModelSpec
+from kvbench.engine.selfcheck import hf_model, run_selfcheck
 
 QWEN2_TINY = ModelSpec("tiny-qwen2", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
                        intermediate_size=256, vocab_size=1000, max_model_len=4096, rope_theta=1e6,

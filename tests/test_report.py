@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 
 from kvbench.cli import main
-from kvbench.cli_run import REPLAY_OPTIONS
-from kvbench.config import ReplayConfig
-from kvbench.engine import replay
-from kvbench.report import build_report
-from kvbench.sweep import parse_grid, run_sweep
+from kvbench.cli.replay import REPLAY_OPTIONS
+from kvbench.engine.config import ReplayConfig
+from kvbench.engine.replay import replay
+from kvbench.report.html import build_report
+from kvbench.sweep.runner import parse_grid, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"

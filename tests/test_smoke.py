@@ -1,7 +1,7 @@
 from click.testing import CliRunner
 
 from kvbench import __version__
-from kvbench.cli import _register, cli
+from kvbench.cli.main import _register, cli
 
 
 def test_version():

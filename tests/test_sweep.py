@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 
 from kvbench.cli import main
-from kvbench.cli_run import REPLAY_OPTIONS
-from kvbench.sweep import default_sweep_dir, expand, parse_grid
+from kvbench.cli.replay import REPLAY_OPTIONS
+from kvbench.sweep.runner import default_sweep_dir, expand, parse_grid
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = str(REPO / "traces" / "chat.jsonl")

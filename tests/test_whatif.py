@@ -17,7 +17,7 @@ from kvbench.trace.format import load_trace
 from kvbench.trace.ideal import cached_sequence, ideal_hits
 from kvbench.trace.importers import convert
 from kvbench.trace.tokens import TokenStreams
-from kvbench.whatif import COLUMNS, prepare, run_points, simulate
+from kvbench.whatif.curve import COLUMNS, prepare, run_points, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 REAL = Path(__file__).resolve().parents[2] / "shared" / "traces" / "real" / "mooncake_conversation.jsonl"

@@ -7,7 +7,7 @@ from kvbench.executors.base import Executor, StepBatch, StepResult
 
 def _make_sim(cfg, model):
     from kvbench.executors.sim import make_sim
-    from kvbench.presets import get_gpu
+    from kvbench.executors.presets import get_gpu
 
     return make_sim(model, get_gpu(cfg.gpu), cfg.calibration)
 

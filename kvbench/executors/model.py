@@ -22,12 +22,12 @@ import numpy as np
 import torch
 
 from kvbench import kernels
-from kvbench.eviction import CPU_POOL_FACTOR
-from kvbench.eviction_host import PARTIAL_DIMS, HostKV
+from kvbench.eviction.evictor import CPU_POOL_FACTOR
+from kvbench.eviction.host_kv import PARTIAL_DIMS, HostKV
 from kvbench.executors.base import StepBatch, StepResult
 from kvbench.executors.modeling import (AttentionMetadata, ForwardInputs, build_inputs, build_model,
                                         decode_attention_stats, default_dtype, make_kv_pool)
-from kvbench.presets import ModelSpec
+from kvbench.executors.presets import ModelSpec
 
 # KV pool on CPU when none is asked: zeros are committed memory, so stay modest (1M slots of `tiny`).
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -181,7 +181,7 @@ class ModelExecutor:
         embedding (InfiniGen projects the previous layer's input with partial query weights; the
         embedding stands in for every layer's input, which is exact for layer 0 and close while the
         residual stream is dominated by it) and rotated to the position. On the device, restricted
-        to the partial key dims (kvbench.eviction_host), it is scored against the pooled tokens'
+        to the partial key dims (kvbench.eviction.host_kv), it is scored against the pooled tokens'
         partial keys and, through the decode kernel over the sequence's block table, against the
         kept tokens and its own key, whose log-sum-exp normalises the pooled scores: a pooled
         token's weight is relative to the kept tokens' total of 1 in the same partial scores.

@@ -25,7 +25,7 @@ from torch import nn
 
 from kvbench import kernels
 from kvbench.errors import InputError
-from kvbench.presets import ModelSpec, get_model
+from kvbench.executors.presets import ModelSpec, get_model
 
 log = logging.getLogger(__name__)
 

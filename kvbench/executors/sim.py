@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from kvbench.errors import InputError
 from kvbench.executors.base import StepBatch, StepResult
-from kvbench.presets import GPUSpec, ModelSpec
+from kvbench.executors.presets import GPUSpec, ModelSpec
 
 
 @dataclass(slots=True)

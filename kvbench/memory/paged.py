@@ -8,7 +8,7 @@ for n more tokens: fill counters, register newly full blocks in the prefix cache
 shared partial tail copies it (copy-on-write), and the (src, dst) copy is queued in ``copies`` for the
 executor to perform before the step's forward.
 
-Token eviction (kvbench.eviction) shrinks a sequence with ``compact``: the kept tokens are packed into
+Token eviction (kvbench.eviction.evictor) shrinks a sequence with ``compact``: the kept tokens are packed into
 slots [0, n) so whole blocks are freed. Once compacted, slot i no longer holds logical position i:
 ``num_kv`` counts slots (what memory holds) and ``dropped`` the computed tokens no longer in a slot,
 so ``num_kv + dropped`` is what the sequence has computed. A block shared with another sequence or

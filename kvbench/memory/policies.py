@@ -17,7 +17,7 @@ count, a request index; fifo needs only one bucket): insert, release, reuse and 
 dict operations in C, which matters when nearly every block is inserted and then evicted. Ties in
 priority go to the block released longest ago (lru's order): for belady, blocks that the same
 future request needs are then given up tail first, and no decision depends on which physical block
-id holds a prefix, so a caller may number blocks as it likes (kvbench.whatif numbers them by prefix
+id holds a prefix, so a caller may number blocks as it likes (kvbench.whatif.curve numbers them by prefix
 key); fifo and lfu never tie. tests/test_policies.py holds every policy to this rule, evaluated by
 brute force. The same classes serve the replay engine and ``kvbench trace whatif``. The ``*_many``
 forms do what the one-block calls do, block by block in order, with the per-call overhead paid once.
@@ -187,7 +187,7 @@ class _TouchOrder(CachePolicy):
     key <= the smallest bucket's goes first, and park order stands in for tick order. A late entry
     is stale once its block is used again (lfu) and leaves ``_late_seq``.
 
-    Protocol (what BlockPool and kvbench.whatif keep): ``on_insert`` only for blocks not cached,
+    Protocol (what BlockPool and kvbench.whatif.curve keep): ``on_insert`` only for blocks not cached,
     ``on_use`` and ``release`` for blocks in use, ``reuse`` for evictable ones.
     """
 

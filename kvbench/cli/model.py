@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from kvbench import config as C
+from kvbench.engine import config as C
 
 
 @click.command(epilog="""
@@ -32,7 +32,7 @@ def selfcheck(device, model, seed, attention, as_json):
     transformers on the same tokens. Exits 1 when any disagrees beyond the precision's tolerance
     (float32: logits within 1e-3 and every token equal).
     """
-    from kvbench.selfcheck import run_engine_selfcheck, run_selfcheck
+    from kvbench.engine.selfcheck import run_engine_selfcheck, run_selfcheck
 
     forwards = run_selfcheck(device=device, model=model, seed=seed, attention=attention)
     engines = {m: run_engine_selfcheck(device=device, model=model, seed=seed, attention=attention,
@@ -75,9 +75,9 @@ Examples:
 def calibrate(device, model, seed, quick, out, as_json):
     """Measure prefill and decode steps of the model executor on this device and fit the sim
     executor's coefficients (matmul rate, memory bandwidth, per-step overhead) to them."""
-    from kvbench.calibrate import calibrate as run, write
+    from kvbench.executors.calibrate import calibrate as run, write
     from kvbench.executors.model import ModelExecutor
-    from kvbench.presets import get_model
+    from kvbench.executors.presets import get_model
 
     ex = ModelExecutor(model, device, seed)
     spec = ex.spec if hasattr(ex, "spec") else get_model(model)

@@ -1,7 +1,7 @@
 """``kvbench sweep``: every replay option as a comma list, the grid run into one resumable directory.
 
-The options come from cli_run.REPLAY_OPTIONS, so sweep and replay share every name and type; the
-grid, the resume rule and the workers live in kvbench.sweep.
+The options come from kvbench.cli.replay.REPLAY_OPTIONS, so sweep and replay share every name and type; the
+grid, the resume rule and the workers live in kvbench.sweep.runner.
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import sys
 
 import click
 
-from kvbench.cli_run import REPLAY_OPTIONS
+from kvbench.cli.replay import REPLAY_OPTIONS
 from kvbench.errors import RunError
-from kvbench.sweep import Event, default_sweep_dir, expand, import_ray, parse_grid, run_sweep
+from kvbench.sweep.runner import Event, default_sweep_dir, expand, import_ray, parse_grid, run_sweep
 
 TABLE = [("output_tok_per_s", "tok/s", "{:.0f}"), ("ttft_ms_p50", "TTFT p50 ms", "{:.1f}"),
          ("e2e_ms_p50", "E2E p50 ms", "{:.0f}"), ("prefix_hit_rate", "hit rate", "{:.3f}"),

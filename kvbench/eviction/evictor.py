@@ -7,7 +7,7 @@ whether evicted tokens go to a CPU pool and can come back:
 - ``h2o``: sinks + a recent window + the heavy hitters (highest accumulated attention), half recent
   and half heavy as the H2O paper's 10% + 10% of a 20% budget; evicted tokens are gone for good;
 - ``infinigen``: H2O's choice of what stays on the GPU, but evicted tokens' KV moves to a CPU pool
-  (kvbench.eviction_cpu_pool: a capacity and a counter/lru/fifo rule), and before every decode the
+  (kvbench.eviction.cpu_pool: a capacity and a counter/lru/fifo rule), and before every decode the
   pooled tokens are scored against the coming query and those above a threshold recalled.
 
 Decisions:
@@ -34,7 +34,7 @@ Decisions:
   token of the quote each step). The model executor's ``speculate`` approximates each layer's
   coming query from the next token's embedding and scores it, on the device, with InfiniGen's
   reduced-dimension partial keys (half of each head's key dims, kept on the device for the pooled
-  tokens; kvbench.eviction_host says why half), normalised by the same partial scores over the
+  tokens; kvbench.eviction.host_kv says why half), normalised by the same partial scores over the
   kept tokens and the query's own key. The sim scores its synthetic attention at the coming
   query's position. A pooled token is recalled when its weight relative to the kept tokens
   exceeds RECALL_ALPHA times the mean kept token's; at most RECALL_SHARE of the budget per step.
@@ -48,7 +48,7 @@ Decisions:
   evicted tokens to the kept tokens' log-sum-exp; mass kept = kept / (kept + evicted), averaged
   over heads, layers and every decode step (steps with nothing evicted count 1) — of up to
   MASS_SAMPLE sequences per step, in turn, when more decode at once. The sim executor
-  has no model: it uses the synthetic attention of kvbench.eviction_synth for scores and recalls
+  has no model: it uses the synthetic attention of kvbench.eviction.synth for scores and recalls
   and reports no mass kept.
 """
 from __future__ import annotations
@@ -58,8 +58,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbench import eviction_synth as synth
-from kvbench.eviction_cpu_pool import CpuPool
+from kvbench.eviction import synth
+from kvbench.eviction.cpu_pool import CpuPool
 
 MIN_RECENT = 16  # tokens every budget leaves for the recent window besides the sinks
 RECALL_ALPHA = 2.0  # recall a pooled token weighing this many times the mean kept token

@@ -3,7 +3,7 @@
 The page opens offline: images are base64 data URIs, the CSS is inline, there is no script, font or
 stylesheet to fetch. Each trace gets a section that opens with the headline table (every
 configuration, and its ratios to the slab baseline when one is present), then a few findings, the
-charts (report_charts), and the settings and versions of the runs (config.json).
+charts (report.charts), and the settings and versions of the runs (config.json).
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass, field
 
 from kvbench import __version__
-from kvbench.report_charts import SECTION_CHARTS, render, whatif
-from kvbench.report_data import BASELINE, Inputs, Run, Section, load_inputs
+from kvbench.report.charts import SECTION_CHARTS, render, whatif
+from kvbench.report.data import BASELINE, Inputs, Run, Section, load_inputs
 
 # (summary key, header, format, higher is better) -- the headline table, in this order
 HEADLINE = [

@@ -9,7 +9,7 @@ summary.json says complete and whose config.json has the same settings is kept, 
 deleted and run again. ``sweep.parquet`` (one row per finished configuration: settings, then every
 summary key) is rewritten after each run; ``sweep.json`` is the manifest of the grid.
 
-Runs go to local worker processes (forkserver; each calls kvbench.engine.replay) or to Ray tasks.
+Runs go to local worker processes (forkserver; each calls kvbench.engine.replay.replay) or to Ray tasks.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from typing import Callable, Iterable
 import click
 
 from kvbench import __version__
-from kvbench.config import ReplayConfig
+from kvbench.engine.config import ReplayConfig
 from kvbench.errors import InputError, RunError
-from kvbench.results import write_json
+from kvbench.engine.records import write_json
 
 DEFAULTS = ReplayConfig()
 SWEEP_PARQUET = "sweep.parquet"
@@ -77,7 +77,7 @@ def _flag(text: str) -> bool:
 def parse_grid(raw: dict[str, str | None], options) -> dict[str, list]:
     """Comma lists from the command line -> typed value lists, for the options that were given.
 
-    ``options`` is cli_run.REPLAY_OPTIONS: the same click types as ``kvbench replay``, so a value
+    ``options`` is kvbench.cli.replay.REPLAY_OPTIONS: the same click types as ``kvbench replay``, so a value
     that replay refuses, the sweep refuses too (InputError naming the flag: one line, exit 2).
     """
     grid: dict[str, list] = {}
@@ -174,7 +174,7 @@ def default_sweep_dir(trace: str, grid: dict[str, list]) -> str:
 # -- running -----------------------------------------------------------------------------------
 def run_one(trace: str, settings: dict, run_dir: str) -> dict:
     """One configuration into ``run_dir`` (in a worker process or a Ray task); its summary."""
-    from kvbench.engine import replay
+    from kvbench.engine.replay import replay
 
     return replay(trace, ReplayConfig(**settings), run_dir)
 

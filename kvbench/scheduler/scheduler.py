@@ -9,7 +9,7 @@ up in the prefix cache so cached tokens skip prefill. A request with n > 1 is pr
 forked into n samples when its first token is sampled. The slab layout runs through the same code:
 its ``allocate`` reserves a whole slab at admission and never fails afterwards.
 
-Token eviction (kvbench.eviction) hooks in at three points and never changes this flow: after each
+Token eviction (kvbench.eviction.evictor) hooks in at three points and never changes this flow: after each
 step's commit it may shrink the sequences about to decode (``after_step``), it forgets a sequence
 whose KV is freed (``release``), and it adds its queued slot moves, offloads and recalls to the
 next batch (``fill_batch``). An evicted sequence holds ``num_kv`` slots but has computed
@@ -66,7 +66,7 @@ class Sequence(SeqKV):
     computed_before: int = 0  # KV tokens held before its last preemption (recompute accounting)
     wait_for_blocks: int = 0  # admission failed: blocks that must be available to try again
     resumed: bool = False
-    ev: object = None  # token-eviction state (kvbench.eviction.SeqState)
+    ev: object = None  # token-eviction state (kvbench.eviction.evictor.SeqState)
 
 
 @dataclass(slots=True)
@@ -88,7 +88,7 @@ class StepPlan:
 class Scheduler:
     def __init__(self, kv, cfg: SchedulerConfig, *, needs_tokens: bool = False, streams=None,
                  evictor=None):
-        from kvbench.eviction import NoEviction
+        from kvbench.eviction.evictor import NoEviction
 
         self.kv = kv
         self.evictor = evictor if evictor is not None else NoEviction()

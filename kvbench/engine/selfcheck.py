@@ -20,7 +20,7 @@ import torch
 from kvbench import kernels
 from kvbench.executors.model import resolve_device
 from kvbench.executors.modeling import PagedLlama, build_inputs, build_model, make_kv_pool
-from kvbench.presets import ModelSpec, get_model
+from kvbench.executors.presets import ModelSpec, get_model
 
 # Largest logit difference accepted, and the share of greedy tokens that must agree, per dtype.
 # bf16 (GPU): transformers runs in bf16 too; near-ties may flip a token, so 95% must agree.
@@ -207,8 +207,8 @@ def run_engine_selfcheck(device: str = "cpu", model: str = "tiny", seed: int = 0
     transformers' greedy continuation of the same prompt, same weights."""
     import tempfile
 
-    from kvbench.config import ReplayConfig
-    from kvbench.engine import Replay
+    from kvbench.engine.config import ReplayConfig
+    from kvbench.engine.replay import Replay
 
     reqs = _engine_requests()
     cfg = ReplayConfig(executor="model", model=model, device=device, seed=seed, attention=attention,

@@ -271,11 +271,11 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     """
     from rich.console import Console
 
-    from kvbench import whatif as wi
-    from kvbench.config import parse_size
+    from kvbench.whatif import curve as wi
+    from kvbench.engine.config import parse_size
     from kvbench.errors import InputError
     from kvbench.memory.policies import POLICIES
-    from kvbench.presets import get_model
+    from kvbench.executors.presets import get_model
     from kvbench.trace.format import load_trace
 
     spec = get_model(model)

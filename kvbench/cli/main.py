@@ -29,15 +29,10 @@ def cli():
 
 
 def _register() -> None:
-    from kvbench import cli_trace
-    cli.add_command(cli_trace.trace)
-    for modname in ("cli_run", "cli_sweep", "cli_report", "cli_model"):
-        try:
-            mod = __import__(f"kvbench.{modname}", fromlist=["COMMANDS"])
-        except ModuleNotFoundError as e:  # a layer not built yet in this checkout
-            if e.name != f"kvbench.{modname}":
-                raise
-            continue
+    from kvbench.cli import model, replay, report, sweep, trace
+
+    cli.add_command(trace.trace)
+    for mod in (replay, sweep, report, model):
         for cmd in mod.COMMANDS:
             cli.add_command(cmd)
 

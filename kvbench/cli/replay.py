@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import click
 
-from kvbench import config as C
-from kvbench.config import ReplayConfig
+from kvbench.engine import config as C
+from kvbench.engine.config import ReplayConfig
 from kvbench.errors import InputError
 
 
@@ -102,7 +102,7 @@ def print_summary(summary: dict, run_dir: str) -> None:
 
 def run_with_progress(trace: str, cfg: ReplayConfig, out: str, quiet: bool = False) -> dict:
     """Replay with a rich progress bar on stderr when stderr is a terminal."""
-    from kvbench.engine import Replay
+    from kvbench.engine.replay import Replay
 
     rp = Replay(trace, cfg, out)
     if quiet or not sys.stderr.isatty():

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from kvbench.config import ReplayConfig
+from kvbench.engine.config import ReplayConfig
 from kvbench.errors import InputError
-from kvbench.sweep import SWEEP_PARQUET, not_applicable
+from kvbench.sweep.runner import SWEEP_PARQUET, not_applicable
 
 WHATIF_PARQUET = "whatif.parquet"
 DEFAULTS = ReplayConfig().to_dict()

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvbench.executors.base import StepBatch
 from kvbench.executors.sim import CostModel, SimExecutor
-from kvbench.presets import GPUS, ModelSpec
+from kvbench.executors.presets import GPUS, ModelSpec
 
 
 @dataclass(slots=True)

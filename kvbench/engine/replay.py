@@ -15,15 +15,15 @@ from typing import Callable
 
 import numpy as np
 
-from kvbench.config import ReplayConfig
+from kvbench.engine.config import ReplayConfig
 from kvbench.errors import RunError
-from kvbench.eviction import make_evictor
+from kvbench.eviction.evictor import make_evictor
 from kvbench.executors import make_executor
 from kvbench.memory import make_kv
 from kvbench.memory.future import next_uses
-from kvbench.presets import get_model
-from kvbench.results import RunWriter, distribution, environment
-from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig
+from kvbench.executors.presets import get_model
+from kvbench.engine.records import RunWriter, distribution, environment
+from kvbench.scheduler.scheduler import RequestState, Scheduler, SchedulerConfig
 from kvbench.trace.format import Request, load_trace
 from kvbench.trace.ideal import IdealCounter, PrefixKeys, cached_sequence, ideal_hits
 from kvbench.trace.tokens import TokenStreams

@@ -22,7 +22,7 @@ Examples:
 def report(dirs, out, title, as_json):
     """Write PNG charts and a self-contained index.html (opens offline) for DIRS: run directories,
     sweep directories, `kvbench trace whatif` directories, or directories holding any of those."""
-    from kvbench.report import build_report
+    from kvbench.report.html import build_report
 
     out = out or os.path.join("reports", os.path.basename(os.path.normpath(dirs[0])))
     rep = build_report(list(dirs), out, title=title)

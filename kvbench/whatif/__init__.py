@@ -1,0 +1,2 @@
+"""Layer 7, the cache what-if: prefix hit rate against KV budget and cache policy from the trace
+alone, without the engine (curve)."""
