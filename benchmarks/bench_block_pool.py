@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 
 from kvbench.memory import PagedKV, SeqKV
 from kvbench.trace.tokens import TokenStreams

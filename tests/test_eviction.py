@@ -150,7 +150,7 @@ def test_compacted_decode_equals_masked_decode():
     the uncompacted cache with the evicted positions masked out: compaction only moves slots."""
     import torch
 
-    from kvbench.executors.base import StepBatch
+    from kvbench.scheduler.batch import StepBatch
     from kvbench.executors.model import ModelExecutor
     from kvbench.memory import PagedKV, SeqKV
 

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbench.memory import BlockPool, PagedKV, SeqKV, SlabKV
+from kvbench.memory import PagedKV, SeqKV, SlabKV
 from kvbench.memory.future import next_uses_from_keys
 from kvbench.memory.policies import POLICIES
-from kvbench.trace.ideal import IdealHits, cached_sequence, ideal_hits, lookup_blocks
+from kvbench.trace.ideal import cached_sequence, ideal_hits, lookup_blocks
 from kvbench.trace.tokens import TokenStreams, block_keys
 
 STREAMS = TokenStreams()

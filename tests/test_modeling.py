@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvbench.executors.base import StepBatch
+from kvbench.scheduler.batch import StepBatch
 from kvbench.executors.model import ModelExecutor
 from kvbench.executors.modeling import build_inputs, build_model, make_kv_pool
 from kvbench.executors.presets import MODELS, ModelSpec

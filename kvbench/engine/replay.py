@@ -23,7 +23,7 @@ from kvbench.memory import make_kv
 from kvbench.memory.future import next_uses
 from kvbench.executors.presets import get_model
 from kvbench.engine.records import RunWriter, distribution, environment
-from kvbench.scheduler.scheduler import RequestState, Scheduler, SchedulerConfig
+from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig
 from kvbench.trace.format import Request, load_trace
 from kvbench.trace.ideal import IdealCounter, PrefixKeys, cached_sequence, ideal_hits
 from kvbench.trace.tokens import TokenStreams

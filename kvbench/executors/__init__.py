@@ -2,7 +2,7 @@
 Chosen by name (``--executor``) from EXECUTORS; both implement kvbench.executors.base.Executor."""
 from __future__ import annotations
 
-from kvbench.executors.base import Executor, StepBatch, StepResult
+from kvbench.executors.base import Executor
 
 
 def _make_sim(cfg, model):
@@ -26,4 +26,4 @@ def make_executor(cfg, model) -> Executor:
     return EXECUTORS[cfg.executor](cfg, model)
 
 
-__all__ = ["Executor", "StepBatch", "StepResult", "EXECUTORS", "make_executor"]
+__all__ = ["Executor", "EXECUTORS", "make_executor"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbench.executors.base import StepBatch
+from kvbench.scheduler.batch import StepBatch
 from kvbench.executors.sim import CostModel, SimExecutor
 from kvbench.executors.presets import GPUS, ModelSpec
 

@@ -24,7 +24,7 @@ import torch
 from kvbench import kernels
 from kvbench.eviction.evictor import CPU_POOL_FACTOR
 from kvbench.eviction.host_kv import PARTIAL_DIMS, HostKV
-from kvbench.executors.base import StepBatch, StepResult
+from kvbench.scheduler.batch import StepBatch, StepResult
 from kvbench.executors.modeling import (AttentionMetadata, ForwardInputs, build_inputs, build_model,
                                         decode_attention_stats, default_dtype, make_kv_pool)
 from kvbench.executors.presets import ModelSpec

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 
 from kvbench.errors import InputError
-from kvbench.executors.base import StepBatch, StepResult
+from kvbench.scheduler.batch import StepBatch, StepResult
 from kvbench.executors.presets import GPUSpec, ModelSpec
 
 

@@ -1,1 +1,8 @@
-"""Layer 4, the scheduler: continuous batching over a KV manager, one batch per engine step."""
+"""Layer 4, the scheduler: continuous batching over a KV manager (scheduler), the requests and
+sequences it schedules (request), and the batch it hands the executor each step (batch)."""
+from kvbench.scheduler.batch import StepBatch, StepResult
+from kvbench.scheduler.request import RequestState, Sequence
+from kvbench.scheduler.scheduler import Scheduler, SchedulerConfig, StepPlan
+
+__all__ = ["Scheduler", "SchedulerConfig", "StepPlan", "RequestState", "Sequence", "StepBatch",
+           "StepResult"]

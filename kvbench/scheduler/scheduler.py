@@ -19,54 +19,13 @@ Hot path: per step, O(1) work per scheduled sequence plus O(blocks it gains); no
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbench.executors.base import StepBatch, StepResult
-from kvbench.memory.paged import SeqKV
-from kvbench.trace.format import Request
-
-NAN = math.nan
-
-
-@dataclass(slots=True, eq=False)
-class RequestState:
-    """A request's life in the engine; becomes one row of requests.parquet."""
-
-    req: Request
-    arrival_s: float
-    prompt: np.ndarray  # int32 prompt token ids
-    first_sched_s: float = NAN
-    first_token_s: float = NAN
-    finish_s: float = NAN
-    cached_tokens: int = 0
-    preemptions: int = 0
-    recomputed_tokens: int = 0
-    evicted_tokens: int = 0
-    recalled_tokens: int = 0
-    live_seqs: int = 1
-    output_tokens: int = 0
-    reject_reason: str | None = None
-    samples: list[tuple[int, list[int]]] | None = None  # (seq_id, generated ids) per finished sample
-
-
-@dataclass(slots=True, eq=False)
-class Sequence(SeqKV):
-    """One sample of a request being generated. ``num_tokens`` = prompt + generated tokens."""
-
-    seq_id: int = 0
-    rs: RequestState | None = None
-    num_tokens: int = 0
-    num_out: int = 0
-    last_token: int = 0
-    out_tokens: list[int] | None = None  # generated ids, kept only when the executor needs tokens
-    computed_before: int = 0  # KV tokens held before its last preemption (recompute accounting)
-    wait_for_blocks: int = 0  # admission failed: blocks that must be available to try again
-    resumed: bool = False
-    ev: object = None  # token-eviction state (kvbench.eviction.evictor.SeqState)
+from kvbench.scheduler.batch import StepBatch, StepResult
+from kvbench.scheduler.request import RequestState, Sequence
 
 
 @dataclass(slots=True)

@@ -1,0 +1,51 @@
+"""A request's life in the engine (RequestState, one row of requests.parquet) and the sequences that
+generate its samples (Sequence: a SeqKV with its scheduling state), as vLLM v1's ``Request``
+(vllm/v1/request.py) and nano-vllm's ``Sequence``."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbench.memory.paged import SeqKV
+from kvbench.trace.format import Request
+
+NAN = math.nan
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """A request's life in the engine; becomes one row of requests.parquet."""
+
+    req: Request
+    arrival_s: float
+    prompt: np.ndarray  # int32 prompt token ids
+    first_sched_s: float = NAN
+    first_token_s: float = NAN
+    finish_s: float = NAN
+    cached_tokens: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    evicted_tokens: int = 0
+    recalled_tokens: int = 0
+    live_seqs: int = 1
+    output_tokens: int = 0
+    reject_reason: str | None = None
+    samples: list[tuple[int, list[int]]] | None = None  # (seq_id, generated ids) per finished sample
+
+
+@dataclass(slots=True, eq=False)
+class Sequence(SeqKV):
+    """One sample of a request being generated. ``num_tokens`` = prompt + generated tokens."""
+
+    seq_id: int = 0
+    rs: RequestState | None = None
+    num_tokens: int = 0
+    num_out: int = 0
+    last_token: int = 0
+    out_tokens: list[int] | None = None  # generated ids, kept only when the executor needs tokens
+    computed_before: int = 0  # KV tokens held before its last preemption (recompute accounting)
+    wait_for_blocks: int = 0  # admission failed: blocks that must be available to try again
+    resumed: bool = False
+    ev: object = None  # token-eviction state (kvbench.eviction.evictor.SeqState)
