@@ -255,13 +255,14 @@ def test_every_policy_runs_through_kvbench_sweep(executor, traces, tmp_path):
 def test_mass_is_measured_on_a_rotating_sample_of_large_batches():
     """With more decodes than MASS_SAMPLE in a step, the mass kept is measured on MASS_SAMPLE distinct
     sequences, a different share each step, so every sequence is measured within a few steps."""
-    from kvbench.executors.model import MASS_SAMPLE, ModelExecutor
+    from kvbench.executors.attention_mass import MASS_SAMPLE
+    from kvbench.executors.model import ModelExecutor
 
     ex = ModelExecutor("tiny", "cpu")
-    assert ex._mass_rows(5).tolist() == [0, 1, 2, 3, 4]
+    assert ex.mass.rows(5, ex.device).tolist() == [0, 1, 2, 3, 4]
     n, seen = MASS_SAMPLE + 7, set()
     for _ in range(2):
-        rows = ex._mass_rows(n).tolist()
+        rows = ex.mass.rows(n, ex.device).tolist()
         assert len(set(rows)) == MASS_SAMPLE and all(0 <= r < n for r in rows)
         seen.update(rows)
     assert seen == set(range(n))

@@ -6,12 +6,12 @@ CPU), which advances the engine clock. With ``collect_attention`` it also return
 sequence, the attention weight on each cached position, recomputed from the decode's log-sum-exp in a
 second pass (what H2O accumulates).
 
-Token eviction: before the forward it carries out the batch's KV traffic (kvbench.executors.base
+Token eviction: before the forward it carries out the batch's KV traffic (kvbench.scheduler.batch
 StepBatch: offload to host, slot moves, recall, release), timing the host<->device part as the
 step's PCIe time (a measurement-only shadow offload is done outside the timed step); after it,
-it scores host-held tokens against the decode queries to measure the attention mass kept (not
-timed: a measurement). ``speculate`` is InfiniGen's look-ahead: between steps it scores the host
-tokens against the coming decode's queries, and its time is added to the next step.
+the attention mass kept is measured (kvbench.executors.attention_mass; not timed). ``speculate`` is
+InfiniGen's look-ahead (kvbench.executors.speculation), between steps; its time is added to the next
+step.
 """
 from __future__ import annotations
 
@@ -24,10 +24,12 @@ import torch
 from kvbench import kernels
 from kvbench.eviction.evictor import CPU_POOL_FACTOR
 from kvbench.eviction.host_kv import PARTIAL_DIMS, HostKV
-from kvbench.scheduler.batch import StepBatch, StepResult
+from kvbench.executors.attention_mass import MassMeter
 from kvbench.executors.modeling import (AttentionMetadata, ForwardInputs, build_inputs, build_model,
                                         decode_attention_stats, default_dtype, make_kv_pool)
 from kvbench.executors.presets import ModelSpec
+from kvbench.executors.speculation import speculate
+from kvbench.scheduler.batch import StepBatch, StepResult
 
 # KV pool on CPU when none is asked: zeros are committed memory, so stay modest (1M slots of `tiny`).
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -49,9 +51,6 @@ def move_slots(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None
     flat = pool.view(pool.shape[0], -1, *pool.shape[3:])  # [2L, NB*BS, Hkv, D], a view
     flat[:, dst] = flat[:, src]  # advanced indexing on the right gathers into a new tensor first
 
-
-# Most decoding sequences per step whose attention mass kept is measured (in turn when more decode).
-MASS_SAMPLE = 16
 
 # Below this hidden size a CPU forward is dominated by per-op overhead, and torch's thread pool only
 # adds synchronisation (the `tiny` model runs ~5x faster on one thread on a shared 2-core machine).
@@ -104,7 +103,7 @@ class ModelExecutor:
         self._pending_s = 0.0  # speculation time, charged to the next step
         # device bytes InfiniGen's partial keys may reach, as a share of the KV pool's (set for infinigen)
         self.partial_key_share = 0.0
-        self._mass_turn = 0  # where the next step's sample of decodes for the mass measurement starts
+        self.mass = MassMeter(self.host, self.net.model.layers[0].self_attn.scale)
 
     def kv_bytes_per_token(self) -> int:
         return self.spec.kv_bytes_per_token("fp32" if self.dtype == torch.float32 else "bf16")
@@ -155,69 +154,17 @@ class ModelExecutor:
         mass = None
         duration_s, self._pending_s = timer.seconds + self._pending_s, 0.0
         if self.collect_attention and batch.decode_seq_ids and inputs.meta.decode_records:
-            ids = list(batch.decode_seq_ids)
-            rows = self._mass_rows(len(ids))
-            q = torch.stack([r[0][rows] for r in inputs.meta.decode_records]).cpu()  # [L, M, Hq, Dh]
-            lse = torch.stack([r[1][rows] for r in inputs.meta.decode_records]).cpu()  # [L, M, Hq]
-            mass = self.host.mass_kept([ids[i] for i in rows.tolist()], q, lse,
-                                       self.net.model.layers[0].self_attn.scale)
+            mass = self.mass.measure(inputs.meta.decode_records, list(batch.decode_seq_ids))
         return StepResult(duration_s=duration_s, sampled=dict(zip(order, tokens)), attention=attention,
                           mass_kept=mass, pcie_s=pcie_s)
 
-    def _mass_rows(self, n: int) -> torch.Tensor:
-        """Decode rows whose attention mass kept this step measures: all, or MASS_SAMPLE of them in
-        turn (the host pass scores every evicted token of each, which a large batch cannot afford)."""
-        if n <= MASS_SAMPLE:
-            return torch.arange(n, device=self.device)
-        self._mass_turn = (self._mass_turn + MASS_SAMPLE) % n
-        return (torch.arange(MASS_SAMPLE, device=self.device) + self._mass_turn) % n
-
-    @torch.inference_mode()
     def speculate(self, items: list[tuple[int, int, int, np.ndarray]]) -> dict[int, np.ndarray]:
-        """InfiniGen's speculation for the coming step: items = (seq_id, next input token, its
-        position, the host positions to score: the CPU pool's tokens of the sequence).
-
-        Every layer's query is approximated by that layer's query projection of the token's
-        embedding (InfiniGen projects the previous layer's input with partial query weights; the
-        embedding stands in for every layer's input, which is exact for layer 0 and close while the
-        residual stream is dominated by it) and rotated to the position. On the device, restricted
-        to the partial key dims (kvbench.eviction.host_kv), it is scored against the pooled tokens'
-        partial keys and, through the decode kernel over the sequence's block table, against the
-        kept tokens and its own key, whose log-sum-exp normalises the pooled scores: a pooled
-        token's weight is relative to the kept tokens' total of 1 in the same partial scores.
-        -> seq_id -> float64 weight of each position asked. Sequences that did not decode in the
-        step just run are skipped. Its time is charged to the next step."""
-        if self._last is None or self.host.dims is None:
-            return {}
-        meta, pool, ids = self._last
-        row_of = {sid: i for i, sid in enumerate(ids)}
-        items = [it for it in items if it[0] in row_of and it[0] in self.host.pk]
-        if not items:
-            return {}
+        """InfiniGen's look-ahead for the coming step (kvbench.executors.speculation); its time is
+        charged to the next step."""
         t0 = time.perf_counter()
-        net = self.net
-        toks = torch.tensor([it[1] for it in items], device=self.device)
-        h = net.model.embed_tokens(toks)  # [S, hidden]
-        cos, sin = net.rope(torch.tensor([it[2] for it in items], device=self.device), h.dtype)
-        rows = torch.tensor([row_of[it[0]] for it in items], device=self.device)
-        tables, lens = meta.decode_block_tables[rows], meta.decode_seq_lens[rows]
-        kept = None if meta.decode_kept is None else meta.decode_kept[rows]
-        qs, lses = [], []
-        for i, layer in enumerate(net.model.layers):
-            attn = layer.self_attn
-            group = attn.num_heads // attn.num_kv_heads
-            q, k = attn.rotary_qk(layer.input_layernorm(h), cos, sin)
-            keep = self.host.dim_mask[i]  # [Hkv, D]
-            q = q.float() * keep.repeat_interleave(group, dim=0)  # partial dims only
-            k = k.float() * keep
-            _, lse = kernels.decode_attention(q.to(pool.dtype), pool[2 * i], pool[2 * i + 1], tables, lens,
-                                              attn.scale, meta.max_decode_len, kept=kept, backend=attn.backend)
-            # the coming token attends to its own key too (not written yet): add it to the kept total
-            own = torch.einsum("shgd,shd->shg", q.view(len(items), attn.num_kv_heads, group, -1), k)
-            qs.append(q)
-            lses.append(torch.logaddexp(lse.float(), own.reshape(len(items), -1) * attn.scale))
-        scores = self.host.speculate([it[0] for it in items], torch.stack(qs), torch.stack(lses),
-                                     net.model.layers[0].self_attn.scale, [it[3] for it in items])
+        scores = speculate(self.net, self.host, self._last, items)
+        if scores is None:
+            return {}
         self._pending_s += time.perf_counter() - t0
         return scores
 
