@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvbench.memory import PagedKV, SeqKV, SlabKV
 from kvbench.memory.future import next_uses_from_keys
-from kvbench.memory.policies import POLICIES
+from kvbench.memory.policies import CACHE_POLICIES
 from kvbench.trace.ideal import cached_sequence, ideal_hits, lookup_blocks
 from kvbench.trace.tokens import TokenStreams, block_keys
 
@@ -46,7 +46,7 @@ def apply_op(kv: PagedKV, seqs: list[SeqKV], prompts: list[np.ndarray], op: str,
         s = SeqKV(tokens=prompts[k])
         plen = min(len(prompts[k]), n * 3)
         hits = kv.lookup(s, plen)
-        cached = kv.hit_tokens(s, hits)
+        cached = kv.num_cached_tokens(s, hits)
         assert cached < plen  # never the last prompt token
         if kv.allocate(s, plen - cached, hits):
             kv.take_copies()  # the executor would copy these now; partial-hit sources unpinned
@@ -76,7 +76,7 @@ ops = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free"]),
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, policy=st.sampled_from(sorted(POLICIES)), bs=st.sampled_from([1, 4, 16]),
+@given(ops=ops, policy=st.sampled_from(sorted(CACHE_POLICIES)), bs=st.sampled_from([1, 4, 16]),
        n_blocks=st.integers(8, 64), mode=st.sampled_from(["hash", "radix"]))
 def test_pool_invariants_random_ops(ops, policy, bs, n_blocks, mode):
     kv = PagedKV(n_blocks, bs, prefix_cache=True, cache_policy=policy, prefix_mode=mode)
@@ -101,7 +101,7 @@ evict_ops = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free",
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=evict_ops, policy=st.sampled_from(sorted(POLICIES)), bs=st.sampled_from([1, 4, 16]),
+@given(ops=evict_ops, policy=st.sampled_from(sorted(CACHE_POLICIES)), bs=st.sampled_from([1, 4, 16]),
        n_blocks=st.integers(8, 64), mode=st.sampled_from(["hash", "radix"]))
 def test_pool_invariants_under_token_eviction(ops, policy, bs, n_blocks, mode):
     """Compaction (token eviction) among prefix hits, forks and frees: refcounts and counters stay
@@ -324,7 +324,7 @@ def test_real_mooncake_belady_beats_online_policies_with_a_small_pool():
     future = next_uses_from_keys(keys, looks)
     n_blocks = 3000  # ~190k tokens: a fraction of the distinct prefix blocks
     hits = {p: _sequential_hits(reqs, bs, n_blocks, p, future if p == "belady" else None)
-            for p in POLICIES}
+            for p in CACHE_POLICIES}
     ideal = ideal_hits(reqs, bs, STREAMS).hit_tokens
     assert hits["belady"] <= ideal
     for p in ("lru", "fifo", "lfu"):
@@ -345,7 +345,7 @@ def test_radix_matches_inside_a_block_and_copies_it():
         kv.free(a)
         b = SeqKV(tokens=other)
         hits = kv.lookup(b, 64)
-        assert len(hits) == 2 and kv.hit_tokens(b, hits) == want
+        assert len(hits) == 2 and kv.num_cached_tokens(b, hits) == want
         assert kv.allocate(b, 64 - want, hits)
         copies = kv.take_copies()
         if mode == "radix":
@@ -369,14 +369,14 @@ def test_radix_keeps_finished_partial_tails():
     assert kv.pool.num_cached == 3  # the partial tail too
     b = SeqKV(tokens=turn2)
     hits = kv.lookup(b, 70)
-    assert kv.hit_tokens(b, hits) == 40
+    assert kv.num_cached_tokens(b, hits) == 40
     hash_kv = PagedKV(64, 16)
     a = SeqKV(tokens=turn1)
     hash_kv.allocate(a, 40)
     hash_kv.commit(a, 40)
     hash_kv.free(a)
     c = SeqKV(tokens=turn2)
-    assert hash_kv.hit_tokens(c, hash_kv.lookup(c, 70)) == 32
+    assert hash_kv.num_cached_tokens(c, hash_kv.lookup(c, 70)) == 32
 
 
 def test_radix_never_hits_less_than_hash_on_real_mooncake():
@@ -388,7 +388,7 @@ def test_radix_never_hits_less_than_hash_on_real_mooncake():
         for r in reqs:
             s = SeqKV(tokens=STREAMS.expand(r))
             hits = kv.lookup(s, r.prompt_len)
-            cached = kv.hit_tokens(s, hits)
+            cached = kv.num_cached_tokens(s, hits)
             assert kv.allocate(s, r.prompt_len - cached, hits)
             kv.take_copies()
             kv.commit(s, r.prompt_len - cached)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbench.memory.policies import NEVER, POLICIES, make_policy
+from kvbench.memory.policies import NEVER, CACHE_POLICIES, make_policy
 
 
 class Reference:
@@ -116,12 +116,12 @@ def drive(name: str, num_blocks: int, script) -> None:
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(name=st.sampled_from(sorted(POLICIES)), num_blocks=st.integers(1, 24), script=calls)
+@given(name=st.sampled_from(sorted(CACHE_POLICIES)), num_blocks=st.integers(1, 24), script=calls)
 def test_policies_evict_as_the_rule_says(name, num_blocks, script):
     drive(name, num_blocks, script)
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(CACHE_POLICIES))
 def test_policies_long_random_run(name):
     """Thousands of calls over a few hundred blocks with next uses spread wide: the bucket queues'
     clean-ups (emptied buckets, stale late entries) happen and change no decision."""
@@ -133,7 +133,7 @@ def test_policies_long_random_run(name):
 
 def test_pop_with_nothing_evictable_raises():
     """BlockPool.alloc relies on it: a victim that does not exist is an error, never a block."""
-    for name in POLICIES:
+    for name in CACHE_POLICIES:
         pol = make_policy(name, 4)
         pol.on_insert_many([0, 1], 0)
         pol.release_many([0])

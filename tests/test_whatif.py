@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from kvbench.memory import PagedKV, SeqKV
-from kvbench.memory.policies import POLICIES
+from kvbench.memory.policies import CACHE_POLICIES
 from kvbench.trace.format import load_trace
 from kvbench.trace.ideal import cached_sequence, ideal_hits
 from kvbench.trace.importers import convert
@@ -44,8 +44,8 @@ def _traces(mooncake_reqs):
 def _curve(bt, fractions):
     """Budgets as fractions of the distinct blocks, and every policy's hit tokens at each."""
     budgets = sorted({max(1, int(bt.distinct_blocks * f)) for f in fractions})
-    points = run_points(bt, budgets, list(POLICIES))
-    return budgets, {(b, p): points[(b, p)].hit_tokens for b in budgets for p in POLICIES}
+    points = run_points(bt, budgets, list(CACHE_POLICIES))
+    return budgets, {(b, p): points[(b, p)].hit_tokens for b in budgets for p in CACHE_POLICIES}
 
 
 def test_curve_properties_on_real_and_generated_traces(mooncake):
@@ -56,9 +56,9 @@ def test_curve_properties_on_real_and_generated_traces(mooncake):
         for b in budgets:
             for p in ("lru", "fifo", "lfu"):
                 assert hits[(b, "belady")] >= hits[(b, p)], (name, b, p, hits)
-            for p in POLICIES:
+            for p in CACHE_POLICIES:
                 assert hits[(b, p)] <= bt.ceiling_hit_tokens, (name, b, p)
-        for p in POLICIES:  # a budget holding every distinct block never evicts
+        for p in CACHE_POLICIES:  # a budget holding every distinct block never evicts
             assert hits[(bt.distinct_blocks, p)] == bt.ceiling_hit_tokens, (name, p)
         small = budgets[0]
         assert hits[(small, "lru")] < bt.ceiling_hit_tokens, name  # the curve is not flat
@@ -79,7 +79,7 @@ def test_huge_budget_equals_ideal_hits_over_the_window(mooncake):
         assert bt.window_start == start
         assert bt.ceiling_hit_tokens == sum(window) > 0, name
         huge = 10 * bt.distinct_blocks
-        for p in POLICIES:
+        for p in CACHE_POLICIES:
             assert simulate(bt, huge, p).hit_tokens == sum(window), (name, p)
 
 
@@ -112,7 +112,7 @@ def test_same_hits_as_a_pagedkv_replay_request_by_request(trace, mooncake):
     bt = prepare(reqs, bs)
     for frac in (0.05, 0.2):
         budget = max(int(bt.distinct_blocks * frac), int(np.diff(bt.starts).max()) // 2)
-        for p in POLICIES:
+        for p in CACHE_POLICIES:
             seen: list[int] = []
             pt = simulate(bt, budget, p, on_request=lambda i, h: seen.append(h))
             assert pt.evicted_blocks > 0
@@ -144,7 +144,7 @@ def test_cli_table_json_and_out_directory(tmp_path):
     df = pd.read_parquet(tmp_path / "w" / "whatif.parquet")
     assert list(df.columns[:5]) == COLUMNS
     assert {"block_size", "model", "kv_bytes_per_token", "warmup", "trace"} <= set(df.columns)
-    assert len(df) == 12 and set(df.policy) == set(POLICIES)
+    assert len(df) == 12 and set(df.policy) == set(CACHE_POLICIES)
     assert (df.budget_blocks == df.budget_bytes // (131072 * 16)).all()
     assert (df.hit_rate <= df.ceiling + 1e-12).all()
     assert (tmp_path / "w" / "whatif.png").stat().st_size > 10_000

@@ -43,6 +43,7 @@ REPLAY_OPTIONS: list[Opt] = [
     Opt("model", str, "preset (tiny, llama-3-8b, llama-3-70b, qwen2.5-7b, mistral-7b) or a local HF model folder"),
     Opt("device", click.Choice(C.DEVICES), "where the model executor runs"),
     Opt("gpu", str, "hardware preset for the sim cost model (h200, h100, a100, l40s)"),
+    Opt("kv_dtype", click.Choice(C.KV_DTYPES), "KV cache dtype (sim: fp8 halves KV bytes; the model executor keeps KV in its compute dtype)"),
     Opt("calibration", click.Path(dir_okay=False), "sim coefficients written by `kvbench calibrate`"),
     Opt("kv_mem", str, "KV pool size, e.g. 16GiB [default: 90% of free device memory after weights]"),
     Opt("num_blocks", click.IntRange(min=1), "KV pool size in blocks (overrides --kv-mem)"),

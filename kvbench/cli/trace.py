@@ -274,7 +274,7 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     from kvbench.whatif import curve as wi
     from kvbench.engine.config import parse_size
     from kvbench.errors import InputError
-    from kvbench.memory.policies import POLICIES
+    from kvbench.memory.policies import CACHE_POLICIES
     from kvbench.executors.presets import get_model
     from kvbench.trace.format import load_trace
 
@@ -283,8 +283,8 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     block_bytes = per_token * block_size
     chosen = _split(policies)
     for p in chosen:
-        if p not in POLICIES:
-            raise InputError(f"unknown cache policy {p!r} (choose from {', '.join(POLICIES)})",
+        if p not in CACHE_POLICIES:
+            raise InputError(f"unknown cache policy {p!r} (choose from {', '.join(CACHE_POLICIES)})",
                              field="--policies")
     if not chosen:
         raise InputError("no policy given", field="--policies")

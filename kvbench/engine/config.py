@@ -8,15 +8,18 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, fields
 
+from kvbench import eviction, executors, memory
 from kvbench.errors import InputError
 
-LAYOUTS = ("paged", "slab")
+# Choices that pick an implementation come from the registries that hold it.
+LAYOUTS = tuple(memory.LAYOUTS)
+CACHE_POLICIES = tuple(memory.CACHE_POLICIES)
+EVICTIONS = ("none", *eviction.EVICTION_POLICIES)
+EXECUTORS = tuple(executors.EXECUTORS)
 SLAB_RESERVES = ("max", "exact")
 PREFIX_MODES = ("hash", "radix")
-CACHE_POLICIES = ("lru", "fifo", "lfu", "belady")
-EVICTIONS = ("none", "streaming", "h2o", "infinigen")
-EXECUTORS = ("model", "sim")
 DEVICES = ("auto", "cuda", "cpu")
+KV_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # auto: the dtype the model computes in
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -50,6 +53,7 @@ class ReplayConfig:
     model: str = "tiny"
     device: str = "auto"
     gpu: str = "h200"
+    kv_dtype: str = "auto"
     calibration: str | None = None
     kv_mem: str | None = None
     num_blocks: int | None = None
@@ -69,7 +73,8 @@ class ReplayConfig:
                                  field="--" + name.replace("_", "-"))
         for name, allowed in (("layout", LAYOUTS), ("slab_reserve", SLAB_RESERVES),
                               ("prefix_mode", PREFIX_MODES), ("cache_policy", CACHE_POLICIES),
-                              ("eviction", EVICTIONS), ("executor", EXECUTORS), ("device", DEVICES)):
+                              ("eviction", EVICTIONS), ("executor", EXECUTORS), ("device", DEVICES),
+                              ("kv_dtype", KV_DTYPES)):
             choice(name, allowed)
 
         def positive(name, v, minimum=1):

@@ -1,6 +1,6 @@
 """Layer 3, token eviction: which tokens of a sequence keep their KV when it outgrows its budget.
 
-One mechanism serves every policy; a policy (``POLICIES``, chosen by ``--eviction``) only says how
+One mechanism serves every policy; a policy (``EVICTION_POLICIES``, chosen by ``--eviction``) only says how
 many of the kept tokens are the most recent ones, whether attention scores are accumulated, and
 whether evicted tokens go to a CPU pool and can come back:
 - ``streaming`` (StreamingLLM): the first ``--sink-tokens`` plus the most recent tokens;
@@ -75,7 +75,7 @@ class Policy:
     offload: bool  # evicted tokens go to the CPU pool and may be recalled
 
 
-POLICIES = {
+EVICTION_POLICIES = {
     "streaming": Policy("streaming", 1.0, False, False),
     "h2o": Policy("h2o", 0.5, True, False),
     "infinigen": Policy("infinigen", 0.5, True, True),
@@ -376,8 +376,8 @@ def make_evictor(name: str, kv, *, kv_budget: float, sink_tokens: int, seed: int
     if name == "none" or not hasattr(kv, "compact"):
         return NoEviction()
     try:
-        policy = POLICIES[name]
+        policy = EVICTION_POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown eviction {name!r} (choose from none, {', '.join(POLICIES)})") from None
+        raise ValueError(f"unknown eviction {name!r} (choose from none, {', '.join(EVICTION_POLICIES)})") from None
     return Evictor(policy, kv, kv_budget=kv_budget, sink_tokens=sink_tokens, seed=seed,
                    kv_bytes_per_token=kv_bytes_per_token, **kw)

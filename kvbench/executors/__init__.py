@@ -9,7 +9,7 @@ def _make_sim(cfg, model):
     from kvbench.executors.sim import make_sim
     from kvbench.executors.presets import get_gpu
 
-    return make_sim(model, get_gpu(cfg.gpu), cfg.calibration)
+    return make_sim(model, get_gpu(cfg.gpu), cfg.calibration, cfg.kv_dtype)
 
 
 def _make_model(cfg, model):
@@ -18,7 +18,7 @@ def _make_model(cfg, model):
     return make_model_executor(cfg, model)
 
 
-EXECUTORS = {"sim": _make_sim, "model": _make_model}
+EXECUTORS = {"model": _make_model, "sim": _make_sim}
 
 
 def make_executor(cfg, model) -> Executor:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvbench import kernels
+from kvbench.errors import InputError
 from kvbench.eviction.evictor import CPU_POOL_FACTOR
 from kvbench.eviction.host_kv import PARTIAL_DIMS, HostKV
 from kvbench.executors.attention_mass import MassMeter
@@ -39,7 +40,6 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        from kvbench.errors import InputError
         raise InputError("no CUDA device is available", field="--device")
     return torch.device(device)
 
@@ -233,6 +233,12 @@ class ModelExecutor:
 def make_model_executor(cfg, model: ModelSpec) -> ModelExecutor:
     """The executor for a ReplayConfig: a model folder's own weights, or the preset random-initialised."""
     source = cfg.model if os.path.isdir(cfg.model) else model
+    kv_dtype = getattr(cfg, "kv_dtype", "auto")
+    if kv_dtype != "auto":
+        want = {torch.float32: "fp32", torch.bfloat16: "bf16"}[default_dtype(resolve_device(cfg.device))]
+        if kv_dtype != want:
+            raise InputError(f"the model executor keeps KV in the dtype it computes in ({want} on this "
+                             f"device); {kv_dtype} KV is modelled by --executor sim", field="--kv-dtype")
     ex = ModelExecutor(source, cfg.device, cfg.seed, cfg.attention, collect_attention=cfg.eviction != "none")
     if cfg.eviction == "infinigen":  # the CPU pool's partial keys: PARTIAL_DIMS of K for each pooled token
         ex.partial_key_share = CPU_POOL_FACTOR * PARTIAL_DIMS * 0.5

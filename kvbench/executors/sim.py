@@ -119,10 +119,12 @@ class SimExecutor:
 
 
 def make_sim(model: ModelSpec, gpu: GPUSpec, calibration: str | None = None,
-             kv_dtype: str = "bf16") -> SimExecutor:
+             kv_dtype: str = "auto") -> SimExecutor:
+    """The sim for a model on a GPU preset (or a calibration file); ``kv_dtype`` auto: bf16, the
+    weights' dtype."""
     if calibration and not os.path.exists(calibration):
         raise InputError("no such file", file=calibration, field="--calibration")
     cost = CostModel.from_file(calibration, gpu) if calibration else CostModel.from_gpu(gpu)
-    ex = SimExecutor(model, cost, gpu.mem_bytes, kv_dtype)
+    ex = SimExecutor(model, cost, gpu.mem_bytes, "bf16" if kv_dtype == "auto" else kv_dtype)
     ex.device_name = f"sim:{gpu.name}"
     return ex

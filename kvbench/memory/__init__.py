@@ -2,7 +2,7 @@
 block tables (paged), the slab baseline (slab), belady's future (future). Pure Python/numpy."""
 from kvbench.memory.block_pool import BlockPool
 from kvbench.memory.paged import PagedKV, SeqKV
-from kvbench.memory.policies import POLICIES, make_policy
+from kvbench.memory.policies import CACHE_POLICIES, make_policy
 from kvbench.memory.slab import SlabKV
 
 LAYOUTS = {"paged": PagedKV, "slab": SlabKV}
@@ -19,4 +19,4 @@ def make_kv(layout: str, num_blocks: int, block_size: int, *, prefix_cache: bool
                prefix_mode=prefix_mode)
 
 
-__all__ = ["BlockPool", "PagedKV", "SeqKV", "SlabKV", "POLICIES", "LAYOUTS", "make_kv", "make_policy"]
+__all__ = ["BlockPool", "PagedKV", "SeqKV", "SlabKV", "CACHE_POLICIES", "LAYOUTS", "make_kv", "make_policy"]

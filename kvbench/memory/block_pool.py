@@ -78,24 +78,13 @@ class BlockPool:
     # -- transitions ------------------------------------------------------------------------
     def alloc(self) -> int:
         """Take a block for new content (refcount 1). Evicts a cached block when none is free."""
-        if self._free:
-            b = self._free.pop()
-        else:
-            b = self.policy.pop()  # raises IndexError/KeyError when nothing is evictable
-            if self.on_evict is not None:
-                self.on_evict(b)
-            if self.kids is not None:
-                self._leaf_gone(b)
-            del self.index[self.key[b]]
-            self.key[b] = None
-            self.fill[b] = 0
-            self.evictions += 1
-        self.refcnt[b] = 1
-        self.num_used += 1
-        return b
+        got: list[int] = []
+        self.alloc_into(got, 1)
+        return got[0]
 
     def alloc_into(self, table: list[int], n: int) -> None:
-        """Append ``n`` newly allocated blocks to ``table`` (alloc in bulk: the prefill path)."""
+        """Append ``n`` newly allocated blocks to ``table`` (refcount 1 each): free blocks first, then
+        cached ones the policy evicts. Raises (IndexError/KeyError) when nothing is evictable."""
         free = self._free
         take = min(n, len(free))
         if take:
@@ -152,31 +141,13 @@ class BlockPool:
 
     def decref(self, b: int) -> None:
         """Drop a reference. At 0 the block becomes cached (if registered) or free."""
-        r = self.refcnt[b] - 1
-        self.refcnt[b] = r
-        if r:
-            return
-        self.num_used -= 1
-        self.tokens_live -= self.fill[b]
-        if self.key[b] is not None:
-            if self.kids is not None and self.kids[b]:
-                self.held[b] = True
-                self.num_held += 1
-                self.policy.hold(b)
-            else:
-                self.policy.release(b)
-        else:
-            self.fill[b] = 0
-            self._free.append(b)
+        self.release_all((b,))
 
     def release_all(self, blocks) -> None:
-        """``decref`` every block of an iterable, in its order (inlined: the free path)."""
-        if self.kids is not None:
-            for b in blocks:
-                self.decref(b)
-            return
+        """``decref`` every block of an iterable, in its order: the blocks whose refcount falls to 0
+        become cached (registered: handed to the policy in this order) or free."""
         refcnt, fill, key, free = self.refcnt, self.fill, self.key, self._free
-        cached: list[int] = []  # handed to the policy in one batch, in this order
+        cached: list[int] = []
         used = live = 0
         for b in blocks:
             r = refcnt[b] - 1
@@ -190,9 +161,19 @@ class BlockPool:
             else:
                 fill[b] = 0
                 free.append(b)
-        self.policy.release_many(cached)
         self.num_used -= used
         self.tokens_live -= live
+        if self.kids is None:
+            self.policy.release_many(cached)
+            return
+        kids, held, policy = self.kids, self.held, self.policy
+        for b in cached:  # leaves-only: a cached block with a cached child is held, not evictable
+            if kids[b]:
+                held[b] = True
+                self.num_held += 1
+                policy.hold(b)
+            else:
+                policy.release(b)
 
     def add_fill(self, b: int, n: int) -> None:
         """``n`` more tokens of KV were written into used block ``b``."""
@@ -202,19 +183,11 @@ class BlockPool:
     # -- prefix cache -----------------------------------------------------------------------
     def register(self, b: int, key: int, parent_key: int, tokens: np.ndarray,
                  next_use: int = NEVER, parent_block: int = -1) -> bool:
-        """Index a computed block under ``key``. False when the key is already cached
-        (another sequence computed the same block first): this block then stays private.
-        ``parent_block``: the registering sequence's block before this one (leaves-only eviction)."""
-        if not self.enable_cache or key in self.index or self.key[b] is not None:
-            return False
-        self.index[key] = b
-        self.key[b] = key
-        self.parent[b] = parent_key
-        self.tokens[b] = tokens
-        self.policy.on_insert(b, self.clock, next_use)
-        if self.kids is not None:
-            self._count_kid(b, parent_block, parent_key)
-        return True
+        """Index one computed block under ``key`` (``register_run`` of one; ``tokens``: its row of
+        block_size ids). False when the key is already cached (another sequence computed the same
+        block first): this block then stays private."""
+        return self.register_run([b], [key], parent_key, tokens, None if next_use == NEVER else [next_use],
+                                 parent_block) == 1
 
     def _count_kid(self, b: int, parent_block: int, parent_key: int) -> None:
         """Leaves-only: a new cached child holds its parent back when the sequence that registers
@@ -224,12 +197,13 @@ class BlockPool:
             self.kid_of[b] = parent_block
 
     def register_run(self, blocks: list[int], keys: list[int], parent_key: int,
-                     tokens: np.ndarray, next_uses=None, parent_block: int = -1) -> None:
-        """Register consecutive full blocks (``tokens`` holds exactly their ids, in order);
+                     tokens: np.ndarray, next_uses=None, parent_block: int = -1) -> int:
+        """Index consecutive computed blocks (``tokens`` holds exactly their ids, in order);
         ``keys[i]`` is ``blocks[i]``'s key, ``parent_key`` the key before the first and
-        ``parent_block`` the sequence's block before the first (leaves-only eviction)."""
+        ``parent_block`` the sequence's block before the first (leaves-only eviction). A block whose
+        key another block caches already stays private. Returns how many blocks were indexed."""
         if not self.enable_cache or not blocks:
-            return
+            return 0
         index, key_of, parent_of = self.index, self.key, self.parent
         rows = []
         again = []  # rows whose key another block caches: this copy stays private
@@ -259,6 +233,7 @@ class BlockPool:
                 self.tokens[blocks] = t
             else:
                 self.tokens[[blocks[i] for i in rows]] = t[rows]
+        return len(rows)
 
     def match(self, keys: list[int], tokens: np.ndarray, n_max: int, parent_key: int) -> list[int]:
         """The blocks caching the longest run of ``keys[:n_max]``, confirmed against tokens.

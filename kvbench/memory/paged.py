@@ -26,6 +26,7 @@ import xxhash
 
 from kvbench.memory.block_pool import BlockPool
 from kvbench.memory.radix import PARTIAL_SALT, RadixChildren
+from kvbench.trace.ideal import lookup_blocks
 from kvbench.trace.tokens import ROOT_KEY, block_keys
 
 
@@ -95,7 +96,7 @@ class PagedKV:
         """(a lower bound on the blocks admitting ``s`` takes, the blocks available): a cheap test
         that spares the prefix lookup while memory is plainly short."""
         bs = self.block_size
-        most_hit = (num_tokens - 1) // bs * bs if self.prefix_cache else 0
+        most_hit = lookup_blocks(num_tokens, bs) * bs if self.prefix_cache else 0
         return -(-min(budget, num_tokens - most_hit) // bs), self.pool.num_available
 
     def stats(self) -> tuple[int, int, int, int, int]:
@@ -116,7 +117,7 @@ class PagedKV:
         if not self.prefix_cache or s.tokens is None:
             return []
         bs = self.block_size
-        n_max = min((num_tokens - 1) // bs, len(s.tokens) // bs)
+        n_max = min(lookup_blocks(num_tokens, bs), len(s.tokens) // bs)
         hits = self.pool.match(self._keys(s), s.tokens, n_max, ROOT_KEY) if n_max > 0 else []
         if self.radix is not None:  # radix: extend the match into the next block, token by token
             pos = len(hits) * bs
@@ -125,7 +126,7 @@ class PagedKV:
             s.partial_block, s.partial_len = self.radix.best(parent, want, self.pool.tokens, self.pool.fill)
         return hits
 
-    def hit_tokens(self, s: SeqKV, hits: list[int]) -> int:
+    def num_cached_tokens(self, s: SeqKV, hits: list[int]) -> int:
         """Tokens the last ``lookup`` serves from cache: whole blocks, plus a radix partial block."""
         return len(hits) * self.block_size + s.partial_len
 

@@ -373,13 +373,13 @@ class BeladyPolicy(CachePolicy):
         return self._n
 
 
-POLICIES: dict[str, type[CachePolicy]] = {
+CACHE_POLICIES: dict[str, type[CachePolicy]] = {
     "lru": LRUPolicy, "fifo": FIFOPolicy, "lfu": LFUPolicy, "belady": BeladyPolicy,
 }
 
 
 def make_policy(name: str, num_blocks: int) -> CachePolicy:
     try:
-        return POLICIES[name](num_blocks)
+        return CACHE_POLICIES[name](num_blocks)
     except KeyError:
-        raise ValueError(f"unknown cache policy {name!r} (choose from {', '.join(POLICIES)})") from None
+        raise ValueError(f"unknown cache policy {name!r} (choose from {', '.join(CACHE_POLICIES)})") from None

@@ -43,7 +43,7 @@ class SlabKV:
     def lookup(self, s: SeqKV, num_tokens: int) -> list[int]:
         return []
 
-    def hit_tokens(self, s: SeqKV, hits: list[int]) -> int:
+    def num_cached_tokens(self, s: SeqKV, hits: list[int]) -> int:
         return 0
 
     def _take(self, n: int) -> int:

@@ -114,7 +114,7 @@ class Scheduler:
             if max(floor, s.wait_for_blocks) > available - (self.watermark if running else 0):
                 break  # plainly short of memory: spare the lookup
             hits = kv.lookup(s, s.num_tokens)
-            cached = kv.hit_tokens(s, hits)
+            cached = kv.num_cached_tokens(s, hits)
             num_new = min(s.num_tokens - cached, budget)
             # the watermark keeps room for running sequences to grow; with none running, a request
             # that needs nearly the whole pool must still be admitted

@@ -49,7 +49,7 @@ NOT_APPLICABLE: dict[tuple[str, object], tuple[str, ...]] = {
 # How a setting reads in a run directory's name; the default is "<short><value>".
 SHORT = {"layout": "", "block_size": "bs", "slab_reserve": "res_", "prefix_cache": "pc_", "prefix_mode": "",
          "cache_policy": "", "eviction": "", "kv_budget": "kvb", "sink_tokens": "sink",
-         "executor": "", "model": "m_", "device": "dev_", "gpu": "gpu_", "calibration": "cal_",
+         "executor": "", "model": "m_", "device": "dev_", "gpu": "gpu_", "kv_dtype": "kv_", "calibration": "cal_",
          "kv_mem": "mem", "num_blocks": "nb", "max_num_seqs": "seqs", "max_batched_tokens": "mbt",
          "max_model_len": "mml", "time_scale": "ts", "limit": "lim", "seed": "seed"}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")

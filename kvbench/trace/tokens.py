@@ -118,11 +118,6 @@ def encode_text(text: str, tokenizer=None) -> list[int]:
     return [3 + b for b in text.encode("utf-8")]
 
 
-def text_length(tokenizer=None):
-    """A ``text -> token count`` function for the trace reader."""
-    return lambda text: len(encode_text(text, tokenizer))
-
-
 def block_keys(tokens: np.ndarray, block_size: int, n_blocks: int | None = None,
                parent: int = ROOT_KEY) -> list[int]:
     """Chained keys of the first ``n_blocks`` full blocks of ``tokens`` (all full blocks if None)."""

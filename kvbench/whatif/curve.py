@@ -40,7 +40,7 @@ from typing import Sequence
 import numpy as np
 
 from kvbench.memory.future import next_uses_from_keys
-from kvbench.memory.policies import POLICIES, make_policy
+from kvbench.memory.policies import CACHE_POLICIES, make_policy
 from kvbench.trace.format import Request
 from kvbench.trace.ideal import IdealCounter, PrefixKeys, lookup_blocks
 from kvbench.trace.tokens import TokenStreams
@@ -279,8 +279,8 @@ def whatif(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str
            policies: Sequence[str], warmup: float = 0.5, jobs: int = 1,
            streams: TokenStreams | None = None) -> WhatIf:
     for p in policies:
-        if p not in POLICIES:
-            raise ValueError(f"unknown cache policy {p!r} (choose from {', '.join(POLICIES)})")
+        if p not in CACHE_POLICIES:
+            raise ValueError(f"unknown cache policy {p!r} (choose from {', '.join(CACHE_POLICIES)})")
     bt = prepare(requests, block_size, warmup, future="belady" in policies, streams=streams)
     points = run_points(bt, [b.blocks for b in budgets], policies, jobs)
     prompt = bt.window_prompt_tokens
