@@ -15,7 +15,7 @@ from kvbench.cli.replay import REPLAY_OPTIONS
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.replay import replay
 from kvbench.report.html import build_report
-from kvbench.sweep.runner import parse_grid, run_sweep
+from kvbench.sweep import parse_grid, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"

@@ -13,7 +13,7 @@ import pytest
 
 from kvbench.cli import main
 from kvbench.cli.replay import REPLAY_OPTIONS
-from kvbench.sweep.runner import default_sweep_dir, expand, parse_grid
+from kvbench.sweep import default_sweep_dir, expand, parse_grid
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = str(REPO / "traces" / "chat.jsonl")

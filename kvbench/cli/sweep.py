@@ -13,7 +13,7 @@ import click
 
 from kvbench.cli.replay import REPLAY_OPTIONS
 from kvbench.errors import RunError
-from kvbench.sweep.runner import Event, default_sweep_dir, expand, import_ray, parse_grid, run_sweep
+from kvbench.sweep import Event, default_sweep_dir, expand, import_ray, parse_grid, run_sweep
 
 TABLE = [("output_tok_per_s", "tok/s", "{:.0f}"), ("ttft_ms_p50", "TTFT p50 ms", "{:.1f}"),
          ("e2e_ms_p50", "E2E p50 ms", "{:.0f}"), ("prefix_hit_rate", "hit rate", "{:.3f}"),

@@ -14,7 +14,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from kvbench.report.data import Run, Section, WhatIf
-from kvbench.sweep.runner import setting_token
+from kvbench.sweep import setting_token
 
 X_SETTING = "block_size"  # the x axis of the "against block size" charts
 BASELINE_STYLE = {"color": "black", "ls": "--", "lw": 1.6}

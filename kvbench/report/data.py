@@ -16,7 +16,7 @@ import pandas as pd
 
 from kvbench.engine.config import ReplayConfig
 from kvbench.errors import InputError
-from kvbench.sweep.runner import SWEEP_PARQUET, not_applicable
+from kvbench.sweep import SWEEP_PARQUET, not_applicable
 
 WHATIF_PARQUET = "whatif.parquet"
 DEFAULTS = ReplayConfig().to_dict()

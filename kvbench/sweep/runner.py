@@ -1,174 +1,31 @@
-"""The sweep runner (layer 7): a grid of replay configurations, run into one resumable directory.
+"""The sweep runner (layer 7): every configuration of a grid (kvbench.sweep.grid) replayed into one
+resumable directory.
 
-A grid is the product of the replay options' value lists. Settings that a configuration does not
-use collapse (NOT_APPLICABLE: slab has no block size or prefix cache, eviction ``none`` has no KV
-budget, ...), so the sweep holds one run directory per *distinct* configuration. A run directory is
-named from the layout and the grid's varying settings (``paged-bs16-pc_on``), a pure function of the
-configuration and the grid, so re-running the same command finds its runs again: a run whose
-summary.json says complete and whose config.json has the same settings is kept, anything else is
-deleted and run again. ``sweep.parquet`` (one row per finished configuration: settings, then every
-summary key) is rewritten after each run; ``sweep.json`` is the manifest of the grid.
+A run whose summary.json says complete and whose config.json has the same settings is kept, anything
+else is deleted and run again. ``sweep.parquet`` (one row per finished configuration: settings, then
+every summary key) is rewritten after each run; ``sweep.json`` is the manifest of the grid.
 
-Runs go to local worker processes (forkserver; each calls kvbench.engine.replay.replay) or to Ray tasks.
+Runs go to local worker processes (forkserver; each calls kvbench.engine.replay) or to Ray tasks.
 """
 from __future__ import annotations
 
-import hashlib
-import itertools
 import json
 import os
-import re
 import shutil
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable
 
-import click
 
 from kvbench import __version__
 from kvbench.engine.config import ReplayConfig
-from kvbench.errors import InputError, RunError
+from kvbench.errors import InputError
 from kvbench.engine.records import write_json
+from kvbench.sweep.grid import Config, expand, not_applicable
 
-DEFAULTS = ReplayConfig()
 SWEEP_PARQUET = "sweep.parquet"
 SWEEP_JSON = "sweep.json"
-
-# (setting, value) -> settings that a configuration with that value does not use. Collapsing them
-# to their defaults is what makes "--layout paged,slab --block-size 8,16" one slab run, not two.
-NOT_APPLICABLE: dict[tuple[str, object], tuple[str, ...]] = {
-    ("layout", "slab"): ("block_size", "prefix_cache", "prefix_mode", "cache_policy"),
-    ("layout", "paged"): ("slab_reserve",),
-    ("prefix_cache", False): ("prefix_mode", "cache_policy"),
-    ("eviction", "none"): ("kv_budget", "sink_tokens"),
-    ("executor", "sim"): ("device", "attention"),
-    ("executor", "model"): ("gpu", "calibration"),
-}
-
-# How a setting reads in a run directory's name; the default is "<short><value>".
-SHORT = {"layout": "", "block_size": "bs", "slab_reserve": "res_", "prefix_cache": "pc_", "prefix_mode": "",
-         "cache_policy": "", "eviction": "", "kv_budget": "kvb", "sink_tokens": "sink",
-         "executor": "", "model": "m_", "device": "dev_", "gpu": "gpu_", "kv_dtype": "kv_", "calibration": "cal_",
-         "kv_mem": "mem", "num_blocks": "nb", "max_num_seqs": "seqs", "max_batched_tokens": "mbt",
-         "max_model_len": "mml", "time_scale": "ts", "limit": "lim", "seed": "seed"}
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-def not_applicable(settings: dict) -> set[str]:
-    """Settings that a configuration (a ReplayConfig dict) does not use."""
-    out: set[str] = set()
-    for (name, value), unused in NOT_APPLICABLE.items():
-        if settings.get(name) == value:
-            out.update(unused)
-    return out
-
-
-# -- the grid ----------------------------------------------------------------------------------
-def _flag(text: str) -> bool:
-    low = text.strip().lower()
-    if low in ("on", "true", "yes", "1"):
-        return True
-    if low in ("off", "false", "no", "0"):
-        return False
-    raise ValueError("expected on or off")
-
-
-def parse_grid(raw: dict[str, str | None], options) -> dict[str, list]:
-    """Comma lists from the command line -> typed value lists, for the options that were given.
-
-    ``options`` is kvbench.cli.replay.REPLAY_OPTIONS: the same click types as ``kvbench replay``, so a value
-    that replay refuses, the sweep refuses too (InputError naming the flag: one line, exit 2).
-    """
-    grid: dict[str, list] = {}
-    for o in options:
-        text = raw.get(o.name)
-        if text is None:
-            continue
-        values = []
-        for part in str(text).split(","):
-            part = part.strip()
-            try:
-                if not part:
-                    raise ValueError("empty value in the list")
-                v = _flag(part) if o.kind == "flag" else (
-                    part if o.kind is str else o.kind.convert(part, None, None))
-            except (ValueError, click.BadParameter) as e:
-                msg = e.message if isinstance(e, click.BadParameter) else str(e)
-                raise InputError(f"bad value {part!r} in {text!r}: {msg}", field=o.flag) from None
-            if v not in values:
-                values.append(v)
-        grid[o.name] = values
-    return grid
-
-
-def collapse(settings: dict) -> dict:
-    """The configuration with every setting it does not use put back to its default."""
-    out = dict(settings)
-    for name in not_applicable(settings):
-        out[name] = getattr(DEFAULTS, name)
-    return out
-
-
-@dataclass
-class Config:
-    name: str  # run directory name inside the sweep
-    cfg: ReplayConfig
-
-    @property
-    def settings(self) -> dict:
-        return self.cfg.to_dict()
-
-
-def setting_token(name: str, value) -> str:
-    if value is None:
-        text = "default"
-    elif isinstance(value, bool):
-        text = "on" if value else "off"
-    elif isinstance(value, float):
-        text = f"{value:g}"
-    else:
-        text = str(value)
-    if name in ("model", "calibration") and os.sep in text:
-        text = os.path.basename(os.path.normpath(text))
-    safe = _UNSAFE.sub("_", text)
-    if safe != text:  # a lossy rename must not make two values share a directory
-        safe += "_" + hashlib.sha256(str(value).encode()).hexdigest()[:6]
-    return SHORT.get(name, name + "_") + safe
-
-
-def run_name(settings: dict, varying: Iterable[str]) -> str:
-    """``paged-bs16-pc_on``: the layout, then each varying setting this configuration uses."""
-    skip = not_applicable(settings)
-    parts = [setting_token("layout", settings["layout"])]
-    parts += [setting_token(n, settings[n]) for n in varying if n != "layout" and n not in skip]
-    return "-".join(parts)
-
-
-def expand(grid: dict[str, list]) -> list[Config]:
-    """Every distinct configuration of the grid, in grid order (first option varies slowest)."""
-    names = list(grid)
-    seen: dict[tuple, Config] = {}
-    varying = [n for n in names if len(grid[n]) > 1]
-    for combo in itertools.product(*(grid[n] for n in names)):
-        settings = collapse({**DEFAULTS.to_dict(), **dict(zip(names, combo))})
-        key = tuple(sorted(settings.items(), key=lambda kv: kv[0]))
-        if key in seen:
-            continue
-        cfg = ReplayConfig(**settings).validate()
-        seen[key] = Config(run_name(settings, varying), cfg)
-    configs = list(seen.values())
-    dupes = {c.name for c in configs if sum(d.name == c.name for d in configs) > 1}
-    if dupes:  # cannot happen while every varying setting is in the name; guard the invariant
-        raise RunError(f"two configurations share the run name {sorted(dupes)[0]!r}")
-    return configs
-
-
-def default_sweep_dir(trace: str, grid: dict[str, list]) -> str:
-    """sweeps/<trace>-<hash of the grid>: the same command always finds the same directory."""
-    stem = os.path.splitext(os.path.basename(trace))[0]
-    digest = hashlib.sha256(json.dumps(grid, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    return os.path.join("sweeps", f"{stem}-{digest}")
 
 
 # -- running -----------------------------------------------------------------------------------
