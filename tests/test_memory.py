@@ -61,7 +61,7 @@ def apply_op(kv: PagedKV, seqs: list[SeqKV], prompts: list[np.ndarray], op: str,
         if seqs:
             s = seqs[k % len(seqs)]
             child = SeqKV(tokens=s.tokens)
-            assert kv.fork(s, child)
+            kv.fork(s, child)
             seqs.append(child)
     elif op == "free":
         if seqs:

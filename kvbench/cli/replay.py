@@ -50,6 +50,8 @@ REPLAY_OPTIONS: list[Opt] = [
     Opt("max_num_seqs", click.IntRange(min=1), "most sequences running at once"),
     Opt("max_batched_tokens", click.IntRange(min=1), "token budget per engine step"),
     Opt("max_model_len", click.IntRange(min=1), "longest request (prompt + output) [default: the model's]"),
+    Opt("admission", click.Choice(C.ADMISSIONS), "admit a waiting request when its whole prompt fits (vLLM >= 0.33), or its first chunk"),
+    Opt("watermark", click.FloatRange(0, 1, max_open=True), "share of KV blocks kept free when admitting while others run (vLLM's watermark)"),
     Opt("time_scale", click.FloatRange(min=0, min_open=True), "multiply arrival times (0.5 = twice the rate)"),
     Opt("limit", click.IntRange(min=1), "replay only the first N requests"),
     Opt("seed", int, "seed for every random choice"),

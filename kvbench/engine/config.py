@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, fields
 
-from kvbench import eviction, executors, memory
+from kvbench import eviction, executors, memory, scheduler
 from kvbench.errors import InputError
 
 # Choices that pick an implementation come from the registries that hold it.
@@ -19,6 +19,7 @@ EXECUTORS = tuple(executors.EXECUTORS)
 SLAB_RESERVES = ("max", "exact")
 PREFIX_MODES = ("hash", "radix")
 DEVICES = ("auto", "cuda", "cpu")
+ADMISSIONS = scheduler.ADMISSIONS
 KV_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # auto: the dtype the model computes in
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.I)
@@ -60,6 +61,8 @@ class ReplayConfig:
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
     max_model_len: int | None = None
+    admission: str = "full-prompt"
+    watermark: float = 0.0
     time_scale: float = 1.0
     limit: int | None = None
     seed: int = 0
@@ -74,7 +77,7 @@ class ReplayConfig:
         for name, allowed in (("layout", LAYOUTS), ("slab_reserve", SLAB_RESERVES),
                               ("prefix_mode", PREFIX_MODES), ("cache_policy", CACHE_POLICIES),
                               ("eviction", EVICTIONS), ("executor", EXECUTORS), ("device", DEVICES),
-                              ("kv_dtype", KV_DTYPES)):
+                              ("kv_dtype", KV_DTYPES), ("admission", ADMISSIONS)):
             choice(name, allowed)
 
         def positive(name, v, minimum=1):
@@ -89,6 +92,8 @@ class ReplayConfig:
         positive("sink_tokens", self.sink_tokens, 0)
         if not self.time_scale > 0:
             raise InputError(f"must be > 0, got {self.time_scale}", field="--time-scale")
+        if not 0 <= self.watermark < 1:
+            raise InputError(f"must be in [0, 1), got {self.watermark}", field="--watermark")
         if not self.kv_budget > 0:
             raise InputError(f"must be > 0, got {self.kv_budget}", field="--kv-budget")
         if self.kv_mem is not None:

@@ -25,7 +25,7 @@ from kvbench.executors.presets import get_model
 from kvbench.engine.records import RunWriter, distribution, environment
 from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig
 from kvbench.trace.format import Request, load_trace
-from kvbench.trace.ideal import IdealCounter, PrefixKeys, cached_sequence, ideal_hits
+from kvbench.trace.ideal import IdealCounter, PrefixKeys, ideal_hits, sequence_tokens
 from kvbench.trace.tokens import TokenStreams
 
 KV_MEM_FRACTION = 0.9  # share of free device memory given to the KV pool when no size is asked
@@ -80,7 +80,8 @@ class Replay:
                                     sink_tokens=cfg.sink_tokens, seed=cfg.seed,
                                     kv_bytes_per_token=self.executor.kv_bytes_per_token(),
                                     speculate=getattr(self.executor, "speculate", None))
-        self.sched = Scheduler(self.kv, SchedulerConfig(cfg.max_num_seqs, cfg.max_batched_tokens),
+        self.sched = Scheduler(self.kv, SchedulerConfig(cfg.max_num_seqs, cfg.max_batched_tokens,
+                                                        cfg.admission, cfg.watermark),
                                needs_tokens=self.executor.needs_tokens, streams=self.streams,
                                evictor=self.evictor)
         self._lat: list[tuple[float, float, float, float]] = []  # ttft, tpot, e2e, queue (ms)
@@ -123,7 +124,8 @@ class Replay:
         in_order = all(reqs[i].index < reqs[i + 1].index for i in range(len(reqs) - 1))
         self._keys_of = PrefixKeys(bs, self.streams)
         self._ideal = IdealCounter(bs) if in_order else None
-        ideal = None if in_order else ideal_hits(sorted(reqs, key=lambda r: r.index), bs, self.streams)
+        ideal = None if in_order else ideal_hits(sorted((r for r in reqs if self._reject_reason(r) is None),
+                                                        key=lambda r: r.index), bs, self.streams)
         writer = RunWriter(self.out_dir, self._config_json())
         self._writer = writer
         st = _Totals(peak=0)
@@ -179,16 +181,16 @@ class Replay:
         arrival = r.t * self.cfg.time_scale
         prompt = self.streams.expand(r)
         rs = RequestState(req=r, arrival_s=arrival, prompt=prompt)
-        keys, prompt_len = self._keys_of(r)
-        if self._ideal is not None:
-            self._ideal.add(keys, prompt_len)
         reason = self._reject_reason(r)
         if reason is not None:
             rs.reject_reason = reason
             st.rejected += 1
             self._record_request(writer, rs)
             return
-        tokens = cached_sequence(r, prompt, self.streams) if use_tokens else None
+        keys, prompt_len = self._keys_of(r)
+        if self._ideal is not None:  # the ceiling of the requests this run admits
+            self._ideal.add(keys, prompt_len)
+        tokens = sequence_tokens(r, prompt, self.streams) if use_tokens else None
         seq = self.sched.new_seq(rs, tokens, None if future is None else future[index],
                                  keys=keys.tolist() if self.kv.prefix_cache else None,
                                  reserve=self._reserve(r))
@@ -199,7 +201,7 @@ class Replay:
         sched = self.sched
         dur_s = result.duration_s
         used, cached, free, slots, live = self.kv.stats()
-        running = len(sched.running)
+        running = plan.running  # the sequences the step held, those that finished in it included
         frag = 1.0 - live / slots if slots else 0.0
         util = live / self.kv.capacity_tokens
         writer.steps.add((step, start_s, dur_s * 1e3, batch.num_prefill_tokens, batch.num_decodes,

@@ -203,8 +203,9 @@ def _engine_requests():
 def run_engine_selfcheck(device: str = "cpu", model: str = "tiny", seed: int = 0,
                          attention: str = "auto", prefix_mode: str = "hash") -> dict:
     """Replay a small trace through the real engine (model executor, paged KV, prefix cache, n>1,
-    chunked prefill, a pool tight enough to preempt) and compare every sample's greedy tokens with
-    transformers' greedy continuation of the same prompt, same weights."""
+    chunked prefill, a pool tight enough to preempt) and compare, at every position where a token was
+    sampled, the logits and their greedy choice with transformers' on the same sequence, same
+    weights."""
     import tempfile
 
     from kvbench.engine.config import ReplayConfig
@@ -226,27 +227,24 @@ def run_engine_selfcheck(device: str = "cpu", model: str = "tiny", seed: int = 0
     per_request = {}
     for rs in rp.finished:
         out_len = rs.req.output_len
-        ids = torch.tensor([rs.prompt.tolist()], device=ex.device)
-        want = []
-        with torch.inference_mode():
-            for _ in range(out_len):
-                nxt = int(ref(input_ids=ids).logits[0, -1].argmax())
-                want.append(nxt)
-                ids = torch.cat([ids, torch.tensor([[nxt]], device=ex.device)], dim=1)
         samples = rs.samples or []
         # a forked sample's first token came from its parent's prefill: the one with every row
         rows = {sid: ex.logits_log.get(sid, []) for sid, _ in samples}
         first = next((r[0] for r in rows.values() if len(r) == out_len), None)
         n_equal = 0
+        plen = len(rs.prompt)
         for sid, toks in samples:
-            n_equal += sum(int(a == b) for a, b in zip(toks, want))
+            # The engine feeds each sample the tokens of its own stream (kvbench.trace.tokens), so
+            # transformers is fed the same sequence: its logits at every sampled position must match
+            # ours, and so must the greedy choice made from them.
             ours = rows[sid] if len(rows[sid]) == out_len else [first] + rows[sid]
             seq = rs.prompt.tolist() + toks[:-1]
-            with torch.inference_mode():  # transformers' logits at every sampled position
+            with torch.inference_mode():
                 hf = ref(input_ids=torch.tensor([seq], device=ex.device)).logits[0].float().cpu().numpy()
-            plen = len(rs.prompt)
             for i, row in enumerate(ours):
-                worst = max(worst, float(np.abs(row - hf[plen - 1 + i]).max()))
+                want = hf[plen - 1 + i]
+                worst = max(worst, float(np.abs(row - want).max()))
+                n_equal += int(row.argmax() == want.argmax())
         per_request[rs.req.id] = {"samples": len(samples), "tokens_equal": n_equal,
                                   "tokens": out_len * len(samples)}
         agree += n_equal

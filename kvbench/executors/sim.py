@@ -12,10 +12,16 @@ compute bound. The coefficients (matmul_flops, mem_bw, step_overhead_s) come fro
 or from a calibration file written by ``kvbench calibrate`` on real hardware, which may also carry
 per-term scale factors fitted to measured steps. No tokens are produced: the memory behaviour is the
 engine's, identical to the model executor's.
+
+A calibration file may instead hold a plain linear clock, ``{"kind": "linear",
+"prefill_ms_per_token": 0.1, "decode_step_ms": 20, "overhead_ms": 0}``: a step costs the overhead,
+plus that much per prefill token, plus the decode cost if it carries any decode. It puts kvbench on
+the same clock as another engine's scheduler driven without a model, to compare schedules step by step.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -41,11 +47,10 @@ class CostModel:
 
     @classmethod
     def from_file(cls, path: str, fallback: GPUSpec) -> "CostModel":
-        try:
-            with open(path, encoding="utf-8") as fh:
-                c = json.load(fh)
-        except (OSError, json.JSONDecodeError) as e:
-            raise InputError(f"cannot read calibration: {e}", file=path, field="--calibration") from None
+        return cls.from_dict(_read_calibration(path), path, fallback)
+
+    @classmethod
+    def from_dict(cls, c: dict, path: str, fallback: GPUSpec) -> "CostModel":
         base = cls.from_gpu(fallback)
         coef = c.get("coefficients", c)
         for name in ("matmul_flops", "mem_bw", "step_overhead_s", "pcie_bw"):
@@ -57,6 +62,51 @@ class CostModel:
         return base
 
 
+@dataclass(frozen=True, slots=True)
+class LinearClock:
+    """A step = overhead + prefill tokens x per-token cost + (a decode cost if any sequence decodes)."""
+
+    prefill_ms_per_token: float
+    decode_step_ms: float
+    overhead_ms: float = 0.0
+
+    KEYS = ("prefill_ms_per_token", "decode_step_ms", "overhead_ms")
+
+    @classmethod
+    def from_dict(cls, d: dict, path: str) -> "LinearClock":
+        unknown = set(d) - {"kind", *cls.KEYS}
+        if unknown:
+            raise InputError(f"unknown key {sorted(unknown)[0]!r} in a linear clock (keys: {', '.join(cls.KEYS)})",
+                             file=path, field="--calibration")
+        vals = {}
+        for name in cls.KEYS:
+            v = d.get(name, 0.0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise InputError(f"must be a finite number >= 0, got {v!r}", file=path, field=name)
+            vals[name] = float(v)
+        if vals["prefill_ms_per_token"] == 0 and vals["decode_step_ms"] == 0 and vals["overhead_ms"] == 0:
+            raise InputError("a clock whose every step takes no time never advances", file=path,
+                             field="--calibration")
+        return cls(**vals)
+
+    def seconds(self, batch: StepBatch) -> float:
+        ms = self.overhead_ms + self.prefill_ms_per_token * batch.num_prefill_tokens
+        if batch.decode_seq_ids:
+            ms += self.decode_step_ms
+        return ms / 1e3
+
+
+def _read_calibration(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            c = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot read calibration: {e}", file=path, field="--calibration") from None
+    if not isinstance(c, dict):
+        raise InputError("must be a JSON object", file=path, field="--calibration")
+    return c
+
+
 class SimExecutor:
     name = "sim"
     needs_tokens = False
@@ -66,6 +116,7 @@ class SimExecutor:
         self.model = model
         self.gpu_mem_bytes = gpu_mem_bytes
         self.cost = cost
+        self.clock: LinearClock | None = None  # a linear clock replaces the roofline when given
         self.kv_dtype = kv_dtype
         m = model
         self._kv_tok = m.kv_bytes_per_token(kv_dtype)
@@ -107,6 +158,8 @@ class SimExecutor:
         return flops, mem
 
     def step_time(self, batch: StepBatch) -> float:
+        if self.clock is not None:
+            return self.clock.seconds(batch)
         flops, mem = self.step_work(batch)
         return self.cost.time(flops, mem) + self.pcie_time(batch)
 
@@ -124,7 +177,16 @@ def make_sim(model: ModelSpec, gpu: GPUSpec, calibration: str | None = None,
     weights' dtype."""
     if calibration and not os.path.exists(calibration):
         raise InputError("no such file", file=calibration, field="--calibration")
-    cost = CostModel.from_file(calibration, gpu) if calibration else CostModel.from_gpu(gpu)
+    clock = None
+    if calibration:
+        raw = _read_calibration(calibration)
+        if raw.get("kind") == "linear":
+            clock, cost = LinearClock.from_dict(raw, calibration), CostModel.from_gpu(gpu)
+        else:
+            cost = CostModel.from_dict(raw, calibration, gpu)
+    else:
+        cost = CostModel.from_gpu(gpu)
     ex = SimExecutor(model, cost, gpu.mem_bytes, "bf16" if kv_dtype == "auto" else kv_dtype)
+    ex.clock = clock
     ex.device_name = f"sim:{gpu.name}"
     return ex

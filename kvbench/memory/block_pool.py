@@ -39,7 +39,13 @@ class BlockPool:
         self.parent: list[int] = [0] * num_blocks
         # Tokens of registered blocks, to confirm hits. Rows are written on register only.
         self.tokens = np.zeros((num_blocks, block_size), dtype=np.int32) if enable_cache else None
-        self.index: dict[int, int] = {}  # prefix key -> block
+        self.index: dict[int, int] = {}  # prefix key -> block (the first cached copy)
+        # Further cached copies of a key, in registration order. Two sequences that compute the same
+        # block at once (one hit a prefix the other had not finished) both keep it cached, as vLLM
+        # does (``BlockHashToBlockMap``: it never de-duplicates, so block tables stay append-only).
+        # A key whose cached copy is idle (refcount 0; only a policy other than lru can leave a block
+        # cached past an evicted prefix) is recomputed into a private block, dropped at free.
+        self.dups: dict[int, list[int]] = {}
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         # counters (spec §4), kept incrementally
         self.num_used = 0
@@ -105,7 +111,10 @@ class BlockPool:
                     on_evict(b)
                 if self.kids is not None:
                     self._leaf_gone(b)
-                del index[key[b]]
+                if self.dups:
+                    self._unindex(b)
+                else:
+                    del index[key[b]]
                 key[b] = None
                 fill[b] = 0
                 refcnt[b] = 1
@@ -113,6 +122,20 @@ class BlockPool:
             self.evictions += k
             self.num_used += k
             need -= k
+
+    def _unindex(self, b: int) -> None:
+        """Forget cached block ``b``; the next copy of its key, if any, takes its place."""
+        k = self.key[b]
+        copies = self.dups.get(k)
+        if self.index[k] == b:
+            if copies:
+                self.index[k] = copies.pop(0)
+            else:
+                del self.index[k]
+        else:
+            copies.remove(b)
+        if copies is not None and not copies:
+            del self.dups[k]
 
     def _leaf_gone(self, b: int) -> None:
         """Leaves-only: evicted ``b`` no longer holds its parent back."""
@@ -187,7 +210,7 @@ class BlockPool:
         block_size ids). False when the key is already cached (another sequence computed the same
         block first): this block then stays private."""
         return self.register_run([b], [key], parent_key, tokens, None if next_use == NEVER else [next_use],
-                                 parent_block) == 1
+                                 parent_block, duplicates=False) == 1
 
     def _count_kid(self, b: int, parent_block: int, parent_key: int) -> None:
         """Leaves-only: a new cached child holds its parent back when the sequence that registers
@@ -196,29 +219,37 @@ class BlockPool:
             self.kids[parent_block] += 1
             self.kid_of[b] = parent_block
 
-    def register_run(self, blocks: list[int], keys: list[int], parent_key: int,
-                     tokens: np.ndarray, next_uses=None, parent_block: int = -1) -> int:
+    def register_run(self, blocks: list[int], keys: list[int], parent_key: int, tokens: np.ndarray,
+                     next_uses=None, parent_block: int = -1, duplicates: bool = True) -> int:
         """Index consecutive computed blocks (``tokens`` holds exactly their ids, in order);
         ``keys[i]`` is ``blocks[i]``'s key, ``parent_key`` the key before the first and
         ``parent_block`` the sequence's block before the first (leaves-only eviction). A block whose
-        key another block caches already stays private. Returns how many blocks were indexed."""
+        key another block in use caches already is cached as a further copy (``dups``; not without
+        ``duplicates``); one whose key's copy is idle in the cache stays private. Returns how many
+        blocks were indexed."""
         if not self.enable_cache or not blocks:
             return 0
         index, key_of, parent_of = self.index, self.key, self.parent
         rows = []
-        again = []  # rows whose key another block caches: this copy stays private
+        again = []  # rows whose key another block caches already (for belady: computed again)
         kids = self.kids
         for i, b in enumerate(blocks):
             k = keys[i]
-            if k not in index and key_of[b] is None:
-                index[k] = b
+            if key_of[b] is None:
+                first = index.get(k)
+                if first is None:
+                    index[k] = b
+                else:
+                    again.append(i)
+                    if not duplicates or not self.refcnt[first]:
+                        parent_key, parent_block = k, b
+                        continue
+                    self.dups.setdefault(k, []).append(b)
                 key_of[b] = k
                 parent_of[b] = parent_key
                 rows.append(i)
                 if kids is not None:
                     self._count_kid(b, parent_block, parent_key)
-            elif key_of[b] is None:
-                again.append(i)
             parent_key = k
             parent_block = b
         if again and next_uses is not None:

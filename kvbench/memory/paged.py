@@ -2,8 +2,11 @@
 
 The scheduler drives one ``SeqKV`` per running sequence through four calls:
 ``lookup`` (cached prefix blocks, no references taken) -> ``allocate`` (take the hits, then blocks
-for the tokens about to be computed; False when memory is short) -> ``commit`` (the step wrote KV
-for n more tokens: fill counters, register newly full blocks in the prefix cache) -> ``free``.
+for the tokens about to be computed, and register in the prefix cache every block those tokens
+fill; False when memory is short) -> ``commit`` (the step wrote KV for n more tokens: fill
+counters) -> ``free``. Blocks are registered when allocated, before their KV is written, as vLLM v1
+does (``KVCacheManager.allocate_slots`` -> ``cache_blocks``): a request scheduled later in the same
+step hits them, and the executor writes every token's KV before any attention reads it.
 ``fork`` shares every block of a sequence by refcount (parallel sampling); the first append into a
 shared partial tail copies it (copy-on-write), and the (src, dst) copy is queued in ``copies`` for the
 executor to perform before the step's forward.
@@ -25,6 +28,7 @@ import numpy as np
 import xxhash
 
 from kvbench.memory.block_pool import BlockPool
+from kvbench.memory.policies import NEVER
 from kvbench.memory.radix import PARTIAL_SALT, RadixChildren
 from kvbench.trace.ideal import lookup_blocks
 from kvbench.trace.tokens import ROOT_KEY, block_keys
@@ -44,6 +48,7 @@ class SeqKV:
     num_registered: int = 0  # leading blocks already offered to the prefix cache
     reserve: int = 0  # slab: slots to reserve (max_model_len or prompt+output)
     base: int = -1  # slab: first block of the reservation
+    fork_bases: list[int] = field(default_factory=list)  # slab: slabs reserved for samples to fork
     partial_block: int = -1  # radix: cached block whose first partial_len tokens the last lookup matched
     partial_len: int = 0
     dropped: int = 0  # computed tokens evicted from the slots (token eviction)
@@ -92,12 +97,14 @@ class PagedKV:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def admission_floor(self, s: SeqKV, num_tokens: int, budget: int) -> tuple[int, int]:
-        """(a lower bound on the blocks admitting ``s`` takes, the blocks available): a cheap test
-        that spares the prefix lookup while memory is plainly short."""
+    def admission_floor(self, s: SeqKV, num_tokens: int, budget: int, full: bool = True) -> tuple[int, int]:
+        """(a lower bound on the blocks admitting ``s`` takes whatever its prefix hits, the blocks
+        available): a cheap, exact test that spares the prefix lookup while memory is plainly short.
+        ``full``: the whole sequence must fit (full-prompt admission), else its first chunk."""
         bs = self.block_size
         most_hit = lookup_blocks(num_tokens, bs) * bs if self.prefix_cache else 0
-        return -(-min(budget, num_tokens - most_hit) // bs), self.pool.num_available
+        tokens = num_tokens - most_hit if full else min(budget, num_tokens - most_hit)
+        return -(-tokens // bs), self.pool.num_available
 
     def stats(self) -> tuple[int, int, int, int, int]:
         """(blocks_used, blocks_cached, blocks_free, slots_allocated, tokens_live), O(1)."""
@@ -105,10 +112,20 @@ class PagedKV:
         return p.num_used, p.num_cached, p.num_free, p.num_used * self.block_size, p.tokens_live
 
     # -- prefix cache ------------------------------------------------------------------------
-    def _keys(self, s: SeqKV) -> list[int]:
-        if s.keys is None:
-            s.keys = block_keys(s.tokens, self.block_size)
-        return s.keys
+    def _keys(self, s: SeqKV, n_blocks: int) -> list[int]:
+        """The chained keys of the sequence's first ``n_blocks`` full blocks (``n_blocks`` <=
+        len(tokens) // block_size), computed on first need: a sequence arrives with its prompt's keys
+        and extends them over its generated tokens as it decodes."""
+        keys = s.keys
+        if keys is None:
+            keys = s.keys = []
+        have = len(keys)
+        if have < n_blocks:
+            bs = self.block_size
+            total = len(s.tokens) // bs  # every block of known tokens at once: one call per sequence
+            keys.extend(block_keys(s.tokens[have * bs:total * bs], bs, total - have,
+                                   keys[-1] if have else ROOT_KEY))
+        return keys
 
     def lookup(self, s: SeqKV, num_tokens: int) -> list[int]:
         """Blocks caching the longest prefix of the sequence's first ``num_tokens`` tokens, never
@@ -118,7 +135,7 @@ class PagedKV:
             return []
         bs = self.block_size
         n_max = min(lookup_blocks(num_tokens, bs), len(s.tokens) // bs)
-        hits = self.pool.match(self._keys(s), s.tokens, n_max, ROOT_KEY) if n_max > 0 else []
+        hits = self.pool.match(self._keys(s, n_max), s.tokens, n_max, ROOT_KEY) if n_max > 0 else []
         if self.radix is not None:  # radix: extend the match into the next block, token by token
             pos = len(hits) * bs
             want = s.tokens[pos:min(pos + bs, num_tokens - 1, len(s.tokens))]
@@ -131,20 +148,27 @@ class PagedKV:
         return len(hits) * self.block_size + s.partial_len
 
     # -- allocation --------------------------------------------------------------------------
-    def allocate(self, s: SeqKV, num_new: int, hits: list[int] = (), watermark: int = 0) -> bool:
-        """Make the table cover ``num_kv + len(hits)*block_size + num_new`` tokens.
+    def allocate(self, s: SeqKV, num_new: int, hits: list[int] = (), watermark: int = 0,
+                 must_fit: int = 0, forks: int = 0) -> bool:
+        """Make the table cover ``num_kv + len(hits)*block_size + num_new`` tokens and register in the
+        prefix cache the blocks those tokens fill.
 
         ``hits`` (from ``lookup``, only for an empty table) are taken first and count as computed.
-        Returns False, changing nothing, when fewer than ``watermark`` blocks would remain.
+        ``must_fit``: tokens the whole sequence needs, all of which must fit now (vLLM's
+        ``full_sequence_must_fit`` admission gate) though only ``num_new`` are allocated. Returns
+        False, changing nothing, when fewer than ``watermark`` blocks would remain. ``forks``: samples
+        the sequence will fork; they share its blocks, so they need none now.
         """
         p, bs = self.pool, self.block_size
         n_hit = len(hits)
         fresh = not s.table and s.num_kv == 0
         part = s.partial_len if fresh else 0  # radix: tokens copied from a partly matching block
-        if not n_hit and not part:  # fast path (every decode step): room in an unshared tail block
+        if not n_hit and not part and not must_fit:  # fast path (every decode step): room in an unshared tail
             total = s.num_kv + num_new
             if total <= len(s.table) * bs and (s.num_kv % bs == 0 or num_new == 0
                                                or p.refcnt[s.table[-1]] == 1):
+                if total // bs > s.num_registered:
+                    self._register_upto(s, total)
                 return True
         have = len(s.table) + n_hit
         total = s.num_kv + n_hit * bs + part + num_new
@@ -155,8 +179,11 @@ class PagedKV:
         revived = list(map(p.refcnt.__getitem__, hits)).count(0) if n_hit else 0
         if part and p.refcnt[s.partial_block] == 0:
             revived += 1
-        if need + tail_shared + revived > p.num_available - watermark:
-            self.last_shortfall = need + tail_shared + revived + watermark
+        extra = need + tail_shared + revived
+        # the whole sequence must fit: every block it will hold beyond the hits (and the partial copy)
+        check = max(extra, max(0, -(-must_fit // bs) - have) + tail_shared + revived) if must_fit else extra
+        if check > p.num_available - watermark:
+            self.last_shortfall = check + watermark
             return False
         if n_hit:
             assert not s.table and s.num_kv == 0, "hits are only taken by an empty table"
@@ -186,10 +213,14 @@ class PagedKV:
             self.partial_hit_tokens += part
             s.num_kv += part
             s.partial_block, s.partial_len = -1, 0
+        end = s.num_kv + num_new
+        if end // bs > s.num_registered:
+            self._register_upto(s, end)
         return True
 
     def commit(self, s: SeqKV, n: int) -> None:
-        """The step wrote KV for the next ``n`` tokens of the sequence."""
+        """The step wrote KV for the next ``n`` tokens of the sequence (its blocks were registered
+        when allocated)."""
         p, bs = self.pool, self.block_size
         start = s.num_kv
         end = start + n
@@ -207,15 +238,24 @@ class PagedKV:
                 j += 1
             p.tokens_live += n
         s.num_kv = end
-        if (end // bs > s.num_registered and self.prefix_cache and s.tokens is not None
-                and not s.compacted):
-            full = min(end, len(s.tokens)) // bs  # only blocks of known tokens can ever be hit
-            if full > s.num_registered:
-                self._register(s, full)
+
+    def _register_upto(self, s: SeqKV, end: int) -> None:
+        """Register the full blocks of the sequence's first ``end`` tokens not registered yet, where
+        their tokens are known: vLLM's ``cache_blocks(request, num_computed + num_new)``."""
+        if not self.prefix_cache or s.tokens is None or s.compacted:
+            return
+        full = min(end, len(s.tokens)) // self.block_size
+        if full > s.num_registered:
+            self._register(s, full)
 
     def _register(self, s: SeqKV, full: int) -> None:
-        keys, bs, a = self._keys(s), self.block_size, s.num_registered
-        nu = None if s.next_use is None else s.next_use[a:full]
+        bs, a = self.block_size, s.num_registered
+        keys = self._keys(s, full)
+        nu = None
+        if s.next_use is not None:  # blocks past the ones a later request looks up are never used
+            nu = s.next_use[a:full]
+            if len(nu) < full - a:
+                nu = np.concatenate([nu, np.full(full - a - len(nu), NEVER, dtype=np.int64)])
         self.pool.register_run(s.table[a:full], keys[a:full], keys[a - 1] if a else ROOT_KEY,
                                s.tokens[a * bs:full * bs], nu, s.table[a - 1] if a else -1)
         s.num_registered = full
@@ -236,7 +276,7 @@ class PagedKV:
         b = s.table[j]
         if p.refcnt[b] != 1 or p.key[b] is not None:
             return
-        parent = self._keys(s)[j - 1] if j else ROOT_KEY
+        parent = self._keys(s, j)[j - 1] if j else ROOT_KEY
         toks = s.tokens[j * bs:j * bs + f]
         row = np.zeros(bs, dtype=np.int32)
         row[:f] = toks
@@ -262,9 +302,9 @@ class PagedKV:
         if self._pinned and self.pool.kids is not None:
             raise RuntimeError("take_copies() must follow a partial-hit allocation before free or compact")
 
-    def fork(self, s: SeqKV, child: SeqKV) -> bool:
-        """Make ``child`` (an empty SeqKV) share every block, full and partial, of ``s``.
-        Never fails: sharing takes no new block."""
+    def fork(self, s: SeqKV, child: SeqKV) -> None:
+        """Make ``child`` (an empty SeqKV) share every block, full and partial, of ``s``: sharing takes
+        no new block."""
         for b in s.table:
             self.pool.incref(b)
         child.table = list(s.table)
@@ -272,7 +312,6 @@ class PagedKV:
         child.num_registered = s.num_registered
         child.dropped = s.dropped
         child.compacted = s.compacted
-        return True
 
     # -- token eviction ----------------------------------------------------------------------
     def slots_of(self, s: SeqKV, logical: np.ndarray) -> np.ndarray:

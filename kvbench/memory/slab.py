@@ -36,7 +36,7 @@ class SlabKV:
         r = self.blocks_reserved
         return r, 0, self.num_blocks - r, r * self.block_size, self.tokens_live
 
-    def admission_floor(self, s: SeqKV, num_tokens: int, budget: int) -> tuple[int, int]:
+    def admission_floor(self, s: SeqKV, num_tokens: int, budget: int, full: bool = True) -> tuple[int, int]:
         free = self.num_blocks - self.blocks_reserved
         return (0 if s.base >= 0 else -(-s.reserve // self.block_size)), free
 
@@ -71,20 +71,30 @@ class SlabKV:
             lens[i] += lens[i + 1]
             del starts[i + 1], lens[i + 1]
 
-    def allocate(self, s: SeqKV, num_new: int, hits: list[int] = (), watermark: int = 0) -> bool:
-        """Reserve the sequence's slab on first call; later calls only check it fits."""
+    def allocate(self, s: SeqKV, num_new: int, hits: list[int] = (), watermark: int = 0,
+                 must_fit: int = 0, forks: int = 0) -> bool:
+        """Reserve the sequence's slab, and one for each of the ``forks`` samples it will fork, on
+        first call (a slab always holds the whole sequence, so ``must_fit`` holds by construction);
+        later calls only check the tokens fit."""
         if s.base < 0:
             n = -(-s.reserve // self.block_size)
-            self.last_shortfall = n + watermark
-            if n > self.num_blocks - self.blocks_reserved - watermark:
+            want = n * (1 + forks)
+            self.last_shortfall = want + watermark
+            if want > self.num_blocks - self.blocks_reserved - watermark:
                 return False
-            base = self._take(n)
-            if base < 0:  # enough free blocks, but no hole big enough: wait for a release
-                self.last_shortfall = self.num_blocks - self.blocks_reserved + 1
-                return False
-            s.base = base
-            s.table = range(base, base + n)
-            self.blocks_reserved += n
+            bases = []
+            for _ in range(1 + forks):
+                base = self._take(n)
+                if base < 0:  # enough free blocks, but no hole big enough: wait for a release
+                    for b in bases:
+                        self._give(b, n)
+                    self.last_shortfall = self.num_blocks - self.blocks_reserved + 1
+                    return False
+                bases.append(base)
+            s.base = bases[0]
+            s.table = range(s.base, s.base + n)
+            s.fork_bases = bases[1:]
+            self.blocks_reserved += want
         if s.num_kv + num_new > len(s.table) * self.block_size:
             raise ValueError(f"sequence outgrew its slab of {s.reserve} slots")
         return True
@@ -95,24 +105,28 @@ class SlabKV:
 
     def free(self, s: SeqKV) -> None:
         if s.base >= 0:
-            self._give(s.base, len(s.table))
-            self.blocks_reserved -= len(s.table)
+            n = len(s.table)
+            self._give(s.base, n)
+            for b in s.fork_bases:  # slabs reserved for samples not forked yet
+                self._give(b, n)
+            self.blocks_reserved -= n * (1 + len(s.fork_bases))
             self.tokens_live -= s.num_kv
         s.base = -1
         s.table = []
+        s.fork_bases = []
         s.num_kv = 0
 
-    def fork(self, s: SeqKV, child: SeqKV) -> bool:
-        """Give ``child`` (an empty SeqKV) its own slab holding a copy of the parent's KV;
-        False when no slab fits now."""
+    def fork(self, s: SeqKV, child: SeqKV) -> None:
+        """Give ``child`` (an empty SeqKV) one of the slabs ``s`` reserved for its samples, holding a
+        copy of the parent's KV."""
         child.reserve = s.reserve
-        if not self.allocate(child, 0):
-            return False
+        n = len(s.table)
+        child.base = s.fork_bases.pop()
+        child.table = range(child.base, child.base + n)
         nb = -(-s.num_kv // self.block_size)
         self.copies.extend(zip(s.table[:nb], child.table[:nb]))
         child.num_kv = s.num_kv
         self.tokens_live += s.num_kv
-        return True
 
     def take_copies(self) -> list[tuple[int, int]]:
         c, self.copies = self.copies, []

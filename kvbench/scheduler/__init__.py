@@ -2,7 +2,7 @@
 sequences it schedules (request), and the batch it hands the executor each step (batch)."""
 from kvbench.scheduler.batch import StepBatch, StepResult
 from kvbench.scheduler.request import RequestState, Sequence
-from kvbench.scheduler.scheduler import Scheduler, SchedulerConfig, StepPlan
+from kvbench.scheduler.scheduler import ADMISSIONS, Scheduler, SchedulerConfig, StepPlan
 
-__all__ = ["Scheduler", "SchedulerConfig", "StepPlan", "RequestState", "Sequence", "StepBatch",
+__all__ = ["ADMISSIONS", "Scheduler", "SchedulerConfig", "StepPlan", "RequestState", "Sequence", "StepBatch",
            "StepResult"]

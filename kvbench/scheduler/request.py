@@ -37,15 +37,19 @@ class RequestState:
 
 @dataclass(slots=True, eq=False)
 class Sequence(SeqKV):
-    """One sample of a request being generated. ``num_tokens`` = prompt + generated tokens."""
+    """One sample of a request being generated. ``num_tokens`` = prompt + generated tokens.
+
+    ``seats``: the sequences it counts for against ``max_num_seqs``: itself, plus the samples it will
+    fork after its first token (n - 1) until it has forked."""
 
     seq_id: int = 0
     rs: RequestState | None = None
+    sample: int = 0  # which of the request's n samples (kvbench.trace.tokens: its token stream)
+    seats: int = 1
     num_tokens: int = 0
     num_out: int = 0
     last_token: int = 0
     out_tokens: list[int] | None = None  # generated ids, kept only when the executor needs tokens
     computed_before: int = 0  # KV tokens held before its last preemption (recompute accounting)
-    wait_for_blocks: int = 0  # admission failed: blocks that must be available to try again
     resumed: bool = False
     ev: object = None  # token-eviction state (kvbench.eviction.evictor.SeqState)

@@ -1,15 +1,26 @@
-"""Layer 4, the scheduler: continuous batching over a KV manager, as vLLM v1 does it.
+"""Layer 4, the scheduler: continuous batching over a KV manager, as vLLM v1 does it
+(``vllm/v1/core/sched/scheduler.py: Scheduler.schedule``, vLLM 0.33).
 
 Each step has a token budget (``max_batched_tokens``) and a sequence cap (``max_num_seqs``).
-Running sequences go first, each asking for what it lacks (1 token when decoding, a chunk of its
-prompt when prefilling: chunked prefill); when one cannot get a block, the most recently admitted
-running sequence is preempted (freed, to be recomputed later) until it can. Then waiting sequences
-are admitted in arrival order while blocks allow, above a small watermark; admission looks the prompt
-up in the prefix cache so cached tokens skip prefill. A request with n > 1 is prefilled once and
-forked into n samples when its first token is sampled. The slab layout runs through the same code:
-its ``allocate`` reserves a whole slab at admission and never fails afterwards.
+Running sequences go first, in admission order, each asking for what it lacks (1 token when
+decoding, a chunk of its prompt when prefilling: chunked prefill); when one cannot get its blocks,
+the last running sequence is preempted (freed, to be recomputed later; it waits at the head of the
+queue) until it can, or until it is itself the victim. A step that preempted admits nothing. Then
+waiting sequences are admitted in arrival order while the budget, the cap and the free blocks allow:
+admission looks the prompt up in the prefix cache (cached tokens skip prefill) and, by default,
+requires that the whole sequence fit now, hits counted (``scheduler_reserve_full_isl``), though
+chunked prefill computes it over several steps; ``--admission first-chunk`` checks only the first
+chunk (vLLM v0 and vLLM v1 before 0.33). ``--watermark`` keeps a share of the blocks free at
+admission while other sequences run (vLLM's ``watermark``, 0 by default). The first request that does
+not fit stops admission for the step (first come, first served).
 
-Token eviction (kvbench.eviction.evictor) hooks in at three points and never changes this flow: after each
+A request with n > 1 samples is prefilled once and forked into n sequences when its first token is
+sampled (parallel sampling as in the PagedAttention paper: the prompt's blocks are shared by
+refcount); it counts as n sequences against the cap from admission on. The slab layout runs through
+the same code: its ``allocate`` reserves whole slabs (one per sample) at admission and never fails
+afterwards.
+
+Token eviction (kvbench.eviction) hooks in at three points and never changes this flow: after each
 step's commit it may shrink the sequences about to decode (``after_step``), it forgets a sequence
 whose KV is freed (``release``), and it adds its queued slot moves, offloads and recalls to the
 next batch (``fill_batch``). An evicted sequence holds ``num_kv`` slots but has computed
@@ -26,13 +37,17 @@ import numpy as np
 
 from kvbench.scheduler.batch import StepBatch, StepResult
 from kvbench.scheduler.request import RequestState, Sequence
+from kvbench.trace.ideal import sequence_tokens
+
+ADMISSIONS = ("full-prompt", "first-chunk")
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
-    watermark_frac: float | None = None  # blocks kept free at admission; None: the layout's own
+    admission: str = "full-prompt"  # the whole sequence must fit to admit it, or only its first chunk
+    watermark: float = 0.0  # share of the blocks kept free when admitting while others run
 
 
 @dataclass(slots=True)
@@ -42,6 +57,7 @@ class StepPlan:
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
     preempted: int = 0
+    running: int = 0  # sequences holding KV this step (running after scheduling, as vLLM counts them)
 
 
 class Scheduler:
@@ -49,16 +65,19 @@ class Scheduler:
                  evictor=None):
         from kvbench.eviction.evictor import NoEviction
 
+        if cfg.admission not in ADMISSIONS:
+            raise ValueError(f"unknown admission {cfg.admission!r} (choose from {', '.join(ADMISSIONS)})")
         self.kv = kv
         self.evictor = evictor if evictor is not None else NoEviction()
         self.steps = 0
         self.cfg = cfg
+        self.full_prompt = cfg.admission == "full-prompt"
         self.needs_tokens = needs_tokens
         self.streams = streams
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        frac = kv.watermark_frac if cfg.watermark_frac is None else cfg.watermark_frac
-        self.watermark = int(frac * kv.num_blocks)
+        self.watermark = int(cfg.watermark * kv.num_blocks)
+        self.num_seats = 0  # sum of ``seats`` over running sequences: what max_num_seqs caps
         self._next_id = 0
         # prefix-cache counters in tokens (spec §4): first admissions, and resumptions apart
         self.query_tokens = 0
@@ -73,7 +92,7 @@ class Scheduler:
                 keys: list[int] | None = None, reserve: int = 0) -> Sequence:
         self._next_id += 1
         return Sequence(tokens=tokens, next_use=next_use, keys=keys, reserve=reserve,
-                        seq_id=self._next_id, rs=rs, num_tokens=len(rs.prompt),
+                        seq_id=self._next_id, rs=rs, seats=rs.req.n, num_tokens=len(rs.prompt),
                         out_tokens=[] if self.needs_tokens else None)
 
     def add(self, s: Sequence) -> None:
@@ -93,7 +112,7 @@ class Scheduler:
             s = running[i]
             num_new = min(s.num_tokens - s.num_kv - s.dropped, budget)
             while not kv.allocate(s, num_new):
-                victim = running.pop()
+                victim = running.pop()  # the last admitted (vLLM: self.running.pop())
                 self._preempt(victim)
                 plan.preempted += 1
                 if victim is s:
@@ -105,25 +124,30 @@ class Scheduler:
                 i += 1
                 continue
             break
-        if plan.preempted:  # memory is short: admit nothing new this step
-            return plan
-        waiting = self.waiting
-        while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+        if not plan.preempted:  # a step that preempted admits nothing new
+            self._admit(plan, budget, now_s)
+        plan.running = len(running)
+        return plan
+
+    def _admit(self, plan: StepPlan, budget: int, now_s: float) -> None:
+        kv, cap, full = self.kv, self.cfg.max_num_seqs, self.full_prompt
+        waiting, running = self.waiting, self.running
+        while waiting and budget > 0:
             s = waiting[0]
-            floor, available = kv.admission_floor(s, s.num_tokens, budget)
-            if max(floor, s.wait_for_blocks) > available - (self.watermark if running else 0):
-                break  # plainly short of memory: spare the lookup
+            if self.num_seats + s.seats > cap:
+                break
+            # the watermark keeps room for running sequences to grow; with none running, a request
+            # that needs nearly the whole pool must still be admitted (vLLM: has_scheduled_reqs)
+            wm = self.watermark if running else 0
+            floor, available = kv.admission_floor(s, s.num_tokens, budget, full)
+            if floor > available - wm:
+                break  # short of memory whatever the prefix hits: spare the lookup
             hits = kv.lookup(s, s.num_tokens)
             cached = kv.num_cached_tokens(s, hits)
             num_new = min(s.num_tokens - cached, budget)
-            # the watermark keeps room for running sequences to grow; with none running, a request
-            # that needs nearly the whole pool must still be admitted
-            if not kv.allocate(s, num_new, hits, self.watermark if running else 0):
-                # retry only once that many blocks are available (hits may change meanwhile, but
-                # only by evictions, which do not make admission easier, or new registrations)
-                s.wait_for_blocks = kv.last_shortfall - (self.watermark if running else 0)
+            if not kv.allocate(s, num_new, hits, wm, must_fit=s.num_tokens if full else 0,
+                               forks=s.seats - 1):
                 break
-            s.wait_for_blocks = 0
             waiting.popleft()
             rs = s.rs
             if s.resumed:
@@ -140,10 +164,10 @@ class Scheduler:
                 if rs.first_sched_s != rs.first_sched_s:  # NaN: first time scheduled
                     rs.first_sched_s = now_s
             running.append(s)
+            self.num_seats += s.seats
             plan.seqs.append(s)
             plan.num_new.append(num_new)
             budget -= num_new
-        return plan
 
     def _preempt(self, s: Sequence) -> None:
         """Free a running sequence; it waits at the head of the queue to be recomputed."""
@@ -153,6 +177,7 @@ class Scheduler:
         s.resumed = True
         s.rs.preemptions += 1
         self.preemptions += 1
+        self.num_seats -= s.seats
         self.waiting.appendleft(s)
 
     # -- building the executor's batch ---------------------------------------------------------
@@ -190,7 +215,6 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult, now_s: float) -> list[RequestState]:
         """Commit the step (KV written, tokens sampled, forks, finishes); return finished requests."""
         kv = self.kv
-        sampled = result.sampled
         finished: list[RequestState] = []
         done_seqs = False
         for s, n in zip(plan.seqs, plan.num_new):
@@ -199,58 +223,70 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end
             rs = s.rs
             req = rs.req
-            # a token was sampled
-            if s.out_tokens is not None:  # only executors that take tokens need them
-                tok = self._emitted_token(s, sampled)
-                s.last_token = tok
-                s.out_tokens.append(tok)
-            s.num_out += 1
-            s.num_tokens += 1
+            self._emit(s)
             rs.output_tokens += 1
             if s.num_out == 1 and rs.first_token_s != rs.first_token_s:
                 rs.first_token_s = now_s
                 if req.n > 1:
-                    self._fork(s, req.n - 1)
+                    self._fork(s, finished, now_s)
             if s.num_out >= req.output_len:
-                if s.out_tokens is not None:
-                    if rs.samples is None:
-                        rs.samples = []
-                    rs.samples.append((s.seq_id, s.out_tokens))
-                kv.free(s)
-                self.evictor.release(s)
+                self._finish(s, finished, now_s)
                 s.num_tokens = -1  # marks finished for the sweep below
                 done_seqs = True
-                rs.live_seqs -= 1
-                if rs.live_seqs == 0:
-                    rs.finish_s = now_s
-                    finished.append(rs)
         if done_seqs:
             self.running = [s for s in self.running if s.num_tokens >= 0]
         self.evictor.after_step(self.running, result, self.steps)
         self.steps += 1
         return finished
 
-    def _emitted_token(self, s: Sequence, sampled) -> int:
-        req = s.rs.req
-        if req.output is not None and self.streams is not None:
-            return int(self.streams.output_tokens(req, 1, s.num_out)[0])
-        if sampled is not None:
-            return int(sampled.get(s.seq_id, 0))
-        return 0
+    def _emit(self, s: Sequence) -> None:
+        """The step sampled the sequence's next token: the sample's own token stream supplies it
+        (kvbench.trace.tokens.TokenStreams.output_tokens), so that cached blocks of generated
+        tokens are the same for every executor and a resumed sample re-hits them."""
+        if s.out_tokens is not None:  # only executors that take tokens need them
+            tok = int(self.streams.output_tokens(s.rs.req, 1, s.num_out, s.sample)[0])
+            s.last_token = tok
+            s.out_tokens.append(tok)
+        s.num_out += 1
+        s.num_tokens += 1
 
-    def _fork(self, parent: Sequence, n_children: int) -> None:
-        """Parallel samples: children share the parent's KV (paged) or get a copy (slab)."""
+    def _finish(self, s: Sequence, finished: list[RequestState], now_s: float) -> None:
+        rs = s.rs
+        if s.out_tokens is not None:
+            if rs.samples is None:
+                rs.samples = []
+            rs.samples.append((s.seq_id, s.out_tokens))
+        self.kv.free(s)
+        self.evictor.release(s)
+        self.num_seats -= s.seats
+        rs.live_seqs -= 1
+        if rs.live_seqs == 0:
+            rs.finish_s = now_s
+            finished.append(rs)
+
+    def _fork(self, parent: Sequence, finished: list[RequestState], now_s: float) -> None:
+        """Parallel samples: after its first token, the parent gives each of its n - 1 other samples
+        a sequence sharing its KV (paged: by refcount; slab: a copy into a slab reserved at
+        admission). They share the first token; from the second on each follows its own stream."""
         rs = parent.rs
-        for _ in range(n_children):
+        req = rs.req
+        bs = self.kv.block_size
+        shared = (len(rs.prompt) + 1) // bs  # blocks holding only the prompt and the shared first token
+        for k in range(1, req.n):
             self._next_id += 1
-            child = Sequence(tokens=parent.tokens, next_use=parent.next_use, keys=parent.keys,
-                             seq_id=self._next_id, rs=rs, num_tokens=parent.num_tokens,
+            tokens = None if parent.tokens is None else sequence_tokens(req, rs.prompt, self.streams, k)
+            child = Sequence(tokens=tokens,
+                             next_use=None if parent.next_use is None else parent.next_use[:shared],
+                             keys=None if parent.keys is None else parent.keys[:shared],
+                             seq_id=self._next_id, rs=rs, sample=k, num_tokens=parent.num_tokens,
                              num_out=parent.num_out, last_token=parent.last_token,
                              out_tokens=None if parent.out_tokens is None else list(parent.out_tokens))
             rs.live_seqs += 1
             rs.output_tokens += 1
-            if self.kv.fork(parent, child):
+            self.kv.fork(parent, child)
+            if child.num_out >= req.output_len:  # a one-token answer: done as soon as forked
+                self._finish(child, finished, now_s)
+            else:
                 self.running.append(child)
-            else:  # slab: no room for another slab now; recompute the sample when there is
-                child.resumed = True
-                self.waiting.appendleft(child)
+        # the seats reserved at admission pass to the children
+        parent.seats = 1

@@ -26,7 +26,7 @@ DEFAULTS = ReplayConfig()
 # (setting, value) -> settings that a configuration with that value does not use. Collapsing them
 # to their defaults is what makes "--layout paged,slab --block-size 8,16" one slab run, not two.
 NOT_APPLICABLE: dict[tuple[str, object], tuple[str, ...]] = {
-    ("layout", "slab"): ("block_size", "prefix_cache", "prefix_mode", "cache_policy"),
+    ("layout", "slab"): ("block_size", "prefix_cache", "prefix_mode", "cache_policy", "admission"),
     ("layout", "paged"): ("slab_reserve",),
     ("prefix_cache", False): ("prefix_mode", "cache_policy"),
     ("eviction", "none"): ("kv_budget", "sink_tokens"),
@@ -39,7 +39,7 @@ SHORT = {"layout": "", "block_size": "bs", "slab_reserve": "res_", "prefix_cache
          "cache_policy": "", "eviction": "", "kv_budget": "kvb", "sink_tokens": "sink",
          "executor": "", "model": "m_", "device": "dev_", "gpu": "gpu_", "kv_dtype": "kv_", "calibration": "cal_",
          "kv_mem": "mem", "num_blocks": "nb", "max_num_seqs": "seqs", "max_batched_tokens": "mbt",
-         "max_model_len": "mml", "time_scale": "ts", "limit": "lim", "seed": "seed"}
+         "max_model_len": "mml", "admission": "adm_", "watermark": "wm", "time_scale": "ts", "limit": "lim", "seed": "seed"}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 

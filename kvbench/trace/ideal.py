@@ -33,10 +33,20 @@ def lookup_blocks(prompt_len: int, block_size: int) -> int:
 
 
 def cached_sequence(req: Request, prompt: np.ndarray, streams: TokenStreams) -> np.ndarray:
-    """The tokens whose KV exists once the request finishes: prompt, plus a named answer's computed part."""
+    """The tokens a later request may hit once this one finishes: prompt, plus a named answer's
+    computed part (the ideal hit rate's view: an unnamed answer is never re-sent)."""
     if req.output is None or req.output_len <= 1:
         return prompt
     return np.concatenate([prompt, streams.output_tokens(req, req.output_len - 1)])
+
+
+def sequence_tokens(req: Request, prompt: np.ndarray, streams: TokenStreams, sample: int = 0) -> np.ndarray:
+    """Every token whose KV sample ``sample`` of the request computes: the prompt and the first
+    output_len - 1 generated tokens (the last one is sampled, never fed back). The engine hashes
+    them all into the prefix cache, as vLLM does with sampled tokens."""
+    if req.output_len <= 1:
+        return prompt
+    return np.concatenate([prompt, streams.output_tokens(req, req.output_len - 1, sample=sample)])
 
 
 class PrefixKeys:

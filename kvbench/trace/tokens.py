@@ -26,6 +26,7 @@ from kvbench.trace.format import Request, Segment
 TOKEN_LO, TOKEN_HI = 16, 32000
 ROOT_KEY = 0x6B7662656E6368  # "kvbench": the parent key of a sequence's first block
 _UNIQUE_PREFIX = "\x00unique/"
+_SAMPLE_PREFIX = "\x00sample/"  # the generated tokens of a sample whose answer the trace does not name
 
 
 def stable_hash(name: str) -> int:
@@ -102,9 +103,23 @@ class TokenStreams:
             return parts[0].copy()
         return np.concatenate(parts)
 
-    def output_tokens(self, req: Request, length: int, start: int = 0) -> np.ndarray:
-        """The named answer stream's tokens [start, start+length), for requests with ``output``."""
-        return self.stream(req.output, length, start)
+    def output_tokens(self, req: Request, length: int, start: int = 0, sample: int = 0) -> np.ndarray:
+        """Tokens [start, start+length) that sample ``sample`` of a request generates (int32).
+
+        Sample 0 of a request whose ``output`` names its answer emits that stream (a later prompt may
+        re-send it). Every other sample emits a stream of its own, named from the request id and the
+        sample index, which no prompt can name: its blocks are hit only by the sample itself, after
+        a preemption (as vLLM hashes sampled tokens too). Parallel samples share their first token,
+        sample 0's (they are forked after it is sampled)."""
+        if length <= 0:
+            return np.zeros(0, dtype=np.int32)
+        if sample and start == 0:
+            first = self.output_tokens(req, 1, 0, 0)
+            return np.concatenate([first, self.output_tokens(req, length - 1, 1, sample)])
+        if sample == 0 and req.output is not None:
+            return self.stream(req.output, length, start)
+        # one-off streams: computed directly, never memoised (they would crowd out shared prefixes)
+        return stream_tokens(stable_hash(f"{_SAMPLE_PREFIX}{req.id}/{sample}"), start, length)
 
 
 def encode_text(text: str, tokenizer=None) -> list[int]:
