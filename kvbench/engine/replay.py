@@ -86,6 +86,8 @@ class Replay:
                                evictor=self.evictor)
         self._lat: list[tuple[float, float, float, float]] = []  # ttft, tpot, e2e, queue (ms)
         self.finished: list[RequestState] | None = None  # set to [] to keep finished requests
+        # set to [] to keep every step's plan: ([(request id, sample, tokens)], [preempted request ids])
+        self.step_log: list | None = None
 
     # -- checks before the run ----------------------------------------------------------------
     def _reject_reason(self, r: Request) -> str | None:
@@ -153,6 +155,9 @@ class Replay:
                 result = ex.execute(batch)
                 start_s = clock
                 clock += result.duration_s
+                if self.step_log is not None:
+                    self.step_log.append(([(s.rs.req.id, s.sample, n) for s, n in zip(plan.seqs, plan.num_new)],
+                                          [s.rs.req.id for s in plan.preempted]))
                 finished = sched.update(plan, result, clock)
                 self._record_step(writer, st, step, start_s, result, batch, plan)
                 step += 1

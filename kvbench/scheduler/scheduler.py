@@ -56,7 +56,7 @@ class StepPlan:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
-    preempted: int = 0
+    preempted: list[Sequence] = field(default_factory=list)  # in the order they were preempted
     running: int = 0  # sequences holding KV this step (running after scheduling, as vLLM counts them)
 
 
@@ -114,7 +114,7 @@ class Scheduler:
             while not kv.allocate(s, num_new):
                 victim = running.pop()  # the last admitted (vLLM: self.running.pop())
                 self._preempt(victim)
-                plan.preempted += 1
+                plan.preempted.append(victim)
                 if victim is s:
                     break
             else:

@@ -1,0 +1,291 @@
+#!/usr/bin/env python3
+"""Drive vLLM 0.33's own v1 Scheduler + KVCacheManager without a model, on a kvbench trace.
+
+Reference for kvbench: the same trace, the same linear clock, vLLM's real scheduling code.
+
+    .venv/bin/python vllm_drive.py TRACE --limit N --num-blocks B --block-size S --out steps.jsonl
+
+What is real vLLM: Scheduler.schedule(), Scheduler.update_from_output(), KVCacheManager, BlockPool,
+Request, the prefix-cache block hasher (sha256 by default, as vLLM's CacheConfig default).
+What is faked: the model. Every scheduled request whose computed tokens reach its known tokens gets
+one sampled token, chosen by kvbench's rule (TokenStreams.output_tokens(req, 1, k, 0)).
+No vLLM source is modified; no vLLM function is monkeypatched. The only non-default plumbing:
+  * ModelConfig is built from a local, weight-less tiny Llama config.json (skip_tokenizer_init=True),
+  * DeviceConfig(device="cpu") is passed explicitly (the platform is vLLM's UnspecifiedPlatform,
+    whose empty device_type otherwise makes DeviceConfig raise),
+  * cache_config.num_gpu_blocks and the KVCacheConfig are set by hand (EngineCore would derive them
+    from memory profiling), exactly as EngineCore._initialize_kv_caches does afterwards.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY_MODEL = os.path.join(__import__("tempfile").gettempdir(), "kvbench-vllm-tiny-model")
+
+
+def ensure_tiny_model(max_model_len: int) -> str:
+    """A weight-less Llama config.json vLLM's ModelConfig can read offline."""
+    cfg_path = os.path.join(TINY_MODEL, "config.json")
+    if not os.path.exists(cfg_path):
+        os.makedirs(TINY_MODEL, exist_ok=True)
+        cfg = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
+            "vocab_size": 32000, "max_position_embeddings": max_model_len,
+            "rms_norm_eps": 1e-6, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+            "tie_word_embeddings": False, "torch_dtype": "float32",
+        }
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f, indent=1)
+    return TINY_MODEL
+
+
+def build_scheduler(args):
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model_config = ModelConfig(model=ensure_tiny_model(args.max_model_len), skip_tokenizer_init=True,
+                               max_model_len=args.max_model_len, dtype="float32")
+    cache_config = CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+                               prefix_caching_hash_algo=args.hash)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=True, max_model_len=args.max_model_len, is_encoder_decoder=False,
+        async_scheduling=False, scheduler_reserve_full_isl=not args.no_reserve_full_isl,
+        watermark=args.watermark)
+    vllm_config = VllmConfig(model_config=model_config, cache_config=cache_config,
+                             scheduler_config=scheduler_config,
+                             device_config=DeviceConfig(device="cpu"))
+    vllm_config.cache_config.num_gpu_blocks = args.num_blocks
+    spec = FullAttentionSpec(block_size=args.block_size, num_kv_heads=1, head_size=64,
+                             dtype=torch.float16)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=args.num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=["model.layers.0.self_attn.attn"],
+                                          kv_cache_spec=spec)],
+        hash_block_size=args.block_size, cache_hit_alignment_tokens=args.block_size)
+    sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                      structured_output_manager=StructuredOutputManager(vllm_config),
+                      block_size=args.block_size, hash_block_size=args.block_size,
+                      include_finished_set=False, log_stats=True)
+    hash_fn = get_hash_fn_by_name(args.hash)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(args.block_size, hash_fn, vllm_config.num_hash_lookahead_tokens)
+    return sched, hasher, vllm_config
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--limit", type=int, default=None, help="first N requests of the file")
+    ap.add_argument("--num-blocks", type=int, default=48000)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=131072)
+    ap.add_argument("--watermark", type=float, default=0.0)
+    ap.add_argument("--no-reserve-full-isl", action="store_true",
+                    help="scheduler_reserve_full_isl=False (default True, as vLLM)")
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--hash", default="sha256", choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+    ap.add_argument("--prefill-ms-per-token", type=float, default=0.1)
+    ap.add_argument("--decode-step-ms", type=float, default=20.0)
+    ap.add_argument("--out", default="steps.jsonl", help="per-step JSON lines")
+    ap.add_argument("--req-out", default=None, help="per-request JSON lines (default: OUT with .requests.jsonl)")
+    ap.add_argument("--max-steps", type=int, default=None)
+    ap.add_argument("--float-clock", action="store_true",
+                    help="accumulate the clock as float seconds (default: exact integer nanoseconds)")
+    args = ap.parse_args(argv)
+
+    from kvbench.trace.format import load_trace
+    from kvbench.trace.tokens import TokenStreams
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request as VReq
+
+    trace = load_trace(args.trace, limit=args.limit)
+    for r in trace:
+        if r.n != 1:
+            sys.exit(f"request {r.id}: n={r.n}; this driver only supports n=1")
+    order = sorted(range(len(trace)), key=lambda i: trace[i].t)  # stable
+    reqs = [trace[i] for i in order]
+    ids = [r.id for r in reqs]
+    if len(set(ids)) != len(ids):
+        sys.exit("duplicate request ids in trace")
+    by_id = {r.id: r for r in reqs}
+
+    streams = TokenStreams()
+    sched, hasher, vcfg = build_scheduler(args)
+    # The clock is kept in integer nanoseconds (exact sums; arrivals compared exactly), unless
+    # --float-clock asks for a float seconds accumulator.
+    if args.float_clock:
+        unit = 1.0
+        prefill_s = args.prefill_ms_per_token / 1000.0
+        decode_s = args.decode_step_ms / 1000.0
+        arrive = [r.t for r in reqs]
+    else:
+        unit = 1e9
+        prefill_s = round(args.prefill_ms_per_token * 1e6)
+        decode_s = round(args.decode_step_ms * 1e6)
+        arrive = [round(r.t * 1e9) for r in reqs]
+
+    def sec(c):
+        return c / unit if unit != 1.0 else c
+
+    per_req: dict[str, dict] = {}
+    clock = 0.0 if args.float_clock else 0
+    nxt = 0
+    step = 0
+    total_preempt = 0
+    peak_running = 0
+    pc_queries = pc_hits = pc_pre_queries = pc_pre_hits = 0
+    t0 = time.time()
+    req_out = args.req_out or (os.path.splitext(args.out)[0] + ".requests.jsonl")
+    fout = open(args.out, "w")
+    stalled = None
+    empty_schedules = 0
+
+    def admit_until(c):
+        nonlocal nxt
+        while nxt < len(reqs) and arrive[nxt] <= c:
+            r = reqs[nxt]
+            nxt += 1
+            prompt = [int(x) for x in streams.expand(r)]
+            vr = VReq(request_id=r.id, prompt_token_ids=prompt,
+                      sampling_params=SamplingParams(max_tokens=r.output_len, ignore_eos=True, n=1),
+                      pooling_params=None, arrival_time=r.t, block_hasher=hasher)
+            sched.add_request(vr)
+            per_req[r.id] = {"id": r.id, "t": r.t, "enter": sec(c), "prompt": len(prompt),
+                             "output_len": r.output_len, "cached": None, "admit_step": None,
+                             "admit_clock": None, "first_token": None, "finish": None,
+                             "preemptions": 0, "readmits": []}
+
+    while True:
+        admit_until(clock)
+        if not sched.running and not sched.waiting and not sched.kv_holding_waiting:
+            if nxt >= len(reqs):
+                break
+            clock = max(clock, arrive[nxt])
+            continue
+        if args.max_steps is not None and step >= args.max_steps:
+            break
+        running_before = [r.request_id for r in sched.running]
+        pos_before = {rid: i for i, rid in enumerate(running_before)}
+        out = sched.schedule()
+        nst = out.num_scheduled_tokens
+        if out.total_num_scheduled_tokens == 0:
+            empty_schedules += 1
+            # Nothing fits (e.g. a prompt larger than the whole cache); wait for arrivals, else stop.
+            if nxt < len(reqs):
+                clock = max(clock, arrive[nxt])
+                continue
+            stalled = {"step": step, "waiting": len(sched.waiting), "running": len(sched.running)}
+            break
+        preempted = sorted(out.preempted_req_ids, key=lambda rid: -pos_before.get(rid, -1))
+        for rid in preempted:
+            per_req[rid]["preemptions"] += 1
+        total_preempt += len(preempted)
+
+        entries = []
+        prefill_tokens = 0
+        n_decode = 0
+        sampled = []
+        for rid, n in nst.items():
+            vr = sched.requests[rid]
+            computed_before = vr.num_computed_tokens - n
+            is_decode = n == 1 and computed_before == vr.num_tokens - 1
+            if is_decode:
+                n_decode += 1
+            else:
+                prefill_tokens += n
+            entries.append([rid, n])
+            pr = per_req[rid]
+            if pr["admit_step"] is None:
+                # First admission: tokens already computed before this step = local prefix hit.
+                pr["admit_step"], pr["admit_clock"], pr["cached"] = step, sec(clock), computed_before
+            elif rid not in pos_before:
+                # Re-admission of a preempted request: its prefix hit on the re-prefill.
+                pr["readmits"].append([step, computed_before])
+            # vLLM's model runner samples only when the request reached the end of its known tokens.
+            if vr.num_computed_tokens >= vr.num_tokens:
+                k = len(vr.output_token_ids)
+                sampled.append([int(streams.output_tokens(by_id[rid], 1, k, 0)[0])])
+            else:
+                sampled.append([])
+        dur = prefill_tokens * prefill_s + (decode_s if n_decode else 0)
+        rec = {"step": step, "clock": round(sec(clock), 9), "dur": round(sec(dur), 9), "sched": entries,
+               "prefill_tokens": prefill_tokens, "decodes": n_decode, "preempted": preempted,
+               "running": len(sched.running), "waiting": len(sched.waiting) + len(sched.kv_holding_waiting),
+               "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks()}
+        peak_running = max(peak_running, len(sched.running))
+        fout.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        clock += dur
+        mro = ModelRunnerOutput(req_ids=list(nst.keys()),
+                                req_id_to_index={rid: i for i, rid in enumerate(nst.keys())},
+                                sampled_token_ids=sampled)
+        eco = sched.update_from_output(out, mro)
+        for outs in eco.values():
+            st = outs.scheduler_stats
+            if st is not None and st.prefix_cache_stats is not None:
+                p = st.prefix_cache_stats
+                pc_queries += p.queries
+                pc_hits += p.hits
+                pc_pre_queries += p.preempted_queries
+                pc_pre_hits += p.preempted_hits
+            for o in outs.outputs:
+                pr = per_req[o.request_id]
+                if o.new_token_ids and pr["first_token"] is None:
+                    pr["first_token"] = sec(clock)
+                if o.finish_reason is not None:
+                    pr["finish"] = sec(clock)
+        step += 1
+    fout.close()
+
+    with open(req_out, "w") as f:
+        for r in reqs:
+            if r.id in per_req:
+                f.write(json.dumps(per_req[r.id], separators=(",", ":")) + "\n")
+
+    admitted = [p for p in per_req.values() if p["cached"] is not None]
+    prompt_tok = sum(p["prompt"] for p in admitted)
+    hit_tok = sum(p["cached"] for p in admitted)
+    unfinished = sum(1 for p in per_req.values() if p["finish"] is None)
+    summary = {
+        "requests": len(reqs), "steps": step, "preemptions": total_preempt,
+        "preempted_requests": sum(1 for p in per_req.values() if p["preemptions"]),
+        "peak_running": peak_running,
+        "prefix_hit_rate": hit_tok / prompt_tok if prompt_tok else 0.0,
+        "hit_tokens": hit_tok, "prompt_tokens": prompt_tok,
+        "vllm_prefix_cache_stats": {"queries": pc_queries, "hits": pc_hits,
+                                    "preempted_queries": pc_pre_queries, "preempted_hits": pc_pre_hits},
+        "engine_duration_s": round(sec(clock), 6), "empty_schedules": empty_schedules, "unfinished": unfinished, "stalled": stalled,
+        "config": {"num_blocks": args.num_blocks, "block_size": args.block_size,
+                   "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "max_model_len": args.max_model_len, "watermark": args.watermark,
+                   "scheduler_reserve_full_isl": not args.no_reserve_full_isl, "hash": args.hash,
+                   "long_prefill_token_threshold": vcfg.scheduler_config.long_prefill_token_threshold},
+        "steps_file": os.path.abspath(args.out), "requests_file": os.path.abspath(req_out),
+        "wall_s": round(time.time() - t0, 1),
+    }
+    print(json.dumps(summary, indent=1))
+    return 0 if not stalled else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
