@@ -221,6 +221,29 @@ def test_full_prompt_admission_against_first_chunk():
     assert together(first)  # its first chunk does: admitted, then preempted
 
 
+def test_no_admission_in_a_step_that_preempts_on_random_traces():
+    """First-chunk admission can fit the head of the queue right after a preemption (its first chunk
+    is small); the step still admits nothing, as vLLM's schedule skips the waiting queue."""
+    rng = np.random.default_rng(7)
+    preempting_steps = 0
+    for trial in range(60):
+        h = Harness(int(rng.integers(12, 30)), 4, max_batched_tokens=int(rng.choice([8, 16, 64])),
+                    admission="first-chunk")
+        for i in range(8):
+            h.add(request(f"r{i}", [("s", int(rng.integers(0, 24))), (None, int(rng.integers(1, 12)))],
+                          int(rng.integers(1, 20)), index=i))
+        before = set()
+        for _ in range(2000):
+            if not h.sched.has_work():
+                break
+            sched, pre = h.step()
+            if pre:
+                preempting_steps += 1
+                assert all((rid, k) in before for rid, k, _ in sched), (trial, sched, pre)
+            before = {(s.rs.req.id, s.sample) for s in h.sched.running}
+    assert preempting_steps > 20
+
+
 def test_slab_reserves_every_sample_at_admission():
     h = Harness(64, 16, layout="slab", prefix_cache=False, reserve=128)  # 8 blocks per slab
     h.add(request("a", [(None, 100)], 10, n=3))

@@ -39,13 +39,13 @@ class BlockPool:
         self.parent: list[int] = [0] * num_blocks
         # Tokens of registered blocks, to confirm hits. Rows are written on register only.
         self.tokens = np.zeros((num_blocks, block_size), dtype=np.int32) if enable_cache else None
-        self.index: dict[int, int] = {}  # prefix key -> block (the first cached copy)
-        # Further cached copies of a key, in registration order. Two sequences that compute the same
-        # block at once (one hit a prefix the other had not finished) both keep it cached, as vLLM
-        # does (``BlockHashToBlockMap``: it never de-duplicates, so block tables stay append-only).
-        # A key whose cached copy is idle (refcount 0; only a policy other than lru can leave a block
-        # cached past an evicted prefix) is recomputed into a private block, dropped at free.
-        self.dups: dict[int, list[int]] = {}
+        # Prefix key -> block. One block per key: a block whose key is cached already stays private
+        # (dropped at free). vLLM's map may hold several blocks per key, but its scheduling, which
+        # kvbench follows, never computes one key twice at once: blocks are registered when allocated,
+        # and a prefill chunk takes all the budget left, so a later request sharing the prefix is
+        # admitted only once every block of it is registered. Only a policy other than lru can leave
+        # a cached block past its evicted prefix and so have a key computed again.
+        self.index: dict[int, int] = {}
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         # counters (spec §4), kept incrementally
         self.num_used = 0
@@ -111,10 +111,7 @@ class BlockPool:
                     on_evict(b)
                 if self.kids is not None:
                     self._leaf_gone(b)
-                if self.dups:
-                    self._unindex(b)
-                else:
-                    del index[key[b]]
+                del index[key[b]]
                 key[b] = None
                 fill[b] = 0
                 refcnt[b] = 1
@@ -122,20 +119,6 @@ class BlockPool:
             self.evictions += k
             self.num_used += k
             need -= k
-
-    def _unindex(self, b: int) -> None:
-        """Forget cached block ``b``; the next copy of its key, if any, takes its place."""
-        k = self.key[b]
-        copies = self.dups.get(k)
-        if self.index[k] == b:
-            if copies:
-                self.index[k] = copies.pop(0)
-            else:
-                del self.index[k]
-        else:
-            copies.remove(b)
-        if copies is not None and not copies:
-            del self.dups[k]
 
     def _leaf_gone(self, b: int) -> None:
         """Leaves-only: evicted ``b`` no longer holds its parent back."""
@@ -210,7 +193,7 @@ class BlockPool:
         block_size ids). False when the key is already cached (another sequence computed the same
         block first): this block then stays private."""
         return self.register_run([b], [key], parent_key, tokens, None if next_use == NEVER else [next_use],
-                                 parent_block, duplicates=False) == 1
+                                 parent_block) == 1
 
     def _count_kid(self, b: int, parent_block: int, parent_key: int) -> None:
         """Leaves-only: a new cached child holds its parent back when the sequence that registers
@@ -220,31 +203,25 @@ class BlockPool:
             self.kid_of[b] = parent_block
 
     def register_run(self, blocks: list[int], keys: list[int], parent_key: int, tokens: np.ndarray,
-                     next_uses=None, parent_block: int = -1, duplicates: bool = True) -> int:
+                     next_uses=None, parent_block: int = -1) -> int:
         """Index consecutive computed blocks (``tokens`` holds exactly their ids, in order);
         ``keys[i]`` is ``blocks[i]``'s key, ``parent_key`` the key before the first and
         ``parent_block`` the sequence's block before the first (leaves-only eviction). A block whose
-        key another block in use caches already is cached as a further copy (``dups``; not without
-        ``duplicates``); one whose key's copy is idle in the cache stays private. Returns how many
-        blocks were indexed."""
+        key another block caches already stays private. Returns how many blocks were indexed."""
         if not self.enable_cache or not blocks:
             return 0
         index, key_of, parent_of = self.index, self.key, self.parent
         rows = []
-        again = []  # rows whose key another block caches already (for belady: computed again)
+        again = []  # rows whose key another block caches: this copy stays private
         kids = self.kids
         for i, b in enumerate(blocks):
             k = keys[i]
             if key_of[b] is None:
-                first = index.get(k)
-                if first is None:
-                    index[k] = b
-                else:
+                if k in index:
                     again.append(i)
-                    if not duplicates or not self.refcnt[first]:
-                        parent_key, parent_block = k, b
-                        continue
-                    self.dups.setdefault(k, []).append(b)
+                    parent_key, parent_block = k, b
+                    continue
+                index[k] = b
                 key_of[b] = k
                 parent_of[b] = parent_key
                 rows.append(i)
