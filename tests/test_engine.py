@@ -61,6 +61,17 @@ def test_published_fragmentation_and_concurrency(chat_layouts):
     assert slab["completed"] == paged["completed"] == slab["requests"]
 
 
+def test_slab_reserves_the_longest_request_unless_max_model_len_says(tmp_path):
+    reqs = load_trace(str(TRACES / "chat.jsonl"))
+    longest = max(r.prompt_len + r.output_len for r in reqs)
+    rp = Replay(str(TRACES / "chat.jsonl"), sim(layout="slab"), str(tmp_path / "a"))
+    assert rp.slab_reserve_tokens == -(-longest // 16) * 16 < rp.max_len  # not the model's 128k context
+    rp = Replay(str(TRACES / "chat.jsonl"), sim(layout="slab", max_model_len=8192), str(tmp_path / "b"))
+    assert rp.slab_reserve_tokens == 8192
+    s = Replay(str(TRACES / "chat.jsonl"), sim(layout="slab", limit=40, slab_reserve="exact"), str(tmp_path / "c")).run()
+    assert s["slab_reserve_tokens"] == -(-max(r.prompt_len + r.output_len for r in reqs[:40]) // 16) * 16
+
+
 def test_run_directory_matches_spec(chat_layouts):
     summary, d = chat_layouts["paged"]
     for k in SPEC_SUMMARY:

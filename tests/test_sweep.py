@@ -28,11 +28,22 @@ def _grid(**raw):
     return parse_grid(raw, REPLAY_OPTIONS)
 
 
+def test_a_layout_comparison_gets_paged_without_prefix_cache():
+    from kvbench.sweep import add_comparisons, compares
+
+    grid, notes = add_comparisons(_grid(layout="paged,slab"))
+    assert grid["prefix_cache"] == [True, False] and notes
+    rows = {c.name: compares(c.settings, grid) for c in expand(grid)}
+    assert rows == {"paged-pc_on": "layout + prefix cache", "paged-pc_off": "layout", "slab": "baseline"}
+    assert add_comparisons(_grid(layout="paged,slab", prefix_cache="off"))[1] == []
+    assert add_comparisons(_grid(layout="paged"))[1] == []
+
+
 def test_slab_and_unused_settings_collapse():
     configs = expand(_grid(layout="paged,slab", block_size="8,16,32,64", prefix_cache="on,off"))
     assert {c.name for c in configs} == NAMES
     slab = next(c for c in configs if c.name == "slab").cfg
-    assert (slab.layout, slab.block_size, slab.prefix_cache) == ("slab", 16, True)  # defaults
+    assert (slab.layout, slab.block_size, slab.prefix_cache) == ("slab", 16, False)  # no prefix cache
     # eviction none has no budget: 1 + 2 configurations, not 4
     names = [c.name for c in expand(_grid(eviction="none,h2o", kv_budget="0.1,0.3"))]
     assert names == ["paged-none", "paged-h2o-kvb0.1", "paged-h2o-kvb0.3"]
@@ -81,10 +92,10 @@ def test_a_failing_configuration_does_not_stop_the_rest(capsys, tmp_path):
         main(["sweep", TRACE, "--executor", "sim", "--model", "llama-3-8b", "--layout", "paged,slab",
               "--kv-mem", "600MiB", "--max-model-len", "8192", "--limit", "5", "--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 1 and "1 of 2 configurations failed (slab)" in err[-1]
-    assert list(pd.read_parquet(out / "sweep.parquet")["run"]) == ["paged"]
+    assert e.value.code == 1 and "1 of 3 configurations failed (slab)" in err[-1]
+    assert list(pd.read_parquet(out / "sweep.parquet")["run"]) == ["paged-pc_on", "paged-pc_off"]
     status = {c["run"]: c["status"] for c in _manifest(out)["configurations"]}
-    assert status["paged"] == "done" and "KV blocks" in status["slab"]
+    assert status["paged-pc_off"] == "done" and "KV blocks" in status["slab"]
 
 
 def _manifest(out: Path) -> dict | None:

@@ -108,6 +108,9 @@ def run_with_progress(trace: str, cfg: ReplayConfig, out: str, quiet: bool = Fal
     from kvbench.engine.replay import Replay
 
     rp = Replay(trace, cfg, out)
+    if cfg.layout == "slab" and cfg.slab_reserve == "max":
+        why = "--max-model-len" if cfg.max_model_len else "the longest request, rounded up to a block"
+        click.echo(f"kvbench: slab reservation: {rp.slab_reserve_tokens:,} tokens per sequence ({why})", err=True)
     if quiet or not sys.stderr.isatty():
         return rp.run()
     from rich.console import Console

@@ -13,7 +13,7 @@ import click
 
 from kvbench.cli.replay import REPLAY_OPTIONS
 from kvbench.errors import RunError
-from kvbench.sweep import Event, default_sweep_dir, expand, import_ray, parse_grid, run_sweep
+from kvbench.sweep import Event, add_comparisons, compares, default_sweep_dir, expand, import_ray, parse_grid, run_sweep
 
 TABLE = [("output_tok_per_s", "tok/s", "{:.0f}"), ("ttft_ms_p50", "TTFT p50 ms", "{:.1f}"),
          ("e2e_ms_p50", "E2E p50 ms", "{:.0f}"), ("prefix_hit_rate", "hit rate", "{:.3f}"),
@@ -70,19 +70,23 @@ class _Display:
                         + (" ..." if len(self.running) > 3 else ""))
 
 
-def _print_table(state, out_dir: str) -> None:
+def _print_table(state, out_dir: str, grid: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"kvbench sweep -> {out_dir}")
     t.add_column("run")
+    vs_slab = "slab" in grid.get("layout", ())
+    if vs_slab:
+        t.add_column("vs slab")
     for _, label, _ in TABLE:
         t.add_column(label, justify="right")
     t.add_column("status")
     for c in state.configs:
         s = state.summaries.get(c.name) or {}
         cells = ["-" if s.get(k) is None else fmt.format(s[k]) for k, _, fmt in TABLE]
-        t.add_row(c.name, *cells, state.status.get(c.name, "pending").split(":")[0])
+        first = [compares(c.settings, grid)] if vs_slab else []
+        t.add_row(c.name, *first, *cells, state.status.get(c.name, "pending").split(":")[0])
     Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160).print(t)
 
 
@@ -112,7 +116,9 @@ def sweep(trace, jobs, out, backend, ray_address, as_json, **raw):
     configuration, plus sweep.parquet (one row per configuration) and sweep.json (the grid)."""
     from kvbench.trace.format import load_trace
 
-    grid = parse_grid(raw, REPLAY_OPTIONS)
+    grid, notes = add_comparisons(parse_grid(raw, REPLAY_OPTIONS))
+    for note in notes:
+        click.echo(f"kvbench sweep: {note}", err=True)
     total = len(expand(grid))  # checks every configuration before anything runs
     load_trace(trace, limit=max(grid["limit"]) if "limit" in grid else None)  # bad trace: exit 2 now
     if backend == "ray":
@@ -135,7 +141,7 @@ def sweep(trace, jobs, out, backend, ray_address, as_json, **raw):
                                "skipped": sum(st == "skipped" for st in state.status.values()),
                                "failed": failed, "parquet": os.path.join(out, "sweep.parquet")}))
     else:
-        _print_table(state, out)
+        _print_table(state, out, grid)
     if failed:
         raise RunError(f"{len(failed)} of {total} configurations failed ({', '.join(failed[:3])}"
                        f"{' ...' if len(failed) > 3 else ''}); see {os.path.join(out, 'sweep.json')}")

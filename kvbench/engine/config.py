@@ -98,6 +98,8 @@ class ReplayConfig:
             raise InputError(f"must be > 0, got {self.kv_budget}", field="--kv-budget")
         if self.kv_mem is not None:
             parse_size(self.kv_mem)
+        if self.layout == "slab":  # a slab cannot share blocks: it has no prefix cache to turn on
+            self.prefix_cache = False
         return self
 
     @property

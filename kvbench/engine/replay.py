@@ -68,6 +68,7 @@ class Replay:
         self.requests = sorted(self.requests, key=lambda r: r.t)
         self.model = get_model(cfg.model)
         self.max_len = cfg.max_model_len or self.model.max_model_len
+        self.slab_reserve_tokens = self._slab_reserve_tokens()
         self.streams = TokenStreams()
         self.executor = make_executor(cfg, self.model)
         self.num_blocks = pool_blocks(cfg, self.executor, self.model)
@@ -108,8 +109,19 @@ class Replay:
                 f"({need * bs} slots) but the pool holds {self.num_blocks}; "
                 "give more memory (--kv-mem/--num-blocks) or lower --max-model-len", usage=True)
 
+    def _slab_reserve_tokens(self) -> int:
+        """The slab baseline's reservation per sequence (``--slab-reserve max``): --max-model-len when
+        given, else the longest request this run admits (prompt + output) rounded up to a block, so a
+        slab is as long as the trace needs, not the model's whole context."""
+        if self.cfg.max_model_len is not None:
+            return self.cfg.max_model_len
+        bs = self.cfg.block_size
+        longest = max((r.prompt_len + r.output_len for r in self.requests if self._reject_reason(r) is None),
+                      default=bs)
+        return -(-longest // bs) * bs
+
     def _reserve(self, r: Request) -> int:
-        return self.max_len if self.cfg.slab_reserve == "max" else r.prompt_len + r.output_len
+        return self.slab_reserve_tokens if self.cfg.slab_reserve == "max" else r.prompt_len + r.output_len
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self, on_progress: Callable[[Progress], None] | None = None) -> dict:
@@ -269,6 +281,7 @@ class Replay:
             "kv_bytes_per_token": self.executor.kv_bytes_per_token(),
             "cache_evictions": getattr(getattr(self.kv, "pool", None), "evictions", 0),
             "cow_copies": getattr(self.kv, "cow_copies", 0),
+            "slab_reserve_tokens": self.slab_reserve_tokens if self.cfg.layout == "slab" else None,
             "partial_hit_tokens": getattr(self.kv, "partial_hit_tokens", 0),
             "wall_s": wall_s,
         })
@@ -276,6 +289,7 @@ class Replay:
 
     def _config_json(self) -> dict:
         return {"settings": self.cfg.to_dict(), "max_model_len_effective": self.max_len,
+                "slab_reserve_tokens": self.slab_reserve_tokens if self.cfg.layout == "slab" else None,
                 "num_blocks": self.num_blocks, "model_spec": self.model.to_dict(),
                 "trace": {"path": os.path.abspath(self.trace_path), "sha256": _sha256(self.trace_path),
                           "requests": len(self.requests)},

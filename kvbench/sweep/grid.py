@@ -91,11 +91,31 @@ def parse_grid(raw: dict[str, str | None], options) -> dict[str, list]:
 
 
 def collapse(settings: dict) -> dict:
-    """The configuration with every setting it does not use put back to its default."""
+    """The configuration with every setting it does not use put back to its default, and the rest
+    as the replay will read them (ReplayConfig.validate: a slab has no prefix cache)."""
     out = dict(settings)
     for name in not_applicable(settings):
         out[name] = getattr(DEFAULTS, name)
-    return out
+    return ReplayConfig(**out).validate().to_dict()
+
+
+def add_comparisons(grid: dict[str, list]) -> tuple[dict[str, list], list[str]]:
+    """A grid that compares paged with slab needs paged without a prefix cache (the slab has none),
+    or the layout's effect cannot be told from the prefix cache's: add it. -> (grid, notes)."""
+    layouts = grid.get("layout", [DEFAULTS.layout])
+    caches = grid.get("prefix_cache", [DEFAULTS.prefix_cache])
+    if "slab" in layouts and "paged" in layouts and False not in caches:
+        return ({**grid, "prefix_cache": [*caches, False]},
+                ["added --prefix-cache off: slab has no prefix cache, so paged is compared with it at "
+                 "equal setting (pc_off rows: the layout's effect; pc_on rows: layout and prefix cache)"])
+    return grid, []
+
+
+def compares(settings: dict, grid: dict[str, list]) -> str:
+    """What a row measures against the slab baseline of its grid: '' without one."""
+    if "slab" not in grid.get("layout", ()) or settings["layout"] == "slab":
+        return "baseline" if settings["layout"] == "slab" else ""
+    return "layout + prefix cache" if settings["prefix_cache"] else "layout"
 
 
 @dataclass
