@@ -13,11 +13,22 @@ class InputError(Exception):
     def __init__(self, message: str, *, file: str | None = None, line: int | None = None,
                  field: str | None = None):
         self.file, self.line, self.field, self.reason = file, line, field, message
-        where = ""
-        if file is not None:
-            where = f"{file}:{line}: " if line is not None else f"{file}: "
-        what = f"field '{field}': " if field is not None else ""
-        super().__init__(f"{where}{what}{message}")
+        if field is not None and field.startswith("--"):  # an option, and the path it was given
+            text = f"{field} {file}: {message}" if file is not None else f"{field}: {message}"
+        else:
+            where = ""
+            if file is not None:
+                where = f"{file}:{line}: " if line is not None else f"{file}: "
+            what = f"field '{field}': " if field is not None else ""
+            text = f"{where}{what}{message}"
+        super().__init__(one_line(text))
+
+
+def one_line(text: str) -> str:
+    """The message on one line, whatever the bad input put in it: control characters escaped."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class RunError(Exception):

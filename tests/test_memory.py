@@ -14,6 +14,18 @@ from kvbench.trace.ideal import cached_sequence, ideal_hits, lookup_blocks
 from kvbench.trace.tokens import TokenStreams, block_keys
 
 STREAMS = TokenStreams()
+# prefix modes under test: hash (vLLM), radix with block eviction, radix with node eviction (SGLang's
+# default), and radix with node eviction matching whole blocks only (SGLang at page size = block size)
+MODES = ["hash", "radix-block", "radix-node", "radix-node-whole"]
+
+
+def make_paged(n_blocks: int, bs: int, policy: str, mode: str) -> PagedKV:
+    """A PagedKV in one of MODES; node eviction orders by recency, so it takes lru whatever ``policy``."""
+    if mode == "hash":
+        return PagedKV(n_blocks, bs, prefix_cache=True, cache_policy=policy)
+    node = mode.startswith("radix-node")
+    return PagedKV(n_blocks, bs, prefix_cache=True, cache_policy="lru" if node else policy, prefix_mode="radix",
+                   radix_eviction="node" if node else "block", radix_partial=mode != "radix-node-whole")
 
 
 def check_invariants(kv: PagedKV, seqs: list[SeqKV]) -> None:
@@ -37,6 +49,9 @@ def check_invariants(kv: PagedKV, seqs: list[SeqKV]) -> None:
         if p.kids is not None:  # leaves-only (radix): whoever holds a counted child holds its parent
             mine = set(s.table)
             assert all(p.kid_of[b] < 0 or p.kid_of[b] in mine for b in s.table)
+        if p.nodes is not None:  # node eviction: the same, through the tree's parent links
+            mine = set(s.table)
+            assert all(p.nodes.up[b] < 0 or p.nodes.up[b] in mine for b in s.table if p.key[b] is not None)
 
 
 def apply_op(kv: PagedKV, seqs: list[SeqKV], prompts: list[np.ndarray], op: str, k: int, n: int) -> bool:
@@ -51,12 +66,14 @@ def apply_op(kv: PagedKV, seqs: list[SeqKV], prompts: list[np.ndarray], op: str,
         if kv.allocate(s, plen - cached, hits):
             kv.take_copies()  # the executor would copy these now; partial-hit sources unpinned
             kv.commit(s, plen - cached)
+            assert len(s.table) == -(-s.num_kv // kv.block_size)  # no block more than its tokens need
             seqs.append(s)
     elif op == "append":
         if seqs:
             s = seqs[k % len(seqs)]
             if kv.allocate(s, n):
                 kv.commit(s, n)
+                assert len(s.table) == -(-s.num_kv // kv.block_size)
     elif op == "fork":
         if seqs:
             s = seqs[k % len(seqs)]
@@ -75,11 +92,11 @@ ops = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free"]),
                          st.integers(0, 7), st.integers(1, 40)), min_size=1, max_size=60)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, policy=st.sampled_from(sorted(CACHE_POLICIES)), bs=st.sampled_from([1, 4, 16]),
-       n_blocks=st.integers(8, 64), mode=st.sampled_from(["hash", "radix"]))
+       n_blocks=st.integers(8, 64), mode=st.sampled_from(MODES))
 def test_pool_invariants_random_ops(ops, policy, bs, n_blocks, mode):
-    kv = PagedKV(n_blocks, bs, prefix_cache=True, cache_policy=policy, prefix_mode=mode)
+    kv = make_paged(n_blocks, bs, policy, mode)
     # 3 distinct prompt streams, and a fourth that shares 100 tokens with the first (radix: a prefix
     # ending inside a block)
     prompts = [STREAMS.stream(f"p{k % 3}", 200) for k in range(7)]
@@ -100,13 +117,13 @@ evict_ops = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free",
                      min_size=1, max_size=60)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=evict_ops, policy=st.sampled_from(sorted(CACHE_POLICIES)), bs=st.sampled_from([1, 4, 16]),
-       n_blocks=st.integers(8, 64), mode=st.sampled_from(["hash", "radix"]))
+       n_blocks=st.integers(8, 64), mode=st.sampled_from(MODES))
 def test_pool_invariants_under_token_eviction(ops, policy, bs, n_blocks, mode):
     """Compaction (token eviction) among prefix hits, forks and frees: refcounts and counters stay
     exact, whole blocks come back, and no block shared or in the prefix cache is ever written."""
-    kv = PagedKV(n_blocks, bs, prefix_cache=True, cache_policy=policy, prefix_mode=mode)
+    kv = make_paged(n_blocks, bs, policy, mode)
     prompts = [STREAMS.stream(f"p{k % 3}", 200) for k in range(8)]
     seqs: list[SeqKV] = []
     for op, k, n, r in ops:
@@ -423,14 +440,14 @@ def test_radix_copy_source_is_pinned_until_handed_over():
 
 
 def test_radix_evicts_leaves_only():
-    """Radix mode (SGLang's rule): a cached block that another cached block continues is not evicted
+    """Radix mode with block eviction (SGLang's rule at block granularity): a cached block that another cached block continues is not evicted
     before it, whatever the policy — a shared prefix outlives every branch hanging off it, even under
     fifo, which would take the prefix first (it was cached first). Hash mode (vLLM) has no such rule."""
     bs = 4
     trunk = STREAMS.stream("trunk", 16)
     prompts = [np.concatenate([trunk, STREAMS.stream(f"branch{k}", 9)]) for k in range(3)]
     for mode, policy in (("radix", "fifo"), ("radix", "lfu"), ("radix", "lru"), ("hash", "fifo")):
-        kv = PagedKV(24, bs, cache_policy=policy, prefix_mode=mode)
+        kv = PagedKV(24, bs, cache_policy=policy, prefix_mode=mode, radix_eviction="block")
         order = []
         kv.pool.on_evict = (lambda b, prev=kv.pool.on_evict: (order.append(b), prev and prev(b)))
         seqs: list[SeqKV] = []

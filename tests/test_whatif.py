@@ -83,22 +83,24 @@ def test_huge_budget_equals_ideal_hits_over_the_window(mooncake):
             assert simulate(bt, huge, p).hit_tokens == sum(window), (name, p)
 
 
-def _pagedkv_hits(reqs, bs, budget_blocks, policy, bt):
-    """The what-if's model driven through the replay's own PagedKV: lookup, allocate, commit, free."""
+def _pagedkv_hits(reqs, bs, budget_blocks, policy, bt, prefix_mode="hash"):
+    """The what-if's model driven through the replay's own PagedKV: lookup, allocate, commit, free
+    (radix: node eviction, whole blocks, as SGLang with page size = block size)."""
     streams = TokenStreams()
-    kv = PagedKV(budget_blocks, bs, cache_policy=policy)
+    kv = PagedKV(budget_blocks, bs, cache_policy=policy, prefix_mode=prefix_mode, radix_partial=False)
     future = bt.future(budget_blocks) if policy == "belady" else None
     out = []
     for i, r in enumerate(reqs):
         s, e = int(bt.starts[i]), int(bt.starts[i + 1])
-        if e - s > budget_blocks:
+        tokens = cached_sequence(r, streams.expand(r), streams)
+        if (e - s if prefix_mode == "hash" else -(-len(tokens) // bs)) > budget_blocks:
             out.append(0)
             continue
-        tokens = cached_sequence(r, streams.expand(r), streams)
         seq = SeqKV(tokens=tokens, next_use=None if future is None else future[s:e])
         hits = kv.lookup(seq, r.prompt_len)
         kv.pool.clock = i
-        new_tokens = (e - s - len(hits)) * bs  # whole blocks only: no decode, no partial tail
+        # whole blocks only (hash: no decode, no partial tail); radix holds the partial one too
+        new_tokens = (e - s - len(hits)) * bs if prefix_mode == "hash" else len(tokens) - len(hits) * bs
         assert kv.allocate(seq, new_tokens, hits)
         kv.commit(seq, new_tokens)
         kv.free(seq)
@@ -117,6 +119,20 @@ def test_same_hits_as_a_pagedkv_replay_request_by_request(trace, mooncake):
             pt = simulate(bt, budget, p, on_request=lambda i, h: seen.append(h))
             assert pt.evicted_blocks > 0
             assert seen == _pagedkv_hits(reqs, bs, budget, p, bt), (trace, budget, p)
+
+
+@pytest.mark.parametrize("trace", ["mooncake", "chat", "agent"])
+def test_radix_same_hits_as_a_pagedkv_replay_request_by_request(trace, mooncake):
+    """Radix mode (SGLang's node eviction): the what-if and PagedKV's radix mode agree request by
+    request, at budgets where whole nodes are evicted."""
+    reqs, bs = (mooncake[:600], 16) if trace == "mooncake" else (load_trace(REPO / f"traces/{trace}.jsonl"), 16)
+    bt = prepare(reqs, bs, future=False)
+    for frac in (0.05, 0.2, 0.5):
+        budget = max(int(bt.distinct_blocks * frac), int(np.diff(bt.starts).max()))
+        seen: list[int] = []
+        pt = simulate(bt, budget, "lru", on_request=lambda i, h: seen.append(h), prefix_mode="radix")
+        assert pt.evicted_blocks > 0
+        assert seen == _pagedkv_hits(reqs, bs, budget, "lru", bt, "radix"), (trace, budget)
 
 
 def test_processes_give_the_same_points():

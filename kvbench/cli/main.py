@@ -10,7 +10,7 @@ import sys
 import click
 
 from kvbench import __version__
-from kvbench.errors import InputError, RunError
+from kvbench.errors import InputError, RunError, one_line
 
 EXAMPLES = """
 \b
@@ -38,7 +38,7 @@ def _register() -> None:
 
 
 def _fail(message: str, code: int) -> None:
-    click.echo(f"kvbench: error: {message}", err=True)
+    click.echo(f"kvbench: error: {one_line(message)}", err=True)
     sys.exit(code)
 
 

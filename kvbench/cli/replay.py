@@ -5,7 +5,6 @@ takes each as a comma list (a grid), so the two commands can never disagree on a
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -13,9 +12,18 @@ from dataclasses import dataclass
 
 import click
 
+from kvbench.cli.types import Count, Finite
 from kvbench.engine import config as C
-from kvbench.engine.config import ReplayConfig
+from kvbench.engine.config import (
+    MAX_BLOCK_SIZE,
+    MAX_NUM_BLOCKS,
+    MAX_NUM_SEQS,
+    MAX_TIME_SCALE,
+    ReplayConfig,
+)
 from kvbench.errors import InputError
+from kvbench.jsonio import dumps
+from kvbench.trace.format import MAX_REQUEST_TOKENS
 
 
 @dataclass(frozen=True)
@@ -31,30 +39,32 @@ class Opt:
 
 REPLAY_OPTIONS: list[Opt] = [
     Opt("layout", click.Choice(C.LAYOUTS), "paged blocks, or the slab baseline"),
-    Opt("block_size", click.IntRange(min=1), "tokens per KV block (paged)"),
+    Opt("block_size", Count(1, MAX_BLOCK_SIZE), "tokens per KV block (paged)"),
     Opt("slab_reserve", click.Choice(C.SLAB_RESERVES), "slab size: max_model_len, or the request's own prompt+output"),
     Opt("prefix_cache", "flag", "reuse cached prompt blocks across requests"),
     Opt("prefix_mode", click.Choice(C.PREFIX_MODES), "block-hash chain (vLLM) or token radix tree (SGLang)"),
     Opt("cache_policy", click.Choice(C.CACHE_POLICIES), "which unused cached block to reclaim first"),
+    Opt("radix_eviction", click.Choice(C.RADIX_EVICTIONS), "radix: evict whole LRU leaf nodes (SGLang), or leaf blocks by --cache-policy"),
     Opt("eviction", click.Choice(C.EVICTIONS), "token-level KV eviction inside a sequence"),
-    Opt("kv_budget", click.FloatRange(min=0, min_open=True), "per-sequence KV budget: tokens (>= 1) or a fraction (< 1)"),
-    Opt("sink_tokens", click.IntRange(min=0), "first tokens every eviction policy keeps"),
+    Opt("kv_budget", Finite(min=0, max=MAX_REQUEST_TOKENS, min_open=True), "per-sequence KV budget: a fraction of the sequence (< 1), or tokens (a whole number >= 1)"),
+    Opt("sink_tokens", Count(0), "first tokens every eviction policy keeps"),
     Opt("executor", click.Choice(C.EXECUTORS), "real model forward, or the calibrated cost model"),
     Opt("model", str, "preset (tiny, llama-3-8b, llama-3-70b, qwen2.5-7b, mistral-7b) or a local HF model folder"),
     Opt("device", click.Choice(C.DEVICES), "where the model executor runs"),
     Opt("gpu", str, "hardware preset for the sim cost model (h200, h100, a100, l40s)"),
+    Opt("tp", Count(1, C.MAX_TP), "sim: tensor parallelism, weights and KV heads over N GPUs, two all-reduces per layer"),
     Opt("kv_dtype", click.Choice(C.KV_DTYPES), "KV cache dtype (sim: fp8 halves KV bytes; the model executor keeps KV in its compute dtype)"),
     Opt("calibration", click.Path(dir_okay=False), "sim coefficients written by `kvbench calibrate`"),
     Opt("kv_mem", str, "KV pool size, e.g. 16GiB [default: 90% of free device memory after weights]"),
-    Opt("num_blocks", click.IntRange(min=1), "KV pool size in blocks (overrides --kv-mem)"),
-    Opt("max_num_seqs", click.IntRange(min=1), "most sequences running at once"),
-    Opt("max_batched_tokens", click.IntRange(min=1), "token budget per engine step"),
-    Opt("max_model_len", click.IntRange(min=1), "longest request (prompt + output) [default: the model's]"),
+    Opt("num_blocks", Count(1, MAX_NUM_BLOCKS), "KV pool size in blocks (overrides --kv-mem)"),
+    Opt("max_num_seqs", Count(1, MAX_NUM_SEQS), "most sequences running at once"),
+    Opt("max_batched_tokens", Count(1), "token budget per engine step"),
+    Opt("max_model_len", Count(1), "longest request (prompt + output) [default: the model's]"),
     Opt("admission", click.Choice(C.ADMISSIONS), "admit a waiting request when its whole prompt fits (vLLM >= 0.33), or its first chunk"),
-    Opt("watermark", click.FloatRange(0, 1, max_open=True), "share of KV blocks kept free when admitting while others run (vLLM's watermark)"),
-    Opt("time_scale", click.FloatRange(min=0, min_open=True), "multiply arrival times (0.5 = twice the rate)"),
-    Opt("limit", click.IntRange(min=1), "replay only the first N requests"),
-    Opt("seed", int, "seed for every random choice"),
+    Opt("watermark", Finite(0, 1, max_open=True), "share of KV blocks kept free when admitting while others run (vLLM's watermark)"),
+    Opt("time_scale", Finite(min=0, max=MAX_TIME_SCALE, min_open=True), "multiply arrival times (0.5 = twice the rate)"),
+    Opt("limit", Count(1, 2**31 - 1), "replay only the first N requests"),
+    Opt("seed", Count(0, 2**63 - 1), "seed for every random choice"),
 ]
 DEFAULTS = ReplayConfig()
 
@@ -103,28 +113,41 @@ def print_summary(summary: dict, run_dir: str) -> None:
     Console(file=sys.stdout).print(t)
 
 
-def run_with_progress(trace: str, cfg: ReplayConfig, out: str, quiet: bool = False) -> dict:
-    """Replay with a rich progress bar on stderr when stderr is a terminal."""
+def run_with_progress(trace: str, cfg: ReplayConfig, out: str | None, quiet: bool = False,
+                      force: bool = False):
+    """Replay with a rich progress bar on stderr when stderr is a terminal; (summary, run dir).
+    Without ``out`` the run goes to a new directory under runs/ named after the trace. Ctrl-C
+    leaves a readable partial run (complete: false) and exits 130."""
     from kvbench.engine.replay import Replay
 
-    rp = Replay(trace, cfg, out)
+    rp = Replay(trace, cfg, out or default_run_dir(trace), force=force, unique=out is None)
     if cfg.layout == "slab" and cfg.slab_reserve == "max":
         why = "--max-model-len" if cfg.max_model_len else "the longest request, rounded up to a block"
         click.echo(f"kvbench: slab reservation: {rp.slab_reserve_tokens:,} tokens per sequence ({why})", err=True)
-    if quiet or not sys.stderr.isatty():
-        return rp.run()
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    try:
+        if quiet or not sys.stderr.isatty():
+            return rp.run(), rp.out_dir
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
-    with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("replay", total=len(rp.requests), info="")
+        with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                      TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("replay", total=len(rp.requests), info="")
 
-        def tick(p):
-            tps = p.output_tokens / p.clock_s if p.clock_s > 0 else 0.0
-            bar.update(task, completed=p.requests_done,
-                       info=f"engine {p.clock_s:8.1f}s  {tps:9.0f} tok/s  step {p.steps}")
-        return rp.run(tick)
+            def tick(p):
+                tps = p.output_tokens / p.clock_s if p.clock_s > 0 else 0.0
+                bar.update(task, completed=p.requests_done,
+                           info=f"engine {p.clock_s:8.1f}s  {tps:9.0f} tok/s  step {p.steps}")
+            return rp.run(tick), rp.out_dir
+    except KeyboardInterrupt:
+        click.echo(f"kvbench: interrupted; partial run (complete=false) in {rp.out_dir}", err=True)
+        sys.exit(130)
 
 
 @click.command(epilog="""
@@ -137,20 +160,19 @@ Examples:
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False))
 @replay_options
 @click.option("--out", "out", type=click.Path(file_okay=False), default=None,
-              help="run directory [default: runs/<trace>-<timestamp>]")
+              help="run directory [default: runs/<trace>-<timestamp>, a new one for every run]")
+@click.option("--force", is_flag=True, help="replace the run already in --out")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as one JSON object on stdout")
-def replay(trace, out, as_json, **opts):
+def replay(trace, out, force, as_json, **opts):
     """Replay TRACE under one configuration and write a run directory (config.json, summary.json,
     requests.parquet, steps.parquet)."""
     cfg = ReplayConfig(**opts).validate()
-    out = out or default_run_dir(trace)
-    try:
-        summary = run_with_progress(trace, cfg, out, quiet=as_json)
-    except KeyboardInterrupt:
-        click.echo(f"kvbench: interrupted; partial run (complete=false) in {out}", err=True)
-        sys.exit(130)
+    summary, out = run_with_progress(trace, cfg, out, quiet=as_json, force=force)
+    if summary["rejected"] * 2 > summary["requests"]:
+        click.echo(f"kvbench: warning: {summary['rejected']:,} of {summary['requests']:,} requests were rejected: "
+                   "their prompt + output is longer than the max model length (--max-model-len)", err=True)
     if as_json:
-        click.echo(json.dumps({"run_dir": out, **summary}, default=str))
+        click.echo(dumps({"run_dir": out, **summary}))
     else:
         print_summary(summary, out)
         click.echo(f"run directory: {out}", err=True)

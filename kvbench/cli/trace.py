@@ -8,14 +8,28 @@ them into one line and exit 2.
 from __future__ import annotations
 
 import dataclasses
-import json
+import os
 import sys
 
 import click
 
-from kvbench.trace.format import write_trace
+from kvbench.cli.types import Count, Finite
+from kvbench.engine.config import MAX_BLOCK_SIZE
+from kvbench.errors import InputError
+from kvbench.jsonio import dumps
+from kvbench.trace.format import MAX_REQUEST_TOKENS, write_trace
 
 _SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def make_out_dir(path: str) -> None:
+    """Create an output directory, or refuse it in one line naming --out."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise InputError("is not a directory (or lies under a file)", file=path, field="--out") from None
+    except OSError as e:
+        raise InputError(f"cannot create it ({e.strerror or e})", file=path, field="--out") from None
 
 
 def _note(message: str) -> None:
@@ -41,10 +55,11 @@ def _knob_option(f: dataclasses.Field) -> click.Option:
     """A click option from a generator's dataclass field (its type, default, help and minimum)."""
     meta = f.metadata
     kind = type(f.default)
-    if kind is int:
-        ptype = click.IntRange(min=meta.get("min"), max=meta.get("max"), min_open=meta.get("min_open", False))
+    if kind is int:  # every count has a ceiling: lengths and counts allocate
+        ptype = click.IntRange(min=meta.get("min"), max=meta.get("max") or MAX_REQUEST_TOKENS,
+                               min_open=meta.get("min_open", False))
     else:
-        ptype = click.FloatRange(min=meta.get("min"), max=meta.get("max"), min_open=meta.get("min_open", False))
+        ptype = Finite(min=meta.get("min"), max=meta.get("max"), min_open=meta.get("min_open", False))
     return click.Option([f"--{f.name.replace('_', '-')}"], type=ptype, default=f.default,
                         show_default=True, help=meta.get("help"))
 
@@ -131,18 +146,18 @@ Examples:
 @click.argument("src", type=click.Path(dir_okay=False))
 @click.option("-o", "--out", required=True, type=click.Path(dir_okay=False),
               help="kvbench trace to write (JSONL)")
-@click.option("--limit", type=click.IntRange(min=1), help="write only the first N requests")
+@click.option("--limit", type=Count(1, 2**31 - 1), help="write only the first N requests")
 @click.option("--tokenizer", type=click.Path(exists=True, file_okay=False),
               help="sharegpt: local Hugging Face tokenizer folder for token counts; without one "
                    "a text of C characters counts ceil(C / 4) tokens")
-@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+@click.option("--rate", type=Finite(min=0, min_open=True), default=1.0, show_default=True,
               help="sharegpt: mean request rate, per second (conversations start at rate / turns)")
-@click.option("--think-s", type=click.FloatRange(min=0), default=30.0, show_default=True,
+@click.option("--think-s", type=Finite(min=0), default=30.0, show_default=True,
               help="sharegpt: mean think time between a conversation's turns, seconds")
-@click.option("--seed", type=int, default=0, show_default=True, help="sharegpt: seed of arrivals")
+@click.option("--seed", type=Count(0, 2**63 - 1), default=0, show_default=True, help="sharegpt: seed of arrivals")
 @click.option("--arrival", type=click.Choice(["poisson", "gamma"]), default="poisson",
               show_default=True, help="sharegpt: arrival process of conversations")
-@click.option("--burstiness", type=click.FloatRange(min=0, min_open=True), default=1.0,
+@click.option("--burstiness", type=Finite(min=0, min_open=True), default=1.0,
               show_default=True, help="sharegpt: CV of gamma gaps")
 def convert(fmt, src, out, limit, **sharegpt):
     """Convert a public trace (Mooncake, Azure, BurstGPT, ShareGPT) into a kvbench trace.
@@ -182,10 +197,12 @@ Examples:
   kvbench trace inspect traces/mooncake_slice.jsonl --block-size 32 --json
 """)
 @click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
-@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True,
+@click.option("--block-size", type=Count(1, MAX_BLOCK_SIZE), default=16, show_default=True,
               help="tokens per KV block for the ideal prefix hit rate")
+@click.option("--prefix-mode", type=click.Choice(["hash", "radix"]), default="hash", show_default=True,
+              help="ideal in whole blocks (hash) or to the token (radix)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of a table")
-def inspect(trace_path, block_size, as_json):
+def inspect(trace_path, block_size, prefix_mode, as_json):
     """Validate a trace and print its statistics and ideal prefix hit rate.
 
     The ideal hit rate is the ceiling a prefix cache can reach on this trace: an infinite cache,
@@ -193,9 +210,9 @@ def inspect(trace_path, block_size, as_json):
     """
     from kvbench.trace.stats import inspect_trace
 
-    stats = inspect_trace(trace_path, block_size)
+    stats = inspect_trace(trace_path, block_size, prefix_mode)
     if as_json:
-        click.echo(json.dumps(stats.to_dict()))
+        click.echo(dumps(stats.to_dict()))
         return
     _print_table(trace_path, stats)
 
@@ -242,7 +259,7 @@ Examples:
   kvbench trace whatif traces/rag.jsonl --budget-blocks 1000,5000,20000 --policies lru,belady --json
 """)
 @click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
-@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True,
+@click.option("--block-size", type=Count(1, MAX_BLOCK_SIZE), default=16, show_default=True,
               help="tokens per KV block")
 @click.option("--model", default="llama-3.1-8b", show_default=True,
               help="preset or Hugging Face config: sets the KV bytes per token")
@@ -250,17 +267,19 @@ Examples:
               show_default=True, help="KV cache element type")
 @click.option("--budgets", help=f"KV memory sizes, comma-separated  [default: {DEFAULT_BUDGETS}]")
 @click.option("--budget-blocks", help="KV budgets in blocks instead of bytes, comma-separated")
-@click.option("--policies", default="lru,fifo,lfu,belady", show_default=True,
-              help="cache policies to compare, comma-separated")
-@click.option("--warmup", type=click.FloatRange(min=0, max=1, max_open=True), default=0.5,
+@click.option("--policies", default=None,
+              help="cache policies to compare, comma-separated [default: lru,fifo,lfu,belady; radix: lru]")
+@click.option("--prefix-mode", type=click.Choice(["hash", "radix"]), default="hash", show_default=True,
+              help="vLLM's block-hash cache, or SGLang's radix tree (whole leaf nodes evicted, lru)")
+@click.option("--warmup", type=Finite(min=0, max=1, max_open=True), default=0.5,
               show_default=True, help="fraction of requests that only warm the cache (not counted)")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("-j", "--jobs", type=Count(1, 256), default=1, show_default=True,
               help="processes, one (budget, policy) point each")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of a table")
 @click.option("--out", type=click.Path(file_okay=False),
               help="also write whatif.parquet, whatif.png and whatif.json into this directory")
-def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, policies, warmup, jobs,
-           as_json, out):
+def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, policies, prefix_mode, warmup,
+           jobs, as_json, out):
     """Prefix hit rate against KV cache size and cache policy, straight from a trace.
 
     Prompts are replayed one after another in trace order (no concurrency, no decode) through a
@@ -271,17 +290,22 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     """
     from rich.console import Console
 
-    from kvbench.whatif import curve as wi
     from kvbench.engine.config import parse_size
     from kvbench.errors import InputError
-    from kvbench.memory.policies import CACHE_POLICIES
     from kvbench.executors.presets import get_model
+    from kvbench.memory.policies import CACHE_POLICIES
     from kvbench.trace.format import load_trace
+    from kvbench.whatif import curve as wi
 
     spec = get_model(model)
     per_token = spec.kv_bytes_per_token(kv_dtype)
     block_bytes = per_token * block_size
-    chosen = _split(policies)
+    if out:  # before the work: a path that cannot hold the results is refused now
+        make_out_dir(out)
+    chosen = _split(policies or ("lru" if prefix_mode == "radix" else "lru,fifo,lfu,belady"))
+    if prefix_mode == "radix" and chosen != ["lru"]:
+        raise InputError("radix mode evicts whole leaf nodes by recency (SGLang's lru): give --policies lru",
+                         field="--policies")
     for p in chosen:
         if p not in CACHE_POLICIES:
             raise InputError(f"unknown cache policy {p!r} (choose from {', '.join(CACHE_POLICIES)})",
@@ -293,8 +317,8 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     if budget_blocks is not None:
         counts = []
         for x in _split(budget_blocks):
-            if not x.isdigit() or int(x) < 1:
-                raise InputError(f"not a positive block count: {x!r}", field="--budget-blocks")
+            if not x.isdigit() or not 1 <= int(x) <= 2**31 - 1:
+                raise InputError(f"not a block count in [1, 2^31): {x[:30]!r}", field="--budget-blocks")
             counts.append(int(x))
         plan = wi.budgets_from_blocks(counts, block_bytes)
     else:
@@ -311,12 +335,12 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     reqs = load_trace(trace_path)
     result = wi.whatif(reqs, trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
                        kv_bytes_per_token=per_token, block_size=block_size, budgets=plan,
-                       policies=chosen, warmup=warmup, jobs=jobs)
+                       policies=chosen, warmup=warmup, jobs=jobs, prefix_mode=prefix_mode)
     if out:
         for path in wi.write_outputs(result, out):
             _note(f"wrote {path}")
     if as_json:
-        click.echo(json.dumps(result.to_dict()))
+        click.echo(dumps(result.to_dict()))
         return
     width = None if sys.stdout.isatty() else 110
     Console(file=sys.stdout, width=width).print(wi.table(result))

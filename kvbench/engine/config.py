@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 
 from kvbench import eviction, executors, memory, scheduler
 from kvbench.errors import InputError
+from kvbench.trace.format import MAX_REQUEST_TOKENS
 
 # Choices that pick an implementation come from the registries that hold it.
 LAYOUTS = tuple(memory.LAYOUTS)
@@ -18,9 +19,17 @@ EVICTIONS = ("none", *eviction.EVICTION_POLICIES)
 EXECUTORS = tuple(executors.EXECUTORS)
 SLAB_RESERVES = ("max", "exact")
 PREFIX_MODES = ("hash", "radix")
+RADIX_EVICTIONS = memory.RADIX_EVICTIONS
 DEVICES = ("auto", "cuda", "cpu")
 ADMISSIONS = scheduler.ADMISSIONS
 KV_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # auto: the dtype the model computes in
+
+MAX_BLOCK_SIZE = 4096  # tokens per block
+MAX_NUM_BLOCKS = 2**31 - 1  # block ids are int32 in block tables
+MAX_NUM_SEQS = 2**20
+MAX_TIME_SCALE = 1e6
+MAX_KV_MEM_BYTES = 2**50  # 1 PiB
+MAX_TP = 64  # GPUs in one tensor-parallel group
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -33,10 +42,12 @@ def parse_size(text: str, field: str = "--kv-mem") -> int:
     m = _SIZE.match(str(text))
     if not m or (m.group(2) or "").lower() not in _UNITS:
         raise InputError(f"not a size: {text!r} (e.g. 16GiB, 512MiB, 80GB)", field=field)
-    n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-    if n <= 0:
-        raise InputError(f"must be positive, got {text!r}", field=field)
-    return n
+    value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+    if not value >= 1:
+        raise InputError(f"must be at least one byte, got {text!r}", field=field)
+    if value > MAX_KV_MEM_BYTES:
+        raise InputError(f"must be at most 1PiB, got {text!r}", field=field)
+    return int(value)
 
 
 @dataclass(slots=True)
@@ -46,6 +57,7 @@ class ReplayConfig:
     slab_reserve: str = "max"
     prefix_cache: bool = True
     prefix_mode: str = "hash"
+    radix_eviction: str = "node"  # radix: whole LRU leaf nodes (SGLang), or leaf blocks by cache_policy
     cache_policy: str = "lru"
     eviction: str = "none"
     kv_budget: float = 0.2  # < 1: share of the sequence; >= 1: tokens
@@ -54,6 +66,7 @@ class ReplayConfig:
     model: str = "tiny"
     device: str = "auto"
     gpu: str = "h200"
+    tp: int = 1  # sim: tensor parallelism (GPUs holding a share of the weights and KV heads)
     kv_dtype: str = "auto"
     calibration: str | None = None
     kv_mem: str | None = None
@@ -77,25 +90,45 @@ class ReplayConfig:
         for name, allowed in (("layout", LAYOUTS), ("slab_reserve", SLAB_RESERVES),
                               ("prefix_mode", PREFIX_MODES), ("cache_policy", CACHE_POLICIES),
                               ("eviction", EVICTIONS), ("executor", EXECUTORS), ("device", DEVICES),
-                              ("kv_dtype", KV_DTYPES), ("admission", ADMISSIONS)):
+                              ("kv_dtype", KV_DTYPES), ("admission", ADMISSIONS),
+                              ("radix_eviction", RADIX_EVICTIONS)):
             choice(name, allowed)
+        if (self.layout == "paged" and self.prefix_cache and self.prefix_mode == "radix"
+                and self.radix_eviction == "node" and self.cache_policy != "lru"):
+            raise InputError(f"--radix-eviction node evicts whole nodes by recency, as SGLang does; "
+                             f"--cache-policy {self.cache_policy} needs --radix-eviction block", field="--cache-policy")
 
-        def positive(name, v, minimum=1):
-            if v is not None and v < minimum:
-                raise InputError(f"must be >= {minimum}, got {v}", field="--" + name.replace("_", "-"))
-        positive("block_size", self.block_size)
-        positive("max_num_seqs", self.max_num_seqs)
+        def positive(name, v, minimum=1, most=MAX_REQUEST_TOKENS):
+            if v is None:
+                return
+            flag = "--" + name.replace("_", "-")
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise InputError(f"must be an integer, got {v!r}", field=flag)
+            if not minimum <= v <= most:
+                raise InputError(f"must be in [{minimum}, {most:,}], got {v}", field=flag)
+        positive("block_size", self.block_size, most=MAX_BLOCK_SIZE)
+        positive("max_num_seqs", self.max_num_seqs, most=MAX_NUM_SEQS)
         positive("max_batched_tokens", self.max_batched_tokens)
         positive("max_model_len", self.max_model_len)
-        positive("num_blocks", self.num_blocks)
-        positive("limit", self.limit)
+        positive("num_blocks", self.num_blocks, most=MAX_NUM_BLOCKS)
+        positive("limit", self.limit, most=2**31 - 1)
         positive("sink_tokens", self.sink_tokens, 0)
-        if not self.time_scale > 0:
-            raise InputError(f"must be > 0, got {self.time_scale}", field="--time-scale")
-        if not 0 <= self.watermark < 1:
+        positive("seed", self.seed, 0, most=2**63 - 1)
+        positive("tp", self.tp, most=MAX_TP)
+        if self.tp != 1 and self.executor != "sim":
+            raise InputError(f"tensor parallelism is modelled by --executor sim; the {self.executor} executor "
+                             "runs on one device", field="--tp")
+        if not (isinstance(self.time_scale, (int, float)) and 0 < self.time_scale <= MAX_TIME_SCALE):
+            raise InputError(f"must be a number in (0, {MAX_TIME_SCALE:g}], got {self.time_scale}",
+                             field="--time-scale")
+        if not (isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1):
             raise InputError(f"must be in [0, 1), got {self.watermark}", field="--watermark")
-        if not self.kv_budget > 0:
-            raise InputError(f"must be > 0, got {self.kv_budget}", field="--kv-budget")
+        b = self.kv_budget
+        if not (isinstance(b, (int, float)) and 0 < b <= MAX_REQUEST_TOKENS):
+            raise InputError(f"must be a fraction in (0, 1) or a token count, got {b}", field="--kv-budget")
+        if b >= 1 and b != int(b):
+            raise InputError(f"a budget of 1 or more counts tokens: give a whole number, got {b}",
+                             field="--kv-budget")
         if self.kv_mem is not None:
             parse_size(self.kv_mem)
         if self.layout == "slab":  # a slab cannot share blocks: it has no prefix cache to turn on

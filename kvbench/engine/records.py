@@ -7,19 +7,18 @@ parquet footers and writes summary.json with ``complete`` true or false, leaving
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvbench import __version__
+from kvbench.errors import InputError
+from kvbench.jsonio import dumps
 
 REQUEST_SCHEMA = pa.schema([
     ("id", pa.string()), ("session", pa.string()), ("arrival_s", pa.float64()),
@@ -94,39 +93,71 @@ def environment(device_name: str | None = None) -> dict:
 def write_json(path: str, obj: dict) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=False, default=_jsonable)
+        fh.write(dumps(obj, indent=2))
         fh.write("\n")
     os.replace(tmp, path)
 
 
-def _jsonable(v):
-    if isinstance(v, (np.integer,)):
-        return int(v)
-    if isinstance(v, (np.floating,)):
-        return float(v)
-    return str(v)
+RUN_FILES = ("summary.json", "config.json", "requests.parquet", "steps.parquet")
+
+
+def holds_run(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, f)) for f in ("summary.json", "config.json"))
+
+
+def claim_run_dir(run_dir: str, *, force: bool = False, unique: bool = False) -> str:
+    """Create a run directory (and its parents) for a new run and return its path.
+
+    No run is ever written over another: a directory that holds a run is refused unless ``force``
+    (its run files are then removed); with ``unique`` (a default name) a taken name gets a suffix
+    (-2, -3, ...) instead, so two replays started in the same second write two directories. A path
+    that cannot be created is an InputError naming --out."""
+    base, k = run_dir, 1
+    parent = os.path.dirname(os.path.abspath(run_dir))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except FileExistsError:
+        raise InputError("a parent of it is a file, not a directory", file=run_dir, field="--out") from None
+    except OSError as e:
+        raise InputError(f"cannot create its parent directory ({e.strerror or e})", file=run_dir,
+                         field="--out") from None
+    while True:
+        try:
+            os.mkdir(run_dir)  # atomic: of two processes asking for one name, one gets it
+            return run_dir
+        except FileExistsError:
+            if unique:
+                k += 1
+                run_dir = f"{base}-{k}"
+                continue
+            if not os.path.isdir(run_dir):
+                raise InputError("exists and is not a directory", file=run_dir, field="--out") from None
+            if holds_run(run_dir):
+                if not force:
+                    raise InputError("holds a run already: name another --out, or add --force to replace it",
+                                     file=run_dir, field="--out") from None
+                for f in RUN_FILES:
+                    if os.path.exists(os.path.join(run_dir, f)):
+                        os.remove(os.path.join(run_dir, f))
+            return run_dir
+        except OSError as e:
+            raise InputError(f"cannot create the run directory ({e.strerror or e})", file=run_dir,
+                             field="--out") from None
 
 
 class RunWriter:
+    """Opens a claimed run directory: summary.json says incomplete until ``close`` (also reached on
+    Ctrl-C or a crash) writes the real one."""
+
     def __init__(self, run_dir: str, config: dict):
         self.dir = run_dir
-        if os.path.isdir(run_dir):
+        try:
             write_json(os.path.join(run_dir, "summary.json"), {"complete": False})
-        else:
-            # A new run directory appears whole, already marked incomplete: built under a temporary
-            # name and renamed, so an interrupt can never leave a directory without summary.json.
-            parent = os.path.dirname(os.path.abspath(run_dir))
-            os.makedirs(parent, exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix=".kvbench-run-", dir=parent)
-            try:
-                write_json(os.path.join(tmp, "summary.json"), {"complete": False})
-                os.rename(tmp, run_dir)
-            except BaseException:  # Ctrl-C included: leave nothing half-made behind
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        write_json(os.path.join(run_dir, "config.json"), config)
-        self.requests = _Table(os.path.join(run_dir, "requests.parquet"), REQUEST_SCHEMA, 1024)
-        self.steps = _Table(os.path.join(run_dir, "steps.parquet"), STEP_SCHEMA, 8192)
+            write_json(os.path.join(run_dir, "config.json"), config)
+            self.requests = _Table(os.path.join(run_dir, "requests.parquet"), REQUEST_SCHEMA, 1024)
+            self.steps = _Table(os.path.join(run_dir, "steps.parquet"), STEP_SCHEMA, 8192)
+        except OSError as e:
+            raise InputError(f"cannot write the run ({e.strerror or e})", file=run_dir, field="--out") from None
         self.closed = False
 
     def close(self, summary: dict) -> None:
@@ -141,13 +172,13 @@ class RunWriter:
 
 
 def distribution(prefix: str, values) -> dict:
-    """mean/p50/p90/p99 of finite values, as ``{prefix}_{stat}`` keys (NaN when there are none)."""
+    """mean/p50/p90/p99 of finite values, as ``{prefix}_{stat}`` keys (None when there are none)."""
     a = np.asarray(values, dtype=np.float64)
     a = a[np.isfinite(a)]
     out = {}
     for name, q in PCTS:
         if not len(a):
-            out[f"{prefix}_{name}"] = float("nan")
+            out[f"{prefix}_{name}"] = None
         else:
             out[f"{prefix}_{name}"] = float(a.mean() if q is None else np.percentile(a, q))
     return out

@@ -16,16 +16,17 @@ from typing import Callable
 import numpy as np
 
 from kvbench.engine.config import ReplayConfig
-from kvbench.errors import RunError
+from kvbench.errors import InputError, RunError
 from kvbench.eviction.evictor import make_evictor
 from kvbench.executors import make_executor
 from kvbench.memory import make_kv
 from kvbench.memory.future import next_uses
 from kvbench.executors.presets import get_model
-from kvbench.engine.records import RunWriter, distribution, environment
+from kvbench.engine.records import RunWriter, claim_run_dir, distribution, environment, holds_run
 from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig
 from kvbench.trace.format import Request, load_trace
-from kvbench.trace.ideal import IdealCounter, PrefixKeys, ideal_hits, sequence_tokens
+from kvbench.trace.ideal import (IdealCounter, PrefixKeys, RadixIdealCounter, ideal_hits, radix_ideal_hits,
+                                 sequence_tokens)
 from kvbench.trace.tokens import TokenStreams
 
 KV_MEM_FRACTION = 0.9  # share of free device memory given to the KV pool when no size is asked
@@ -41,17 +42,26 @@ class Progress:
 
 
 def pool_blocks(cfg: ReplayConfig, executor, model) -> int:
-    """Blocks in the KV pool: --num-blocks, else --kv-mem, else the device's memory after weights."""
+    """Blocks in the KV pool: --num-blocks (no memory check: a pool of any size, for experiments),
+    else --kv-mem (refused by an executor that knows its devices cannot hold it: check_kv_bytes), else
+    the devices' memory after weights and activations."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
     per_block = executor.kv_bytes_per_token() * cfg.block_size
     if cfg.kv_mem_bytes is not None:
         nbytes = cfg.kv_mem_bytes
+        check = getattr(executor, "check_kv_bytes", None)
+        if check is not None:
+            check(nbytes)
     else:
         nbytes = executor.default_kv_bytes()
     n = int(nbytes // per_block)
     if n < 1:
-        raise RunError(f"a KV pool of {nbytes} bytes holds no block of {per_block} bytes", usage=True)
+        msg = (f"a KV pool of {nbytes} bytes holds no block of {per_block} bytes ({cfg.block_size} tokens "
+               f"x {executor.kv_bytes_per_token()} bytes)")
+        if cfg.kv_mem_bytes is not None:
+            raise InputError(msg, field="--kv-mem")
+        raise RunError(msg, usage=True)
     return n
 
 
@@ -59,10 +69,19 @@ class Replay:
     """One replay of a trace under one configuration, writing a run directory."""
 
     def __init__(self, trace_path: str, cfg: ReplayConfig, out_dir: str,
-                 requests: list[Request] | None = None):
+                 requests: list[Request] | None = None, *, force: bool = False, unique: bool = False,
+                 trace_label: str | None = None):
+        """``out_dir`` must not hold a run unless ``force``; with ``unique`` (a default name) a taken
+        name gets a suffix instead (see records.claim_run_dir: ``self.out_dir`` is the one used).
+        ``trace_label``: the trace's path as config.json records it, when the file read is a copy
+        (a Ray task's local copy of the driver's trace)."""
         self.cfg = cfg.validate()
         self.trace_path = trace_path
+        self.trace_label = trace_label or os.path.abspath(trace_path)
         self.out_dir = out_dir
+        self._force, self._unique = force, unique
+        if not unique and not force and os.path.isdir(out_dir) and holds_run(out_dir):
+            claim_run_dir(out_dir)  # refuses, naming --out: before the model is built
         self.requests = requests if requests is not None else load_trace(trace_path, limit=cfg.limit)
         # arrival order (stable: ties keep trace order)
         self.requests = sorted(self.requests, key=lambda r: r.t)
@@ -75,7 +94,7 @@ class Replay:
         paged = cfg.layout == "paged"
         self.kv = make_kv(cfg.layout, self.num_blocks, cfg.block_size,
                           prefix_cache=cfg.prefix_cache and paged, cache_policy=cfg.cache_policy,
-                          prefix_mode=cfg.prefix_mode)
+                          prefix_mode=cfg.prefix_mode, radix_eviction=cfg.radix_eviction)
         self.executor.bind_pool(self.num_blocks, cfg.block_size)
         self.evictor = make_evictor(cfg.eviction, self.kv, kv_budget=cfg.kv_budget,
                                     sink_tokens=cfg.sink_tokens, seed=cfg.seed,
@@ -99,15 +118,17 @@ class Replay:
     def _check_fits(self, r: Request) -> None:
         """A request that cannot fit in the empty pool would stall the replay: say so up front."""
         bs = self.cfg.block_size
-        if self.cfg.layout == "slab":
-            need = -(-self._reserve(r) // bs)
+        if self.cfg.layout == "slab":  # a slab for each sample, reserved at admission
+            need = r.n * -(-self._reserve(r) // bs)
         else:
             need = -(-(r.prompt_len + r.output_len) // bs) + (r.n - 1) * (-(-r.output_len // bs))
         if need > self.num_blocks:
+            samples = f" with n={r.n} samples" if r.n > 1 else ""
+            where = f"{self.trace_path}:{r.line}: " + ("field 'n': " if r.n > 1 else "")
             raise RunError(
-                f"{self.trace_path}:{r.line}: request {r.id!r} needs {need} KV blocks "
-                f"({need * bs} slots) but the pool holds {self.num_blocks}; "
-                "give more memory (--kv-mem/--num-blocks) or lower --max-model-len", usage=True)
+                f"{where}request {r.id!r}{samples} needs {need:,} KV blocks of {bs} tokens but the pool "
+                f"holds {self.num_blocks:,}: give more memory (--kv-mem, --num-blocks) "
+                "or lower --max-model-len", usage=True)
 
     def _slab_reserve_tokens(self) -> int:
         """The slab baseline's reservation per sequence (``--slab-reserve max``): --max-model-len when
@@ -137,9 +158,15 @@ class Replay:
         # trace is unsorted, and then it gets a pass of its own.
         in_order = all(reqs[i].index < reqs[i + 1].index for i in range(len(reqs) - 1))
         self._keys_of = PrefixKeys(bs, self.streams)
-        self._ideal = IdealCounter(bs) if in_order else None
-        ideal = None if in_order else ideal_hits(sorted((r for r in reqs if self._reject_reason(r) is None),
-                                                        key=lambda r: r.index), bs, self.streams)
+        # Radix runs use a token-granular ideal (spec §4): a radix tree can hit inside a block.
+        admitted = sorted((r for r in reqs if self._reject_reason(r) is None), key=lambda r: r.index)
+        if cfg.prefix_mode == "radix":
+            self._ideal = RadixIdealCounter(bs, admitted, self.streams) if in_order else None
+            ideal = None if in_order else radix_ideal_hits(admitted, bs, self.streams)
+        else:
+            self._ideal = IdealCounter(bs) if in_order else None
+            ideal = None if in_order else ideal_hits(admitted, bs, self.streams)
+        self.out_dir = claim_run_dir(self.out_dir, force=self._force, unique=self._unique)
         writer = RunWriter(self.out_dir, self._config_json())
         self._writer = writer
         st = _Totals(peak=0)
@@ -291,7 +318,7 @@ class Replay:
         return {"settings": self.cfg.to_dict(), "max_model_len_effective": self.max_len,
                 "slab_reserve_tokens": self.slab_reserve_tokens if self.cfg.layout == "slab" else None,
                 "num_blocks": self.num_blocks, "model_spec": self.model.to_dict(),
-                "trace": {"path": os.path.abspath(self.trace_path), "sha256": _sha256(self.trace_path),
+                "trace": {"path": self.trace_label, "sha256": _sha256(self.trace_path),
                           "requests": len(self.requests)},
                 "environment": environment(getattr(self.executor, "device_name", None))}
 
@@ -326,6 +353,6 @@ def _sha256(path: str) -> str | None:
 
 
 def replay(trace_path: str, cfg: ReplayConfig, out_dir: str, on_progress=None,
-           requests: list[Request] | None = None) -> dict:
+           requests: list[Request] | None = None, force: bool = False, trace_label: str | None = None) -> dict:
     """Replay a trace under one configuration into ``out_dir``; return summary.json's contents."""
-    return Replay(trace_path, cfg, out_dir, requests).run(on_progress)
+    return Replay(trace_path, cfg, out_dir, requests, force=force, trace_label=trace_label).run(on_progress)

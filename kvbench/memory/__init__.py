@@ -1,7 +1,8 @@
 """Layer 2, KV memory: block pool and prefix index (block_pool), cache policies (policies), paged
-block tables (paged), the slab baseline (slab), belady's future (future). Pure Python/numpy."""
+block tables (paged), radix partial matching and node eviction (radix), the slab baseline (slab),
+belady's future (future). Pure Python/numpy."""
 from kvbench.memory.block_pool import BlockPool
-from kvbench.memory.paged import PagedKV, SeqKV
+from kvbench.memory.paged import RADIX_EVICTIONS, PagedKV, SeqKV
 from kvbench.memory.policies import CACHE_POLICIES, make_policy
 from kvbench.memory.slab import SlabKV
 
@@ -9,14 +10,15 @@ LAYOUTS = {"paged": PagedKV, "slab": SlabKV}
 
 
 def make_kv(layout: str, num_blocks: int, block_size: int, *, prefix_cache: bool = True,
-            cache_policy: str = "lru", prefix_mode: str = "hash"):
+            cache_policy: str = "lru", prefix_mode: str = "hash", radix_eviction: str = "node"):
     """The KV manager for a layout name (``--layout``)."""
     try:
         cls = LAYOUTS[layout]
     except KeyError:
         raise ValueError(f"unknown layout {layout!r} (choose from {', '.join(LAYOUTS)})") from None
     return cls(num_blocks, block_size, prefix_cache=prefix_cache, cache_policy=cache_policy,
-               prefix_mode=prefix_mode)
+               prefix_mode=prefix_mode, radix_eviction=radix_eviction)
 
 
-__all__ = ["BlockPool", "PagedKV", "SeqKV", "SlabKV", "CACHE_POLICIES", "LAYOUTS", "make_kv", "make_policy"]
+__all__ = ["CACHE_POLICIES", "LAYOUTS", "RADIX_EVICTIONS", "BlockPool", "PagedKV", "SeqKV", "SlabKV", "make_kv",
+           "make_policy"]

@@ -12,6 +12,11 @@ evictable, until its last such child is evicted. Only a child registered by a se
 that very parent block counts, so every user of a child holds its parent and every held block is
 reachable by evicting leaves: held blocks count as available.
 
+With node eviction (``enable_node_eviction``, the radix mode's default, SGLang's rule) the policy is
+a kvbench.memory.radix.RadixNodes: blocks registered together form a node, a match ending inside a
+node splits it (``split_after``), and eviction frees whole least recently used leaf nodes, the
+blocks beyond the shortfall going to the free list.
+
 Prefix keys are the chained block keys of kvbench.trace.tokens. A lookup trusts a key only after the
 block's stored tokens and its parent's key match, so a hash collision can never return wrong KV.
 All per-block state is in flat lists indexed by block id: no per-block Python objects, O(1) work per
@@ -50,7 +55,7 @@ class BlockPool:
         # counters (spec §4), kept incrementally
         self.num_used = 0
         self.tokens_live = 0  # sum of fill over used blocks (a shared block counted once)
-        self.evictions = 0  # cached blocks reclaimed for new content
+        self.evictions = 0  # cached blocks evicted (reclaimed for new content, or freed with their node)
         self.clock = 0  # logical time for policies (request index or step)
         self.on_evict = None  # called with each cached block reclaimed (the radix tree forgets it)
         # leaves-only eviction (None until enable_leaf_eviction)
@@ -58,10 +63,22 @@ class BlockPool:
         self.kid_of: list[int] = []  # the block a child is counted against, or -1
         self.held: list[bool] = []
         self.num_held = 0
+        self.nodes = None  # node eviction: the RadixNodes policy (None until enable_node_eviction)
 
     def enable_leaf_eviction(self) -> None:
         n = self.num_blocks
         self.kids, self.kid_of, self.held = [0] * n, [-1] * n, [False] * n
+
+    def enable_node_eviction(self) -> None:
+        """Evict whole LRU leaf nodes (SGLang's RadixCache.evict) instead of the policy's blocks."""
+        from kvbench.memory.radix import RadixNodes
+
+        self.policy = self.nodes = RadixNodes(self.num_blocks, self.refcnt)
+
+    def split_after(self, b: int) -> None:
+        """Node eviction: a match ends at cached block ``b``: make it the tail of its node."""
+        if self.nodes is not None:
+            self.nodes.split_after(b)
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -106,7 +123,18 @@ class BlockPool:
         while need:  # evict cached blocks for the rest
             index, key, fill, refcnt, on_evict = self.index, self.key, self.fill, self.refcnt, self.on_evict
             k = need if self.kids is None else 1  # leaves-only: each victim may make its parent next
-            for b in self.policy.pop_many(k):
+            victims = self.policy.pop_many(k)
+            if len(victims) > k:  # node eviction frees whole nodes: the rest of the last one is free
+                for b in victims[k:]:
+                    if on_evict is not None:
+                        on_evict(b)
+                    del index[key[b]]
+                    key[b] = None
+                    fill[b] = 0
+                free.extend(victims[k:])
+                self.evictions += len(victims) - k
+                del victims[k:]
+            for b in victims:
                 if on_evict is not None:
                     on_evict(b)
                 if self.kids is not None:
@@ -188,12 +216,12 @@ class BlockPool:
 
     # -- prefix cache -----------------------------------------------------------------------
     def register(self, b: int, key: int, parent_key: int, tokens: np.ndarray,
-                 next_use: int = NEVER, parent_block: int = -1) -> bool:
+                 next_use: int = NEVER, parent_block: int = -1, extend: bool = False) -> bool:
         """Index one computed block under ``key`` (``register_run`` of one; ``tokens``: its row of
         block_size ids). False when the key is already cached (another sequence computed the same
         block first): this block then stays private."""
         return self.register_run([b], [key], parent_key, tokens, None if next_use == NEVER else [next_use],
-                                 parent_block) == 1
+                                 parent_block, extend) == 1
 
     def _count_kid(self, b: int, parent_block: int, parent_key: int) -> None:
         """Leaves-only: a new cached child holds its parent back when the sequence that registers
@@ -203,21 +231,27 @@ class BlockPool:
             self.kid_of[b] = parent_block
 
     def register_run(self, blocks: list[int], keys: list[int], parent_key: int, tokens: np.ndarray,
-                     next_uses=None, parent_block: int = -1) -> int:
+                     next_uses=None, parent_block: int = -1, extend: bool = False) -> int:
         """Index consecutive computed blocks (``tokens`` holds exactly their ids, in order);
         ``keys[i]`` is ``blocks[i]``'s key, ``parent_key`` the key before the first and
-        ``parent_block`` the sequence's block before the first (leaves-only eviction). A block whose
-        key another block caches already stays private. Returns how many blocks were indexed."""
+        ``parent_block`` the sequence's block before the first (leaves-only and node eviction). A
+        block whose key another block caches already stays private. Node eviction: the blocks join
+        one node, which continues ``parent_block``'s with ``extend`` (RadixNodes.link). Returns how
+        many blocks were indexed."""
         if not self.enable_cache or not blocks:
             return 0
         index, key_of, parent_of = self.index, self.key, self.parent
         rows = []
         again = []  # rows whose key another block caches: this copy stays private
-        kids = self.kids
+        kids, nodes = self.kids, self.nodes
+        tree = kids is not None or nodes is not None  # radix: parent links to keep
+        links = [] if nodes is not None else None  # (block, counted parent) to link into nodes
         for i, b in enumerate(blocks):
             k = keys[i]
             if key_of[b] is None:
                 if k in index:
+                    if nodes is not None and not again and (parent_block < 0 or key_of[parent_block] == parent_key):
+                        nodes.reinsert(index[k], parent_block)  # SGLang's insert walks the cached copy
                     again.append(i)
                     parent_key, parent_block = k, b
                     continue
@@ -225,10 +259,16 @@ class BlockPool:
                 key_of[b] = k
                 parent_of[b] = parent_key
                 rows.append(i)
-                if kids is not None:
-                    self._count_kid(b, parent_block, parent_key)
+                if tree:
+                    if kids is not None:
+                        self._count_kid(b, parent_block, parent_key)
+                    else:  # counted parent: the sequence holds that very cached block
+                        links.append((b, parent_block if parent_block >= 0 and key_of[parent_block] == parent_key
+                                      else -1))
             parent_key = k
             parent_block = b
+        if links:
+            nodes.link_run(links, extend)
         if again and next_uses is not None:
             self.policy.on_recompute_many([index[keys[i]] for i in again], self.clock,
                                           [int(next_uses[i]) for i in again])
@@ -291,4 +331,6 @@ class BlockPool:
             assert held == [b for b in range(self.num_blocks) if self.held[b]], "held set drifted"
             assert len(held) == self.num_held and len(self.policy) == len(cached) - len(held)
             out["num_held"] = len(held)
+        if self.nodes is not None:  # node eviction: the tree, its nodes and the LRU queue
+            self.nodes.check([b for b in range(self.num_blocks) if self.key[b] is not None])
         return out

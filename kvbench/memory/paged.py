@@ -30,6 +30,8 @@ import xxhash
 from kvbench.memory.block_pool import BlockPool
 from kvbench.memory.policies import NEVER
 from kvbench.memory.radix import PARTIAL_SALT, RadixChildren
+
+RADIX_EVICTIONS = ("node", "block")  # --radix-eviction
 from kvbench.trace.ideal import lookup_blocks
 from kvbench.trace.tokens import ROOT_KEY, block_keys
 
@@ -51,6 +53,7 @@ class SeqKV:
     fork_bases: list[int] = field(default_factory=list)  # slab: slabs reserved for samples to fork
     partial_block: int = -1  # radix: cached block whose first partial_len tokens the last lookup matched
     partial_len: int = 0
+    open_block: int = -1  # node eviction: the tail of the node this sequence's decode steps extend
     dropped: int = 0  # computed tokens evicted from the slots (token eviction)
     compacted: bool = False  # slots no longer hold positions 0..num_kv-1: never register again
 
@@ -75,17 +78,33 @@ class PagedKV:
     watermark_frac = 0.01  # keep this share of blocks free at admission, for running sequences to grow
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_cache: bool = True,
-                 cache_policy: str = "lru", prefix_mode: str = "hash"):
+                 cache_policy: str = "lru", prefix_mode: str = "hash", radix_eviction: str = "node",
+                 radix_partial: bool = True):
+        """``radix_eviction`` (radix mode): ``node`` evicts whole LRU leaf nodes, as SGLang does;
+        ``block`` evicts leaf blocks by ``cache_policy``. ``radix_partial`` (radix mode): also
+        serve a prefix that ends inside a cached block (a copy) and keep finished partial tails;
+        without it radix mode matches whole blocks only, as SGLang with page size = block size."""
         self.pool = BlockPool(num_blocks, block_size, enable_cache=prefix_cache, policy=cache_policy)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.prefix_cache = prefix_cache
         if prefix_mode not in ("hash", "radix"):
             raise ValueError(f"unknown prefix mode {prefix_mode!r} (choose from hash, radix)")
-        self.radix = RadixChildren() if prefix_cache and prefix_mode == "radix" else None
+        if radix_eviction not in RADIX_EVICTIONS:
+            raise ValueError(f"unknown radix eviction {radix_eviction!r} (choose from {', '.join(RADIX_EVICTIONS)})")
+        radix = prefix_cache and prefix_mode == "radix"
+        if radix and radix_eviction == "node" and cache_policy != "lru":
+            raise ValueError(f"node eviction orders nodes by recency (SGLang's lru); cache policy "
+                             f"{cache_policy!r} needs block eviction")
+        self.radix_partial = radix and radix_partial
+        self.radix = RadixChildren() if self.radix_partial else None  # children by first token
         if self.radix is not None:
             self.pool.on_evict = self.radix.remove
-            self.pool.enable_leaf_eviction()  # SGLang evicts only the leaves of its tree
+        if radix:
+            if radix_eviction == "node":  # SGLang evicts whole leaf nodes of its tree
+                self.pool.enable_node_eviction()
+            else:  # ... leaf blocks only
+                self.pool.enable_leaf_eviction()
         self._pinned: list[int] = []  # sources of pending partial-hit copies, held until handed over
         self.partial_hit_tokens = 0  # radix: tokens served by copying a partly matching block
         self.copies: list[tuple[int, int]] = []  # copy-on-write copies not yet handed to an executor
@@ -136,7 +155,7 @@ class PagedKV:
         bs = self.block_size
         n_max = min(lookup_blocks(num_tokens, bs), len(s.tokens) // bs)
         hits = self.pool.match(self._keys(s, n_max), s.tokens, n_max, ROOT_KEY) if n_max > 0 else []
-        if self.radix is not None:  # radix: extend the match into the next block, token by token
+        if self.radix_partial:  # radix: extend the match into the next block, token by token
             pos = len(hits) * bs
             want = s.tokens[pos:min(pos + bs, num_tokens - 1, len(s.tokens))]
             parent = s.keys[len(hits) - 1] if hits else ROOT_KEY
@@ -168,7 +187,7 @@ class PagedKV:
             if total <= len(s.table) * bs and (s.num_kv % bs == 0 or num_new == 0
                                                or p.refcnt[s.table[-1]] == 1):
                 if total // bs > s.num_registered:
-                    self._register_upto(s, total)
+                    self._register_upto(s, total, num_new == 1 and not fresh)
                 return True
         have = len(s.table) + n_hit
         total = s.num_kv + n_hit * bs + part + num_new
@@ -189,6 +208,8 @@ class PagedKV:
             assert not s.table and s.num_kv == 0, "hits are only taken by an empty table"
             for b in hits:
                 p.incref(b)
+            if p.nodes is not None:  # node eviction: the match ends here
+                p.nodes.split_after(hits[-1])
             p.touch(hits, None if s.next_use is None else s.next_use[:n_hit])
             s.table.extend(hits)
             s.num_kv = n_hit * bs
@@ -203,6 +224,7 @@ class PagedKV:
             self.cow_copies += 1
         if part:  # pin the source until the copy is handed to the executor (take_copies)
             p.incref(s.partial_block)
+            p.split_after(s.partial_block)  # node eviction: held alone, its node is itself (radix only)
             self._pinned.append(s.partial_block)
         if need:
             p.alloc_into(s.table, need)
@@ -215,7 +237,7 @@ class PagedKV:
             s.partial_block, s.partial_len = -1, 0
         end = s.num_kv + num_new
         if end // bs > s.num_registered:
-            self._register_upto(s, end)
+            self._register_upto(s, end, num_new == 1 and not fresh)
         return True
 
     def commit(self, s: SeqKV, n: int) -> None:
@@ -239,16 +261,21 @@ class PagedKV:
             p.tokens_live += n
         s.num_kv = end
 
-    def _register_upto(self, s: SeqKV, end: int) -> None:
+    def _register_upto(self, s: SeqKV, end: int, decode: bool = False) -> None:
         """Register the full blocks of the sequence's first ``end`` tokens not registered yet, where
-        their tokens are known: vLLM's ``cache_blocks(request, num_computed + num_new)``."""
+        their tokens are known: vLLM's ``cache_blocks(request, num_computed + num_new)``.
+
+        Node eviction groups the blocks into radix nodes as SGLang inserts them: a prefill chunk's
+        blocks form a node (SGLang inserts the prompt at each chunk's end), and the blocks a
+        sequence's decode steps (``decode``: one token) register form one node, grown block by block
+        (SGLang inserts the output at finish, split from the prompt's pages)."""
         if not self.prefix_cache or s.tokens is None or s.compacted:
             return
         full = min(end, len(s.tokens)) // self.block_size
         if full > s.num_registered:
-            self._register(s, full)
+            self._register(s, full, decode)
 
-    def _register(self, s: SeqKV, full: int) -> None:
+    def _register(self, s: SeqKV, full: int, decode: bool = False) -> None:
         bs, a = self.block_size, s.num_registered
         keys = self._keys(s, full)
         nu = None
@@ -256,15 +283,21 @@ class PagedKV:
             nu = s.next_use[a:full]
             if len(nu) < full - a:
                 nu = np.concatenate([nu, np.full(full - a - len(nu), NEVER, dtype=np.int64)])
+        parent = s.table[a - 1] if a else -1
+        extend = False
+        if self.pool.nodes is not None:  # decode steps grow the node their first block started
+            extend = decode and parent >= 0 and parent == s.open_block
+            s.open_block = s.table[full - 1] if decode else -1
         self.pool.register_run(s.table[a:full], keys[a:full], keys[a - 1] if a else ROOT_KEY,
-                               s.tokens[a * bs:full * bs], nu, s.table[a - 1] if a else -1)
+                               s.tokens[a * bs:full * bs], nu, parent, extend)
         s.num_registered = full
         if self.radix is not None:
-            key_of, tokens = self.pool.key, s.tokens
+            key_of, table, add = self.pool.key, s.table, self.radix.add
+            firsts = s.tokens[a * bs:full * bs:bs].tolist()
             for j in range(a, full):
-                b = s.table[j]
+                b = table[j]
                 if key_of[b] == keys[j]:
-                    self.radix.add(b, keys[j - 1] if j else ROOT_KEY, tokens[j * bs])
+                    add(b, keys[j - 1] if j else ROOT_KEY, firsts[j - a])
 
     def _register_partial_tail(self, s: SeqKV) -> None:
         """Radix: leave a finished or preempted sequence's partial last block in the tree, when its
@@ -281,25 +314,26 @@ class PagedKV:
         row = np.zeros(bs, dtype=np.int32)
         row[:f] = toks
         key = xxhash.xxh3_64_intdigest(toks.tobytes(), parent) ^ PARTIAL_SALT
-        if p.register(b, key, parent, row, parent_block=s.table[j - 1] if j else -1):
+        if p.register(b, key, parent, row, parent_block=s.table[j - 1] if j else -1, extend=True):
             self.radix.add(b, parent, toks[0])
 
     def free(self, s: SeqKV) -> None:
         """Drop the sequence's references, tail first so its last blocks are evicted first."""
         self._check_unpinned()
-        if self.radix is not None and s.tokens is not None and not s.compacted:
+        if self.radix_partial and s.tokens is not None and not s.compacted:
             self._register_partial_tail(s)
         self.pool.release_all(reversed(s.table))
         s.table = []
         s.num_kv = 0
         s.num_registered = 0
+        s.open_block = -1
         s.dropped = 0
         s.compacted = False
 
     def _check_unpinned(self) -> None:
         """A pinned partial-hit source is referenced without its parent; dropping references before
         ``take_copies`` could leave that parent held but unreachable (leaves-only eviction)."""
-        if self._pinned and self.pool.kids is not None:
+        if self._pinned and (self.pool.kids is not None or self.pool.nodes is not None):
             raise RuntimeError("take_copies() must follow a partial-hit allocation before free or compact")
 
     def fork(self, s: SeqKV, child: SeqKV) -> None:
@@ -308,6 +342,7 @@ class PagedKV:
         for b in s.table:
             self.pool.incref(b)
         child.table = list(s.table)
+        child.open_block = -1  # a sample's own decode blocks start a node of its own
         child.num_kv = s.num_kv
         child.num_registered = s.num_registered
         child.dropped = s.dropped
@@ -351,7 +386,8 @@ class PagedKV:
             elif self._frozen(table[k]):
                 lo, f = k * bs, fill[table[k]]
                 stay[k] = (lo + f <= n and (f == bs or lo + f == n) and bool(kept[lo:lo + f].all()))
-                par = -1 if p.kids is None else p.kid_of[table[k]]
+                par = (p.kid_of[table[k]] if p.kids is not None else
+                       p.nodes.up[table[k]] if p.nodes is not None else -1)
                 if stay[k] and par >= 0 and not (k and stay[k - 1] and table[k - 1] == par):
                     stay[k] = False  # leaves-only: a cached block is never held without its parent
         n_new = int(nb - stay.sum())
@@ -377,6 +413,11 @@ class PagedKV:
                 p.tokens_live += want - fill[b]
                 fill[b] = want
         s.table = new_table
+        if p.nodes is not None:  # a kept block whose node continues into released ones: split there
+            for b in released:
+                up = p.nodes.up[b]
+                if up >= 0 and up in kept_blocks and p.key[b] is not None:
+                    p.split_after(up)
         p.release_all(reversed(released))
         s.dropped += old_n - n
         s.num_kv = n

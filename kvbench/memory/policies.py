@@ -22,7 +22,9 @@ key); fifo and lfu never tie. tests/test_policies.py holds every policy to this 
 brute force. The same classes serve the replay engine and ``kvbench trace whatif``. The ``*_many``
 forms do what the one-block calls do, block by block in order, with the per-call overhead paid once.
 
-Radix mode evicts leaves only (kvbench.memory.block_pool): a released block that a cached block
+Radix mode with ``--radix-eviction node`` (the default) replaces the policy by
+kvbench.memory.radix.RadixNodes, SGLang's node-granular LRU. With ``--radix-eviction block`` it
+evicts leaves only (kvbench.memory.block_pool): a released block that a cached block
 continues is ``hold``-ed — released for ordering, not evictable — and ``unhold``-en when its last
 cached child is evicted. lru and the touch-ordered queues (fifo, lfu) give it the place its release
 (or touch) gave it — lru keeps held blocks in its queue and skips them; belady re-queues it at its

@@ -26,18 +26,20 @@ DEFAULTS = ReplayConfig()
 # (setting, value) -> settings that a configuration with that value does not use. Collapsing them
 # to their defaults is what makes "--layout paged,slab --block-size 8,16" one slab run, not two.
 NOT_APPLICABLE: dict[tuple[str, object], tuple[str, ...]] = {
-    ("layout", "slab"): ("block_size", "prefix_cache", "prefix_mode", "cache_policy", "admission"),
+    ("layout", "slab"): ("block_size", "prefix_cache", "prefix_mode", "radix_eviction", "cache_policy", "admission"),
     ("layout", "paged"): ("slab_reserve",),
-    ("prefix_cache", False): ("prefix_mode", "cache_policy"),
+    ("prefix_cache", False): ("prefix_mode", "radix_eviction", "cache_policy"),
+    ("prefix_mode", "hash"): ("radix_eviction",),  # only used with prefix_mode radix
+    ("radix_eviction", "node"): ("cache_policy",),  # nodes go by recency (SGLang's lru)
     ("eviction", "none"): ("kv_budget", "sink_tokens"),
     ("executor", "sim"): ("device", "attention"),
-    ("executor", "model"): ("gpu", "calibration"),
+    ("executor", "model"): ("gpu", "calibration", "tp"),
 }
 
 # How a setting reads in a run directory's name; the default is "<short><value>".
-SHORT = {"layout": "", "block_size": "bs", "slab_reserve": "res_", "prefix_cache": "pc_", "prefix_mode": "",
+SHORT = {"layout": "", "block_size": "bs", "slab_reserve": "res_", "prefix_cache": "pc_", "prefix_mode": "", "radix_eviction": "ev_",
          "cache_policy": "", "eviction": "", "kv_budget": "kvb", "sink_tokens": "sink",
-         "executor": "", "model": "m_", "device": "dev_", "gpu": "gpu_", "kv_dtype": "kv_", "calibration": "cal_",
+         "executor": "", "model": "m_", "device": "dev_", "gpu": "gpu_", "tp": "tp", "kv_dtype": "kv_", "calibration": "cal_",
          "kv_mem": "mem", "num_blocks": "nb", "max_num_seqs": "seqs", "max_batched_tokens": "mbt",
          "max_model_len": "mml", "admission": "adm_", "watermark": "wm", "time_scale": "ts", "limit": "lim", "seed": "seed"}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -45,9 +47,11 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 def not_applicable(settings: dict) -> set[str]:
     """Settings that a configuration (a ReplayConfig dict) does not use."""
+    hit = [(name, unused) for (name, value), unused in NOT_APPLICABLE.items() if settings.get(name) == value]
+    unused_first = {n for _, unused in hit for n in unused}
     out: set[str] = set()
-    for (name, value), unused in NOT_APPLICABLE.items():
-        if settings.get(name) == value:
+    for name, unused in hit:  # a setting the configuration does not use rules nothing out
+        if name not in unused_first:
             out.update(unused)
     return out
 
@@ -173,7 +177,8 @@ def expand(grid: dict[str, list]) -> list[Config]:
 
 
 def default_sweep_dir(trace: str, grid: dict[str, list]) -> str:
-    """sweeps/<trace>-<hash of the grid>: the same command always finds the same directory."""
+    """runs/<trace>-sweep-<hash of the grid>: the same command always finds the same directory, and
+    it lies beside replay's runs/<trace>-<timestamp>, where ``kvbench report`` looks by default."""
     stem = os.path.splitext(os.path.basename(trace))[0]
     digest = hashlib.sha256(json.dumps(grid, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    return os.path.join("sweeps", f"{stem}-{digest}")
+    return os.path.join("runs", f"{stem}-sweep-{digest}")

@@ -10,11 +10,15 @@ Rules this module defines where the spec leaves room:
   later, longer use of the same name extends an earlier one (they agree on the common prefix);
 - ``id`` may be a string or an integer (kept as its decimal string); ids must be unique in a trace;
 - requests need not be sorted by ``t``; the engine replays them in arrival order (stable).
+
+Limits (checked before anything is allocated; each breach is an InputError naming file, line, field):
+a line of at most MAX_LINE_BYTES; JSON nesting Python can decode; no NaN/Infinity; strings that are
+valid Unicode (no lone surrogates) and at most MAX_NAME_CHARS for names; ``t`` at most MAX_T_S;
+a request's prompt + output at most MAX_REQUEST_TOKENS tokens; ``n`` at most MAX_SAMPLES.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import IO, Iterable, Iterator
@@ -23,7 +27,23 @@ from kvbench.errors import InputError
 
 SEGMENT_KINDS = ("tokens", "shared", "unique", "text")
 MAX_TOKEN_ID = 2**31 - 1
-MAX_PROMPT_LEN = 2**31 - 1
+MAX_REQUEST_TOKENS = 2**24  # prompt + output of one request (16,777,216): past any model's context
+MAX_SAMPLES = 1024  # n: parallel samples of one request
+MAX_T_S = 1e10  # arrival time, seconds (317 years: an epoch time stamp fits)
+MAX_NAME_CHARS = 4096  # ids, sessions, stream names
+MAX_LINE_BYTES = 64 * 2**20  # one JSON line
+
+
+def check_text(v: str, where: dict, fld: str, max_chars: int | None = MAX_NAME_CHARS) -> str:
+    """A string usable everywhere it goes (UTF-8 files, parquet): no lone surrogates, bounded."""
+    if max_chars is not None and len(v) > max_chars:
+        raise InputError(f"longer than {max_chars} characters ({len(v)})", **where, field=fld)
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"not valid Unicode (a lone surrogate at character {e.start + 1})",
+                         **where, field=fld) from None
+    return v
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +105,24 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _length(v, where: dict, fld: str) -> int:
+def _length(v, where: dict, fld: str, most: int = MAX_REQUEST_TOKENS) -> int:
     if not _is_int(v):
-        raise InputError(f"must be an integer, got {json.dumps(v)[:40]}", **where, field=fld)
+        raise InputError(f"must be an integer, got {_show(v)}", **where, field=fld)
     if v < 1:
         raise InputError(f"must be at least 1, got {v}", **where, field=fld)
+    if v > most:
+        raise InputError(f"must be at most {most:,}, got {_show(v)}", **where, field=fld)
     return v
+
+
+def _show(v) -> str:
+    """A short, printable rendering of a bad value (huge integers are not converted to text)."""
+    if _is_int(v) and abs(v) >= 10**30:
+        return f"an integer of about {v.bit_length() * 0.30103:.0f} digits"
+    try:
+        return json.dumps(v, ensure_ascii=True)[:40]
+    except (ValueError, RecursionError):
+        return type(v).__name__
 
 
 def parse_segment(obj, where: dict, k: int, text_len=None) -> Segment:
@@ -114,13 +146,14 @@ def parse_segment(obj, where: dict, k: int, text_len=None) -> Segment:
             raise InputError("must be a non-empty list of token ids", **where, field=f"{fld}.tokens")
         for t in toks:
             if not _is_int(t) or t < 0 or t > MAX_TOKEN_ID:
-                raise InputError(f"token ids are integers in [0, 2^31), got {json.dumps(t)[:40]}",
+                raise InputError(f"token ids are integers in [0, 2^31), got {_show(t)}",
                                  **where, field=f"{fld}.tokens")
         return Segment("tokens", len(toks), tokens=tuple(toks))
     if kind == "shared":
         name = obj["shared"]
         if not isinstance(name, str) or not name:
             raise InputError("must be a non-empty string", **where, field=f"{fld}.shared")
+        check_text(name, where, f"{fld}.shared")
         if "len" not in obj:
             raise InputError("required field missing", **where, field=f"{fld}.len")
         return Segment("shared", _length(obj["len"], where, f"{fld}.len"), name=name)
@@ -129,6 +162,7 @@ def parse_segment(obj, where: dict, k: int, text_len=None) -> Segment:
     text = obj["text"]
     if not isinstance(text, str) or not text:
         raise InputError("must be a non-empty string", **where, field=f"{fld}.text")
+    check_text(text, where, f"{fld}.text", max_chars=None)
     n = text_len(text) if text_len is not None else len(text.encode("utf-8"))
     if n < 1:
         raise InputError("text tokenizes to no tokens", **where, field=f"{fld}.text")
@@ -143,37 +177,51 @@ def parse_request(obj, where: dict, index: int, text_len=None) -> Request:
         if req not in obj:
             raise InputError("required field missing", **where, field=req)
     t = obj["t"]
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
-        raise InputError(f"must be a number, got {json.dumps(t)[:40]}", **where, field="t")
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        raise InputError(f"must be a number, got {_show(t)}", **where, field="t")
     if t < 0:
-        raise InputError(f"must be >= 0, got {t}", **where, field="t")
+        raise InputError(f"must be >= 0, got {_show(t)}", **where, field="t")
+    if t > MAX_T_S:  # an int compares exactly; converting 10**400 to float would overflow
+        raise InputError(f"must be at most {MAX_T_S:g} seconds, got {_show(t)}", **where, field="t")
     output_len = _length(obj["output_len"], where, "output_len")
     prompt = obj["prompt"]
     if not isinstance(prompt, list) or not prompt:
         raise InputError("must be a non-empty list of segments", **where, field="prompt")
     segs = tuple(parse_segment(s, where, k, text_len) for k, s in enumerate(prompt))
     plen = sum(s.length for s in segs)
-    if plen > MAX_PROMPT_LEN:
-        raise InputError(f"prompt of {plen} tokens is too long", **where, field="prompt")
+    if plen + output_len > MAX_REQUEST_TOKENS:
+        raise InputError(f"prompt ({plen:,} tokens) + output_len ({output_len:,}) is more than "
+                         f"{MAX_REQUEST_TOKENS:,} tokens", **where, field="prompt")
     rid = obj.get("id", where.get("line"))
     if _is_int(rid):
         rid = str(rid)
     if not isinstance(rid, str) or not rid:
         raise InputError("must be a non-empty string", **where, field="id")
+    check_text(rid, where, "id")
     session = obj.get("session")
     if session is not None and not isinstance(session, str):
         if _is_int(session):
             session = str(session)
         else:
             raise InputError("must be a string", **where, field="session")
+    if session is not None:
+        check_text(session, where, "session")
     n = obj.get("n", 1)
-    n = _length(n, where, "n")
+    n = _length(n, where, "n", MAX_SAMPLES)
     output = obj.get("output")
     if output is not None and (not isinstance(output, str) or not output):
         raise InputError("must be a non-empty string", **where, field="output")
+    if output is not None:
+        check_text(output, where, "output")
     meta = obj.get("meta")
     if meta is not None and not isinstance(meta, dict):
         raise InputError("must be an object", **where, field="meta")
+    if meta is not None:
+        try:  # carried into results: it must encode
+            json.dumps(meta, ensure_ascii=False).encode("utf-8")
+        except (UnicodeEncodeError, RecursionError, ValueError):
+            raise InputError("must encode as UTF-8 JSON (no lone surrogates, bounded nesting)",
+                             **where, field="meta") from None
     return Request(id=rid, t=float(t), prompt=segs, output_len=output_len, session=session, n=n,
                    output=output, meta=meta, index=index, line=where.get("line", 0), prompt_len=plen)
 
@@ -192,7 +240,16 @@ def json_lines(path: str | os.PathLike, what: str = "trace") -> Iterator[tuple[i
     except OSError as e:
         raise InputError(f"cannot open {what}: {e.strerror}", file=path) from None
     with fh:
-        for lineno, raw in enumerate(fh, start=1):
+        lineno = 0
+        while True:
+            # bounded reads: a file with no line ends (/dev/zero) must not fill the memory
+            raw = fh.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                break
+            lineno += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise InputError(f"line longer than {MAX_LINE_BYTES // 2**20} MiB (expected {what})",
+                                 file=path, line=lineno)
             try:
                 s = raw.decode("utf-8").strip().lstrip("\ufeff")
             except UnicodeDecodeError as e:
@@ -201,11 +258,20 @@ def json_lines(path: str | os.PathLike, what: str = "trace") -> Iterator[tuple[i
             if not s:
                 continue
             try:
-                obj = json.loads(s)
+                obj = json.loads(s, parse_constant=_no_constant)
             except json.JSONDecodeError as e:
                 raise InputError(f"malformed JSON ({e.msg} at column {e.colno}; expected {what})",
                                  file=path, line=lineno) from None
+            except RecursionError:
+                raise InputError(f"JSON nested too deeply (expected {what})", file=path, line=lineno) from None
+            except ValueError as e:  # e.g. an integer of more than 4,300 digits
+                raise InputError(f"unusable JSON ({str(e).split(';')[0]}; expected {what})",
+                                 file=path, line=lineno) from None
             yield lineno, obj
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def iter_trace(path: str | os.PathLike, text_len=None) -> Iterator[Request]:

@@ -4,11 +4,16 @@ Each request looks up the longest run of its prompt's whole blocks already seen 
 holds the last prompt token, which must be computed to produce the first output token); then its
 prompt, and where ``output`` names the answer the first output_len - 1 answer tokens too (the tokens
 whose KV is computed during decode), are cached in whole blocks. Hit rate = hit tokens / prompt tokens.
+
+Radix runs use a token-granular ideal (``radix_ideal_hits``, ``RadixIdealCounter``): the same, but a
+request hits the longest common prefix, to the token, of its prompt (never its last token) with any
+sequence cached before it, as a radix tree of tokens would. It is the block ideal plus, where the
+whole blocks stop, the most tokens of the next block that some earlier sequence continued with.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -183,3 +188,138 @@ def _sequence_keys(req: Request, block_size: int, streams: TokenStreams,
 def ideal_hit_rate(requests: Iterable[Request], block_size: int,
                    streams: TokenStreams | None = None) -> float:
     return ideal_hits(requests, block_size, streams).hit_rate
+
+
+# ------------------------------------------------------------------------- token granularity
+
+def radix_ideal_hits(requests: Sequence[Request], block_size: int,
+                     streams: TokenStreams | None = None, *,
+                     on_request: Callable[[Request, int], None] | None = None) -> IdealHits:
+    """The token-granular ideal (radix runs) over requests in the given (trace) order.
+
+    Whole blocks first, as ``ideal_hits``; then, where request i's whole blocks stop after key K
+    (a block of its prompt that no earlier sequence had there), its next tokens are compared with
+    every continuation of K cached before it: the block that followed K in an earlier sequence, or
+    that sequence's partial last block. The longest common prefix, capped at the last prompt token,
+    is added. A token trie of the whole trace would not fit in memory (Mooncake: 145 M prompt
+    tokens), so this takes two passes and keeps tokens only for the continuations of keys where some
+    request's whole blocks stop (at most one key per request):
+
+    1. block hits, as ``IdealCounter``, noting each request's stop key K and its room left;
+    2. in trace order, each request first takes its extension from the continuations of its K
+       recorded so far, then records its own continuations of every stop key on its path.
+
+    The continuations are the tokens the engine caches there: the cached sequence (prompt and a
+    named answer), and at the prompt's end the first tokens every sample generates (the engine keeps
+    them in the block after the prompt, so a later prompt may match them by chance). Blocks wholly
+    of sampled tokens are left out: a prompt reaches them only with a whole block equal by chance.
+    ``on_request(req, hit_tokens)`` is called once per request, in order.
+    """
+    streams = streams or TokenStreams()
+    bs = block_size
+    keys_of = PrefixKeys(bs, streams)
+    seen: set[int] = set()
+    all_keys: list[np.ndarray] = []
+    stops: list[tuple[int, int, int]] = []  # (whole blocks hit, stop key, tokens left before the last)
+    prompt_total = 0
+    for req in requests:  # pass 1: whole blocks
+        keys, prompt_len = keys_of(req)
+        m = _seen_prefix(keys, seen)
+        hit = min(m, lookup_blocks(prompt_len, bs))
+        seen.update(keys[m:].tolist())
+        all_keys.append(keys)
+        stops.append((hit, int(keys[hit - 1]) if hit else ROOT_KEY, min(prompt_len - 1 - hit * bs, bs - 1)))
+        prompt_total += prompt_len
+    stop_keys = {k for _, k, room in stops if room > 0}
+    wanted = np.fromiter(stop_keys, dtype=np.uint64, count=len(stop_keys))
+    conts: dict[tuple[int, int], list[np.ndarray]] = {}  # (stop key, first token) -> continuations
+    known: set[tuple[int, bytes]] = set()
+    hit_total = 0
+    for i, req in enumerate(requests):  # pass 2: extensions, then this request's continuations
+        hit, key, room = stops[i]
+        ext = 0
+        if room > 0:
+            want = _cached_tokens(req, streams, hit * bs, hit * bs + room)
+            for row in conts.get((key, int(want[0])), ()):
+                n = min(len(row), room)
+                diff = np.flatnonzero(row[:n] != want[:n])
+                ext = max(ext, int(diff[0]) if len(diff) else n)
+        h = hit * bs + ext
+        hit_total += h
+        if on_request is not None:
+            on_request(req, h)
+        if not len(wanted):
+            continue
+        keys = all_keys[i]
+        at = (np.flatnonzero(np.isin(keys, wanted)) + 1).tolist()  # blocks whose parent is a stop key
+        if ROOT_KEY in stop_keys:
+            at.insert(0, 0)
+        if not at:
+            continue
+        parents = [int(keys[p - 1]) if p else ROOT_KEY for p in at]
+        length = req.prompt_len + (req.output_len - 1 if req.output is not None and req.output_len > 1 else 0)
+        for p, parent in zip(at, parents):
+            if p * bs < length:
+                _remember(conts, known, parent, _cached_tokens(req, streams, p * bs, min(length, (p + 1) * bs)))
+        # the block after the prompt, as each sample computes it
+        end = req.prompt_len // bs
+        if end in at and req.output_len > 1:
+            parent = parents[at.index(end)]
+            head = _cached_tokens(req, streams, end * bs, req.prompt_len)
+            for sample in range(req.n):
+                if sample == 0 and req.output is not None:
+                    continue  # the cached sequence's own block, remembered above
+                gen = streams.output_tokens(req, min(req.output_len - 1, bs - len(head)), sample=sample)
+                _remember(conts, known, parent, np.concatenate([head, gen]))
+    return IdealHits(hit_total, prompt_total, len(seen))
+
+
+def _remember(conts: dict, known: set, parent: int, row: np.ndarray) -> None:
+    if len(row) and (parent, row.tobytes()) not in known:
+        known.add((parent, row.tobytes()))
+        conts.setdefault((parent, int(row[0])), []).append(row)
+
+
+def _cached_tokens(req: Request, streams: TokenStreams, start: int, stop: int) -> np.ndarray:
+    """Tokens [start, stop) of the request's cached sequence, without expanding the rest."""
+    out = []
+    pos = 0
+    for name, what in _pieces(req, streams):
+        length = what if name is not None else len(what)
+        lo, hi = max(start, pos), min(stop, pos + length)
+        if lo < hi:
+            out.append(streams.stream(name, hi - lo, start=lo - pos) if name is not None
+                       else what[lo - pos:hi - pos])
+        pos += length
+        if pos >= stop:
+            break
+    return out[0] if len(out) == 1 else np.concatenate(out) if out else _NO_TOKENS
+
+
+class RadixIdealCounter:
+    """``IdealCounter``'s interface for radix runs: fed the requests a run admits, one at a time in
+    trace order (``add``), it gives the token-granular ideal of those fed so far (``result``), so an
+    interrupted run's ideal covers what it admitted. ``requests``: every request the run may admit,
+    in trace order; ``radix_ideal_hits`` runs over them once, here (it needs the whole trace)."""
+
+    def __init__(self, block_size: int, requests: Sequence[Request], streams: TokenStreams | None = None):
+        self.block_size = block_size
+        self._hits: list[tuple[int, int]] = []  # (hit tokens, prompt tokens) per request, in order
+        done = radix_ideal_hits(requests, block_size, streams,
+                                on_request=lambda r, h: self._hits.append((h, r.prompt_len)))
+        self._distinct = done.distinct_blocks
+        self.count = self.hit_tokens = self.prompt_tokens = 0
+
+    def add(self, keys: np.ndarray, prompt_len: int) -> int:
+        """The next request was admitted (its block keys are not needed); returns its hit tokens."""
+        h, n = self._hits[self.count]
+        if n != prompt_len:
+            raise ValueError("RadixIdealCounter fed out of order")
+        self.count += 1
+        self.hit_tokens += h
+        self.prompt_tokens += n
+        return h
+
+    def result(self) -> IdealHits:
+        """The distinct whole blocks are the whole trace's (not only of the requests fed so far)."""
+        return IdealHits(self.hit_tokens, self.prompt_tokens, self._distinct)

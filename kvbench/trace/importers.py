@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from kvbench.errors import InputError
-from kvbench.trace.format import Request, Segment, json_lines, write_trace
+from kvbench.trace.format import MAX_REQUEST_TOKENS, MAX_T_S, Request, Segment, json_lines, parse_request, write_trace
 
 MOONCAKE_BLOCK_TOKENS = 512
 CHARS_PER_TOKEN = 4  # the usual rule of thumb for English with a BPE tokenizer
@@ -58,20 +58,29 @@ class ImportReport:
 
 
 def _count(v, where: dict, fld: str, what: str) -> int:
-    """A non-negative whole number from JSON or CSV (CSV gives strings; '906.0' is accepted)."""
+    """A whole number of tokens in [0, MAX_REQUEST_TOKENS] from JSON or CSV (CSV gives strings;
+    '906.0' is accepted)."""
     if isinstance(v, str):
         try:
-            v = float(v) if any(c in v for c in ".eE") else int(v)
+            v = float(v) if any(c in v for c in ".eEnN") else int(v)
         except ValueError:
             raise InputError(f"expected a whole number, got {v[:40]!r} (is this {what}?)",
                              **where, field=fld) from None
-    if isinstance(v, float) and v.is_integer():
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise InputError(f"expected a whole number, got {json.dumps(v)[:40]} (is this {what}?)",
+        raise InputError(f"expected a whole number, got {str(v)[:40]} (is this {what}?)",
                          **where, field=fld)
-    if v < 0:
-        raise InputError(f"must be >= 0, got {v}", **where, field=fld)
+    if not 0 <= v <= MAX_REQUEST_TOKENS:
+        raise InputError(f"must be in [0, {MAX_REQUEST_TOKENS:,}] tokens, got {v if v.bit_length() < 64 else 'a huge number'}",
+                         **where, field=fld)
+    return v
+
+
+def _seconds(v: float, where: dict, fld: str) -> float:
+    """A time stamp in seconds, finite and within the trace format's range."""
+    if not (math.isfinite(v) and 0 <= v <= MAX_T_S):
+        raise InputError(f"must be a time in [0, {MAX_T_S:g}] seconds, got {v}", **where, field=fld)
     return v
 
 
@@ -103,9 +112,10 @@ def read_mooncake(path: str, report: ImportReport) -> Iterator[Request]:
             if f not in row:
                 raise InputError(f"required field missing (is this {what}?)", **where, field=f)
         ts_ms = row["timestamp"]
-        if isinstance(ts_ms, bool) or not isinstance(ts_ms, (int, float)) or not ts_ms >= 0:
-            raise InputError(f"must be a number >= 0, got {json.dumps(ts_ms)[:40]}", **where,
+        if isinstance(ts_ms, bool) or not isinstance(ts_ms, (int, float)):
+            raise InputError(f"must be a number of milliseconds, got {str(ts_ms)[:40]}", **where,
                              field="timestamp")
+        t = _seconds(ts_ms / 1000.0 if ts_ms <= 1e18 else math.inf, where, "timestamp")
         input_len = _count(row["input_length"], where, "input_length", what)
         output_len = _count(row["output_length"], where, "output_length", what)
         if input_len == 0:
@@ -125,8 +135,8 @@ def read_mooncake(path: str, report: ImportReport) -> Iterator[Request]:
         last = input_len - MOONCAKE_BLOCK_TOKENS * (k - 1)
         segs = tuple(Segment("shared", MOONCAKE_BLOCK_TOKENS if i < k - 1 else last,
                              name=f"mooncake/{h}") for i, h in enumerate(hash_ids))
-        yield Request(id=str(lineno), t=round(ts_ms / 1000.0, 6), prompt=segs, output_len=output_len,
-                      prompt_len=input_len)
+        yield Request(id=str(lineno), t=round(t, 6), prompt=segs, output_len=output_len,
+                      prompt_len=input_len, line=lineno)
 
 
 # ------------------------------------------------------------------------------------ CSV formats
@@ -138,7 +148,7 @@ def _timestamp_s(text: str, where: dict, fld: str, what: str) -> float:
     """Seconds from a number or an ISO date-time with any number of fraction digits (Azure has 7)."""
     text = text.strip()
     try:
-        return float(text)
+        return _seconds(float(text), where, fld)
     except ValueError:
         pass
     m = _TIME_RE.match(text)
@@ -151,7 +161,8 @@ def _timestamp_s(text: str, where: dict, fld: str, what: str) -> float:
         dt = datetime.fromisoformat(f"{date}T{clock}{tz}")
     except ValueError:
         raise InputError(f"not a valid date-time: {text[:40]!r}", **where, field=fld) from None
-    return (dt - datetime(1970, 1, 1, tzinfo=timezone.utc)).total_seconds() + float(frac or 0)
+    return _seconds((dt - datetime(1970, 1, 1, tzinfo=timezone.utc)).total_seconds() + float(frac or 0),
+                    where, fld)
 
 
 def _csv_rows(path: str, required: tuple[str, ...], what: str) -> Iterator[tuple[int, dict]]:
@@ -192,7 +203,7 @@ def _relative_t(ts: float, first: list, where: dict, fld: str) -> float:
     t = round(ts - first[0], 6)  # microseconds: no float noise in the written trace
     if t < 0:
         raise InputError("earlier than the first row's time stamp", **where, field=fld)
-    return t
+    return _seconds(t, where, fld)
 
 
 def _read_lengths_csv(path: str, report: ImportReport, what: str, columns: tuple[str, str, str],
@@ -207,6 +218,8 @@ def _read_lengths_csv(path: str, report: ImportReport, what: str, columns: tuple
         req = _lengths_request(str(lineno), t, _count(row[in_col.lower()], where, in_col, what),
                                _count(row[out_col.lower()], where, out_col, what), report,
                                **(extra(row) if extra else {}))
+        if req is not None:
+            req.line = lineno
         if req is not None:
             yield req
 
@@ -322,6 +335,8 @@ def read_sharegpt(path: str, report: ImportReport, *, tokenizer: str | None = No
             sessions.append((key, turns))
         else:
             report.skipped["conversations with no answered turn"] += 1
+    if not sessions:
+        raise InputError(f"no conversation has an answered turn ({report.summary('sharegpt', '-')})", file=path)
     rng = np.random.default_rng(seed)
     times = session_times_s(rng, [len(t) for _, t in sessions], rate, think_s, arrival, burstiness)
     out = []
@@ -335,6 +350,16 @@ def read_sharegpt(path: str, report: ImportReport, *, tokenizer: str | None = No
 
 
 # ------------------------------------------------------------------------------------ entry point
+
+def _valid(requests: Iterator[Request], in_path: str) -> Iterator[Request]:
+    """Every request as the trace reader will read it back: a row the format cannot hold (too long,
+    a name that is not valid Unicode) stops the conversion naming its source line, so a converted
+    trace is always one that kvbench accepts."""
+    for i, r in enumerate(requests):
+        where = {"file": in_path, "line": r.line} if r.line else {"file": in_path}
+        parse_request(r.to_json(), where, i)
+        yield r
+
 
 READERS: dict[str, Callable[..., Iterator[Request]]] = {
     "mooncake": read_mooncake, "azure": read_azure, "burstgpt": read_burstgpt,
@@ -351,7 +376,7 @@ def convert(fmt: str, in_path: str | os.PathLike, out_path: str | os.PathLike,
     requests = READERS[fmt](in_path, report, **options)
     if limit is not None:
         requests = itertools.islice(requests, limit)
-    report.written = write_trace(requests, out_path)
+    report.written = write_trace(_valid(requests, in_path), out_path)
     if report.written == 0:
         os.unlink(out_path)
         raise InputError(f"no requests to write ({report.summary(fmt, out_path)})", file=in_path)

@@ -9,7 +9,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from kvbench.trace.format import Request, iter_trace
-from kvbench.trace.ideal import ideal_hits
+from kvbench.trace.ideal import ideal_hits, radix_ideal_hits
 from kvbench.trace.tokens import TokenStreams
 
 PERCENTILES = (50, 90, 99)
@@ -44,8 +44,9 @@ def _summary(x: np.ndarray) -> dict:
 
 
 def trace_stats(requests: Iterable[Request], block_size: int = 16,
-                streams: TokenStreams | None = None) -> TraceStats:
-    """Statistics of requests taken in the given (trace) order."""
+                streams: TokenStreams | None = None, prefix_mode: str = "hash") -> TraceStats:
+    """Statistics of requests taken in the given (trace) order; the ideal hit rate in whole blocks
+    (``prefix_mode`` hash) or to the token (radix)."""
     prompt_lens: list[int] = []
     output_lens: list[int] = []
     sessions: set[str] = set()
@@ -68,7 +69,11 @@ def trace_stats(requests: Iterable[Request], block_size: int = 16,
                     shared[s.name] = s.length
             yield r
 
-    hits = ideal_hits(observe(requests), block_size, streams)
+    if prefix_mode == "radix":  # two passes over the requests: keep them
+        reqs = list(observe(requests))
+        hits = radix_ideal_hits(reqs, block_size, streams)
+    else:
+        hits = ideal_hits(observe(requests), block_size, streams)
     n = len(prompt_lens)
     return TraceStats(
         requests=n, sessions=len(sessions), samples=tally["samples"],
@@ -79,6 +84,6 @@ def trace_stats(requests: Iterable[Request], block_size: int = 16,
         ideal_hit_tokens=hits.hit_tokens, ideal_hit_rate=round(hits.hit_rate, 6))
 
 
-def inspect_trace(path: str | os.PathLike, block_size: int = 16) -> TraceStats:
+def inspect_trace(path: str | os.PathLike, block_size: int = 16, prefix_mode: str = "hash") -> TraceStats:
     """Read and validate a trace file and return its statistics."""
-    return trace_stats(iter_trace(path), block_size)
+    return trace_stats(iter_trace(path), block_size, prefix_mode=prefix_mode)

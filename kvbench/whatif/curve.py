@@ -10,6 +10,14 @@ more whole blocks than the budget could not run at all: it neither hits nor is s
 tokens still count. The hit rate is hit tokens / prompt tokens over the requests after the warm-up
 fraction; the requests before it only warm the cache.
 
+``prefix_mode="radix"`` answers the same question for SGLang's radix cache at page size = block size:
+whole blocks matched, as above, and node-granular LRU eviction (kvbench.memory.radix.RadixNodes, the
+class PagedKV's radix mode evicts with): a request's new blocks form a node, a match ending inside a
+node splits it, and eviction frees whole least recently used leaf nodes. Driven one request at a
+time, it gives SGLang 0.5.23's own RadixCache's hits (benchmarks/sglang_reference). Its ceiling is
+the block-granular ideal: without partial-block matching, that is all a radix cache of whole pages can
+reach.
+
 Shared with the replay, not copied: the block keys (kvbench.trace.ideal.PrefixKeys), the lookup rule
 (lookup_blocks), the ceiling (IdealCounter), belady's future (kvbench.memory.future.next_uses_from_keys)
 and every eviction decision: the kvbench.memory.policies classes, driven through their batch calls in
@@ -41,6 +49,7 @@ import numpy as np
 
 from kvbench.memory.future import next_uses_from_keys
 from kvbench.memory.policies import CACHE_POLICIES, make_policy
+from kvbench.memory.radix import RadixNodes
 from kvbench.trace.format import Request
 from kvbench.trace.ideal import IdealCounter, PrefixKeys, lookup_blocks
 from kvbench.trace.tokens import TokenStreams
@@ -56,7 +65,9 @@ class BlockTrace:
 
     ``ids[starts[i]:starts[i+1]]``: request i's whole blocks as dense ids (0..distinct_blocks-1, in
     order of first appearance); ``lookups[i]``: how many leading ones it may hit; ``next_use``
-    (aligned with ``ids``, only for belady): the next request that looks each block up.
+    (aligned with ``ids``, only for belady): the next request that looks each block up;
+    ``partial[i]``: its sequence ends inside a block (radix mode reserves that block too, as SGLang
+    allocates the partial last page, and frees it at the end).
     """
 
     block_size: int
@@ -68,6 +79,7 @@ class BlockTrace:
     window_start: int  # first request counted (after the warm-up)
     ceiling_hit_tokens: int  # infinite cache, same window
     next_use: np.ndarray | None = None  # int64 [total blocks]
+    partial: np.ndarray | None = None  # bool [requests]
 
     @property
     def requests(self) -> int:
@@ -107,7 +119,7 @@ def prepare(requests: Sequence[Request], block_size: int, warmup: float = 0.0, *
     keys_of = PrefixKeys(block_size, streams)
     ideal = IdealCounter(block_size)
     start = window_start(len(requests), warmup)
-    keys, prompt_lens, lookups = [], [], []
+    keys, prompt_lens, lookups, partial = [], [], [], []
     ceiling = 0
     for i, r in enumerate(requests):
         k, prompt_len = keys_of(r)
@@ -116,6 +128,8 @@ def prepare(requests: Sequence[Request], block_size: int, warmup: float = 0.0, *
             ceiling += h
         keys.append(k)
         prompt_lens.append(prompt_len)
+        answer = r.output_len - 1 if r.output is not None and r.output_len > 1 else 0
+        partial.append((prompt_len + answer) % block_size != 0)
         lookups.append(min(lookup_blocks(prompt_len, block_size), len(k)))
     starts = np.zeros(len(keys) + 1, dtype=np.int64)
     np.cumsum([len(k) for k in keys], out=starts[1:])
@@ -123,7 +137,7 @@ def prepare(requests: Sequence[Request], block_size: int, warmup: float = 0.0, *
     ids, distinct = pd.factorize(flat)
     bt = BlockTrace(block_size, ids.astype(np.int64, copy=False), starts,
                     np.asarray(lookups, dtype=np.int64), np.asarray(prompt_lens, dtype=np.int64),
-                    len(distinct), start, ceiling)
+                    len(distinct), start, ceiling, partial=np.asarray(partial, dtype=bool))
     if future:
         bt.next_use = _next_uses(bt.ids, starts, bt.lookups)
     return bt
@@ -148,15 +162,22 @@ class Point:
     wall_s: float = field(default=0.0, compare=False)
 
 
+PREFIX_MODES = ("hash", "radix")
+
+
 def simulate(bt: BlockTrace, budget_blocks: int, policy: str,
-             on_request=None) -> Point:
-    """Replay ``bt`` through a cache of ``budget_blocks`` blocks evicting by ``policy``.
+             on_request=None, prefix_mode: str = "hash") -> Point:
+    """Replay ``bt`` through a cache of ``budget_blocks`` blocks evicting by ``policy`` (radix: by
+    node, least recently used: ``policy`` must be lru).
 
     ``on_request(i, hit_blocks)``, if given, is called for every request (tests compare it with a
     PagedKV replay).
     """
     if budget_blocks < 1:
         raise ValueError("budget_blocks must be >= 1")
+    check_mode(prefix_mode, [policy])
+    if prefix_mode == "radix":
+        return _simulate_radix(bt, budget_blocks, on_request)
     t0 = time.perf_counter()
     pol = make_policy(policy, max(bt.distinct_blocks, 1))
     future = bt.future(budget_blocks) if policy == "belady" else None
@@ -209,6 +230,80 @@ def simulate(bt: BlockTrace, budget_blocks: int, policy: str,
                  time.perf_counter() - t0)
 
 
+def check_mode(prefix_mode: str, policies) -> None:
+    if prefix_mode not in PREFIX_MODES:
+        raise ValueError(f"unknown prefix mode {prefix_mode!r} (choose from {', '.join(PREFIX_MODES)})")
+    if prefix_mode == "radix" and any(p != "lru" for p in policies):
+        raise ValueError("radix mode evicts whole nodes by recency (SGLang's lru): give only lru")
+
+
+def _simulate_radix(bt: BlockTrace, budget_blocks: int, on_request=None) -> Point:
+    """``simulate`` with SGLang's radix cache: the calls PagedKV's radix mode (node eviction, whole
+    blocks) makes for one request, on dense ids: take the hits and split their last node where the
+    match ends (allocate), evict whole LRU leaf nodes for the rest (alloc_into), link the stored
+    blocks into one node (register_run; a block whose key is cached already keeps the cached copy,
+    which SGLang's insert walks: ``reinsert``), release them tail first (free). A sequence ending
+    inside a block holds that block too while it runs, as SGLang holds the partial last page."""
+    t0 = time.perf_counter()
+    n_ids = max(bt.distinct_blocks, 1)
+    ref = [0] * n_ids  # 1 while the current request holds the block
+    nodes = RadixNodes(n_ids, ref)
+    cached = np.zeros(bt.distinct_blocks, dtype=bool)
+    n_cached = hit_blocks = evicted = too_large = 0
+    ids, first = bt.ids, bt.window_start
+    starts, lookups = bt.starts.tolist(), bt.lookups.tolist()
+    partial = bt.partial.tolist() if bt.partial is not None else [False] * bt.requests
+    for i in range(bt.requests):
+        s, e = starts[i], starts[i + 1]
+        n = e - s + partial[i]  # the partial last block too, freed at the end
+        if n > budget_blocks:
+            too_large += i >= first
+            if on_request is not None:
+                on_request(i, 0)
+            continue
+        blocks = ids[s:e]
+        look = cached[blocks[:lookups[i]]]
+        h = len(look) if look.all() else int(look.argmin())
+        hl = blocks[:h].tolist()
+        for b in hl:
+            ref[b] = 1
+        if h:
+            nodes.reuse_many(hl)
+            nodes.split_after(hl[-1])
+        short = n - h - (budget_blocks - n_cached)
+        if short > 0:
+            victims = nodes.pop_many(short)  # whole nodes: often more than the shortfall
+            cached[victims] = False
+            n_cached -= len(victims)
+            evicted += len(victims)
+        links, new = [], []
+        parent, again = (hl[-1] if h else -1), False
+        for b in blocks[h:].tolist():
+            if cached[b]:  # computed again: the request's copy stays private
+                if not again:
+                    nodes.reinsert(b, parent)
+                again, parent = True, -1  # what follows hangs off a private block: a root
+                continue
+            links.append((b, parent))
+            new.append(b)
+            ref[b] = 1
+            parent = b
+        if links:
+            nodes.link_run(links, False)
+            cached[new] = True
+            n_cached += len(new)
+        done = hl + new
+        for b in done:
+            ref[b] = 0
+        nodes.release_many(done[::-1])
+        if i >= first:
+            hit_blocks += h
+        if on_request is not None:
+            on_request(i, h)
+    return Point(budget_blocks, "lru", hit_blocks * bt.block_size, evicted, too_large,
+                 time.perf_counter() - t0)
+
+
 # --------------------------------------------------------------------------------- the curve
 
 @dataclass(frozen=True, slots=True)
@@ -231,22 +326,24 @@ def budgets_from_blocks(counts: Sequence[int], block_bytes: int) -> list[Budget]
 _SHARED: BlockTrace | None = None  # what forked workers inherit instead of a pickled copy
 
 
-def _run_point(args: tuple[int, str]) -> Point:
-    return simulate(_SHARED, *args)
+def _run_point(args: tuple[int, str, str]) -> Point:
+    b, p, mode = args
+    return simulate(_SHARED, b, p, prefix_mode=mode)
 
 
 def run_points(bt: BlockTrace, budget_blocks: Sequence[int], policies: Sequence[str],
-               jobs: int = 1) -> dict[tuple[int, str], Point]:
+               jobs: int = 1, prefix_mode: str = "hash") -> dict[tuple[int, str], Point]:
     """Every (budget, policy) point, in ``jobs`` processes (forked: they share ``bt``)."""
     global _SHARED
+    check_mode(prefix_mode, policies)
     # lru is the fastest: start the others first so the last point to finish is short
     points = sorted({(b, p) for b in budget_blocks for p in policies}, key=lambda bp: bp[1] == "lru")
     if jobs <= 1 or len(points) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return {(b, p): simulate(bt, b, p) for b, p in points}
+        return {(b, p): simulate(bt, b, p, prefix_mode=prefix_mode) for b, p in points}
     _SHARED = bt
     try:
         with multiprocessing.get_context("fork").Pool(min(jobs, len(points))) as pool:
-            done = pool.map(_run_point, points, chunksize=1)
+            done = pool.map(_run_point, [(b, p, prefix_mode) for b, p in points], chunksize=1)
     finally:
         _SHARED = None
     return {(pt.budget_blocks, pt.policy): pt for pt in done}
@@ -269,6 +366,7 @@ class WhatIf:
     ceiling: float
     ceiling_hit_tokens: int
     rows: list[dict]
+    prefix_mode: str = "hash"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -277,12 +375,13 @@ class WhatIf:
 def whatif(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str,
            kv_bytes_per_token: int, block_size: int, budgets: Sequence[Budget],
            policies: Sequence[str], warmup: float = 0.5, jobs: int = 1,
-           streams: TokenStreams | None = None) -> WhatIf:
+           streams: TokenStreams | None = None, prefix_mode: str = "hash") -> WhatIf:
     for p in policies:
         if p not in CACHE_POLICIES:
             raise ValueError(f"unknown cache policy {p!r} (choose from {', '.join(CACHE_POLICIES)})")
+    check_mode(prefix_mode, policies)
     bt = prepare(requests, block_size, warmup, future="belady" in policies, streams=streams)
-    points = run_points(bt, [b.blocks for b in budgets], policies, jobs)
+    points = run_points(bt, [b.blocks for b in budgets], policies, jobs, prefix_mode)
     prompt = bt.window_prompt_tokens
     rows = []
     for b in budgets:
@@ -295,7 +394,7 @@ def whatif(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str
                          "evicted_blocks": pt.evicted_blocks, "too_large_requests": pt.too_large})
     return WhatIf(trace, model, kv_dtype, kv_bytes_per_token, block_size, warmup, bt.requests,
                   bt.requests - bt.window_start, prompt, bt.distinct_blocks, bt.ceiling,
-                  bt.ceiling_hit_tokens, rows)
+                  bt.ceiling_hit_tokens, rows, prefix_mode)
 
 
 # --------------------------------------------------------------------------------- outputs
@@ -313,7 +412,7 @@ def to_frame(w: WhatIf):
     import pandas as pd
 
     df = pd.DataFrame(w.rows)
-    for name in ("block_size", "model", "kv_dtype", "kv_bytes_per_token", "warmup", "trace"):
+    for name in ("block_size", "model", "kv_dtype", "kv_bytes_per_token", "warmup", "trace", "prefix_mode"):
         df[name] = getattr(w, name)
     return df[COLUMNS + [c for c in df.columns if c not in COLUMNS]]
 
@@ -352,7 +451,7 @@ def plot(w: WhatIf, path: str) -> None:
     ax.set_ylabel("prefix hit rate (hit tokens / prompt tokens)")
     ax.set_ylim(0, max(0.05, w.ceiling * 1.1, *(r["hit_rate"] * 1.1 for r in w.rows)))
     ax.set_title(f"Prefix hit rate vs KV budget: {os.path.basename(w.trace)}\n"
-                 f"block size {w.block_size}, last {w.window_requests:,} of {w.requests:,} requests "
+                 f"{'radix (SGLang: nodes, lru), ' if w.prefix_mode == 'radix' else ''}block size {w.block_size}, last {w.window_requests:,} of {w.requests:,} requests "
                  f"(warm-up {w.warmup:g})", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
@@ -366,7 +465,8 @@ def table(w: WhatIf):
     from rich.table import Table
 
     policies = list(dict.fromkeys(r["policy"] for r in w.rows))
-    t = Table(title=f"prefix hit rate: {os.path.basename(w.trace)}",
+    t = Table(title=f"prefix hit rate: {os.path.basename(w.trace)}"
+                    + (" (radix: SGLang's node eviction)" if w.prefix_mode == "radix" else ""),
               caption=f"block {w.block_size} tokens; {w.model} {w.kv_dtype}: "
                       f"{w.kv_bytes_per_token:,} B of KV per token; last {w.window_requests:,} of "
                       f"{w.requests:,} requests counted (warm-up {w.warmup:g})")
