@@ -13,7 +13,7 @@ import pytest
 
 from kvbench.cli import main
 from kvbench.cli.replay import REPLAY_OPTIONS
-from kvbench.sweep import default_sweep_dir, expand, parse_grid
+from kvbench.sweep import default_sweep_dir, expand, parse_grid, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = str(REPO / "traces" / "chat.jsonl")
@@ -183,5 +183,31 @@ def test_ray_backend_runs_the_grid(tmp_path):
                         "--json"], capture_output=True, text=True, cwd=REPO, timeout=300,
                        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads(r.stdout)["ran"] == 3
-    assert sorted(pd.read_parquet(out / "sweep.parquet")["run"]) == ["paged-bs16", "paged-bs32", "slab"]
+    assert json.loads(r.stdout)["ran"] == 5  # slab, and paged with and without prefix cache at each size
+    assert sorted(pd.read_parquet(out / "sweep.parquet")["run"]) == [
+        "paged-bs16-pc_off", "paged-bs16-pc_on", "paged-bs32-pc_off", "paged-bs32-pc_on", "slab"]
+
+
+def test_a_sweep_to_a_storage_uri_equals_one_to_a_directory(tmp_path):
+    """--out as a pyarrow filesystem URI (file:// here; s3://, gs://... alike): each run is computed in
+    a temporary directory and its files shipped, so the sweep directory is the same as a local one's."""
+    grid = _grid(executor="sim", model="llama-3-8b", layout="paged,slab", prefix_cache="on,off", limit="6",
+                 max_model_len="8192")
+    run_sweep(TRACE, grid, str(tmp_path / "local"))
+    run_sweep(TRACE, grid, f"file://{tmp_path / 'uri'}")
+    for run in ("paged-pc_on", "paged-pc_off", "slab"):
+        for f in ("steps.parquet", "requests.parquet"):
+            assert pd.read_parquet(tmp_path / "local" / run / f).equals(pd.read_parquet(tmp_path / "uri" / run / f))
+        a, b = (json.loads((tmp_path / d / run / "config.json").read_text()) for d in ("local", "uri"))
+        assert a == b  # the trace is recorded by the driver's path, not the temporary copy's
+    again = run_sweep(TRACE, grid, f"file://{tmp_path / 'uri'}")
+    assert set(again.status.values()) == {"skipped"}
+
+
+def test_a_worker_with_another_kvbench_version_refuses_to_run(tmp_path):
+    from kvbench.errors import RunError
+    from kvbench.sweep.runner import run_shipped
+
+    settings = expand(_grid(executor="sim", limit="2"))[0].settings
+    with pytest.raises(RunError, match="install the same kvbench"):
+        run_shipped(TRACE, TRACE, settings, "x", "0.0.0-other")

@@ -5,20 +5,25 @@ grid, the resume rule and the workers live in kvbench.sweep.runner.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import click
 
 from kvbench.cli.replay import REPLAY_OPTIONS
+from kvbench.cli.types import Count, Finite
 from kvbench.errors import RunError
-from kvbench.sweep import Event, add_comparisons, compares, default_sweep_dir, expand, import_ray, parse_grid, run_sweep
+from kvbench.jsonio import dumps
+from kvbench.sweep import (Event, add_comparisons, compares, default_sweep_dir, expand, import_ray, make_sweep_dir,
+                           parse_grid, preflight, run_sweep)
 
 TABLE = [("output_tok_per_s", "tok/s", "{:.0f}"), ("ttft_ms_p50", "TTFT p50 ms", "{:.1f}"),
          ("e2e_ms_p50", "E2E p50 ms", "{:.0f}"), ("prefix_hit_rate", "hit rate", "{:.3f}"),
          ("internal_frag", "int. frag", "{:.3f}"), ("kv_util", "KV util", "{:.3f}"),
          ("mean_running", "mean running", "{:.1f}"), ("preemptions", "preempt", "{:.0f}")]
+# shown when some configuration evicts tokens
+EVICTION_TABLE = [("evicted_tokens", "evicted", "{:,.0f}"), ("recalled_tokens", "recalled", "{:,.0f}"),
+                  ("attention_mass_kept", "attn mass kept", "{:.3f}")]
 
 
 def grid_options(fn):
@@ -39,7 +44,13 @@ class _Display:
         if not enabled:
             return
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         self.bar = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
@@ -74,20 +85,31 @@ def _print_table(state, out_dir: str, grid: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"kvbench sweep -> {out_dir}")
+    from kvbench.report.words import rows_identical, why_identical
+
+    summaries = [state.summaries.get(c.name) or {} for c in state.configs]
+    columns = list(TABLE)
+    if any(c.settings.get("eviction", "none") != "none" for c in state.configs):
+        columns += EVICTION_TABLE
+    done = [s for s in summaries if s]
+    varying = [n for n, values in grid.items() if len(values) > 1]
+    notes = []
+    if rows_identical(done, [k for k, _, _ in columns]):
+        notes.append(why_identical(varying, done))
+    notes.append(f"charts: kvbench report {out_dir}")
+    t = Table(title=f"kvbench sweep -> {out_dir}", caption="\n".join(notes), caption_justify="left")
     t.add_column("run")
     vs_slab = "slab" in grid.get("layout", ())
     if vs_slab:
         t.add_column("vs slab")
-    for _, label, _ in TABLE:
+    for _, label, _ in columns:
         t.add_column(label, justify="right")
     t.add_column("status")
-    for c in state.configs:
-        s = state.summaries.get(c.name) or {}
-        cells = ["-" if s.get(k) is None else fmt.format(s[k]) for k, _, fmt in TABLE]
+    for c, s in zip(state.configs, summaries):
+        cells = ["-" if s.get(k) is None else fmt.format(s[k]) for k, _, fmt in columns]
         first = [compares(c.settings, grid)] if vs_slab else []
         t.add_row(c.name, *first, *cells, state.status.get(c.name, "pending").split(":")[0])
-    Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160).print(t)
+    Console(file=sys.stdout, width=None if sys.stdout.isatty() else 200).print(t)
 
 
 @click.command(epilog="""
@@ -101,17 +123,22 @@ Re-running the same command resumes: finished configurations are kept, the rest 
 """)
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False))
 @grid_options
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("-j", "--jobs", type=Count(1, 256), default=1, show_default=True,
               help="local worker processes")
-@click.option("--out", "out", type=click.Path(file_okay=False), default=None,
-              help="sweep directory [default: sweeps/<trace>-<hash of the grid>]")
+@click.option("--out", "out", type=str, default=None,
+              help="sweep directory, or a storage URI every Ray node reaches (s3://..., gs://..., any "
+                   "pyarrow filesystem) [default: a directory named after the trace and the grid]")
 @click.option("--backend", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="local processes, or one Ray task per configuration (pip install 'kvbench[ray]')")
 @click.option("--ray-address", default=None,
-              help="Ray cluster to join (e.g. auto, ray://head:10001) [default: start a local one]; "
-                   "the sweep directory must be on a file system every node sees")
+              help="Ray cluster to join (e.g. auto, ray://head:10001) [default: start a local one]; the "
+                   "trace goes to the workers through Ray and their runs come back to --out")
+@click.option("--cpus-per-task", type=Finite(min=0, max=1024), default=1.0, show_default=True,
+              help="ray: CPUs each configuration's task asks for (the model executor also asks one GPU)")
+@click.option("--max-retries", type=Count(0, 100), default=3, show_default=True,
+              help="ray: times a task lost with its node is run again")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
-def sweep(trace, jobs, out, backend, ray_address, as_json, **raw):
+def sweep(trace, jobs, out, backend, ray_address, cpus_per_task, max_retries, as_json, **raw):
     """Replay TRACE under every configuration of a grid: one run directory per distinct
     configuration, plus sweep.parquet (one row per configuration) and sweep.json (the grid)."""
     from kvbench.trace.format import load_trace
@@ -119,24 +146,27 @@ def sweep(trace, jobs, out, backend, ray_address, as_json, **raw):
     grid, notes = add_comparisons(parse_grid(raw, REPLAY_OPTIONS))
     for note in notes:
         click.echo(f"kvbench sweep: {note}", err=True)
-    total = len(expand(grid))  # checks every configuration before anything runs
+    configs = expand(grid)  # checks every configuration before anything runs
+    total = len(configs)
     load_trace(trace, limit=max(grid["limit"]) if "limit" in grid else None)  # bad trace: exit 2 now
     if backend == "ray":
         import_ray()
+    preflight(configs)
     out = out or default_sweep_dir(trace, grid)
+    make_sweep_dir(out)
     click.echo(f"kvbench sweep: {total} configuration{'s' * (total != 1)} -> {out}", err=True)
     display = _Display(total, enabled=sys.stderr.isatty() and not as_json)
     try:
         with display:
-            state = run_sweep(trace, grid, out, jobs=jobs, backend=backend,
-                              ray_address=ray_address, on_event=display)
+            state = run_sweep(trace, grid, out, jobs=jobs, backend=backend, ray_address=ray_address,
+                              on_event=display, cpus_per_task=cpus_per_task, max_retries=max_retries)
     except KeyboardInterrupt:
         click.echo(f"kvbench: interrupted; finished runs kept in {out}; "
                    "run the same command again to resume", err=True)
         sys.exit(130)
     failed = [n for n, st in state.status.items() if st.startswith("failed")]
     if as_json:
-        click.echo(json.dumps({"sweep_dir": out, "configurations": total,
+        click.echo(dumps({"sweep_dir": out, "configurations": total,
                                "ran": sum(st == "done" for st in state.status.values()),
                                "skipped": sum(st == "skipped" for st in state.status.values()),
                                "failed": failed, "parquet": os.path.join(out, "sweep.parquet")}))

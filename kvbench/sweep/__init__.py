@@ -2,7 +2,7 @@
 Ray (runner)."""
 from kvbench.sweep.grid import (NOT_APPLICABLE, Config, add_comparisons, compares, default_sweep_dir, expand,
                                 not_applicable, parse_grid, setting_token)
-from kvbench.sweep.runner import SWEEP_JSON, SWEEP_PARQUET, Event, import_ray, run_sweep
+from kvbench.sweep.runner import SWEEP_JSON, SWEEP_PARQUET, Event, import_ray, make_sweep_dir, preflight, run_sweep
 
 __all__ = ["NOT_APPLICABLE", "Config", "add_comparisons", "compares", "default_sweep_dir", "expand", "not_applicable", "parse_grid",
-           "setting_token", "SWEEP_JSON", "SWEEP_PARQUET", "Event", "import_ray", "run_sweep"]
+           "setting_token", "SWEEP_JSON", "SWEEP_PARQUET", "Event", "import_ray", "make_sweep_dir", "preflight", "run_sweep"]

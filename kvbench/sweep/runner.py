@@ -9,10 +9,9 @@ Runs go to local worker processes (forkserver; each calls kvbench.engine.replay)
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -20,8 +19,8 @@ from typing import Callable
 
 from kvbench import __version__
 from kvbench.engine.config import ReplayConfig
-from kvbench.errors import InputError
-from kvbench.engine.records import write_json
+from kvbench.errors import InputError, RunError
+from kvbench.sweep.store import SweepStore
 from kvbench.sweep.grid import Config, expand, not_applicable
 
 SWEEP_PARQUET = "sweep.parquet"
@@ -30,24 +29,70 @@ SWEEP_JSON = "sweep.json"
 
 # -- running -----------------------------------------------------------------------------------
 def run_one(trace: str, settings: dict, run_dir: str) -> dict:
-    """One configuration into ``run_dir`` (in a worker process or a Ray task); its summary."""
+    """One configuration into ``run_dir`` (in this process or a local worker); its summary."""
     from kvbench.engine.replay import replay
 
     return replay(trace, ReplayConfig(**settings), run_dir)
 
 
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
+def run_shipped(trace: bytes | str, trace_label: str, settings: dict, name: str, driver_version: str,
+                dest: str | None = None) -> tuple[dict, dict[str, bytes] | None]:
+    """One configuration run where the sweep directory may not be (a Ray task on another node, or a
+    sweep whose --out is a storage URI): the trace comes as bytes (or a local path), the run goes to a
+    temporary directory, and its files come back as bytes, or go straight to ``dest`` (a SweepStore
+    location every node reaches). No path of the driver's is opened. -> (summary, files or None)."""
+    from kvbench.engine.replay import replay
+
+    if __version__ != driver_version:
+        raise RunError(f"this worker runs kvbench {__version__} but the driver {driver_version}: install "
+                       "the same kvbench on every node")
+    with tempfile.TemporaryDirectory(prefix="kvbench-task-") as tmp:
+        path = trace
+        if isinstance(trace, bytes):
+            path = os.path.join(tmp, "trace.jsonl")
+            with open(path, "wb") as fh:
+                fh.write(trace)
+        run_dir = os.path.join(tmp, name)
+        summary = replay(path, ReplayConfig(**settings), run_dir, trace_label=trace_label)
+        files = {}
+        for f in sorted(os.listdir(run_dir)):
+            with open(os.path.join(run_dir, f), "rb") as fh:
+                files[f] = fh.read()
+    if dest is not None:
+        SweepStore(dest).put_run(name, files)
+        return summary, None
+    return summary, files
 
 
-def finished_summary(run_dir: str, settings: dict) -> dict | None:
-    """The summary of a complete run of exactly these settings in ``run_dir``, else None."""
-    summary = _read_json(os.path.join(run_dir, "summary.json"))
-    config = _read_json(os.path.join(run_dir, "config.json"))
+def make_sweep_dir(out_dir: str) -> None:
+    SweepStore(out_dir).makedirs()
+
+
+def preflight(configs: list[Config]) -> None:
+    """What would make a configuration fail at once (an unknown model or GPU, an unreadable
+    calibration, no CUDA device) raises InputError before any run starts, once per distinct value."""
+    from kvbench.executors import make_executor
+    from kvbench.executors.presets import get_model
+
+    seen = set()
+    for c in configs:
+        cfg = c.cfg
+        key = (cfg.executor, cfg.model, cfg.gpu, cfg.calibration, cfg.kv_dtype, cfg.device)
+        if key in seen:
+            continue
+        seen.add(key)
+        model = get_model(cfg.model)
+        if cfg.executor == "sim":
+            make_executor(cfg, model)  # cheap: reads the GPU preset and the calibration file
+        elif cfg.device == "cuda":
+            from kvbench.executors.model import resolve_device
+            resolve_device("cuda")
+
+
+def finished_summary(store: SweepStore, name: str, settings: dict) -> dict | None:
+    """The summary of a complete run of exactly these settings in the sweep's run ``name``, else None."""
+    summary = store.read_json(name, "summary.json")
+    config = store.read_json(name, "config.json")
     if not summary or not summary.get("complete") or not config:
         return None
     return summary if config.get("settings") == settings else None
@@ -57,7 +102,7 @@ def finished_summary(run_dir: str, settings: dict) -> dict | None:
 class SweepState:
     """What the sweep knows so far; rewrites sweep.parquet and sweep.json as runs finish."""
 
-    out_dir: str
+    store: SweepStore
     trace: str
     grid: dict[str, list]
     configs: list[Config]
@@ -82,19 +127,18 @@ class SweepState:
             row.update({k: (None if k in unused else v) for k, v in c.settings.items()})
             row.update({k: v for k, v in s.items() if k not in row})
             rows.append(row)
-        path = os.path.join(self.out_dir, SWEEP_PARQUET)
-        tmp = path + ".tmp"
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
-        os.replace(tmp, path)
+        buf = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist(rows), buf)
+        self.store.write_bytes(buf.getvalue().to_pybytes(), SWEEP_PARQUET)
 
     def write_manifest(self) -> None:
-        write_json(os.path.join(self.out_dir, SWEEP_JSON), {
+        self.store.write_json({
             "kvbench": __version__,
             "trace": os.path.abspath(self.trace),
             "grid": self.grid,
             "configurations": [{"run": c.name, "status": self.status.get(c.name, "pending"),
                                 "settings": c.settings} for c in self.configs],
-        })
+        }, SWEEP_JSON)
 
 
 @dataclass
@@ -109,24 +153,27 @@ class Event:
 
 def run_sweep(trace: str, grid: dict[str, list], out_dir: str, *, jobs: int = 1,
               backend: str = "local", ray_address: str | None = None,
-              on_event: Callable[[Event], None] | None = None) -> SweepState:
-    """Run every configuration of ``grid`` not already finished in ``out_dir``."""
+              on_event: Callable[[Event], None] | None = None, cpus_per_task: float = 1,
+              max_retries: int = 3) -> SweepState:
+    """Run every configuration of ``grid`` not already finished in ``out_dir`` (a directory, or a
+    storage URI: see kvbench.sweep.store)."""
     configs = expand(grid)
     if backend == "ray":
         import_ray()  # before anything is written: a missing extra is a usage error
-    os.makedirs(out_dir, exist_ok=True)
-    state = SweepState(out_dir, trace, grid, configs)
+    preflight(configs)
+    store = SweepStore(out_dir)
+    store.makedirs()
+    state = SweepState(store, trace, grid, configs)
     emit = on_event or (lambda e: None)
     todo: list[Config] = []
     for c in configs:
-        run_dir = os.path.join(out_dir, c.name)
-        s = finished_summary(run_dir, c.settings)
+        s = finished_summary(store, c.name, c.settings)
         if s is not None:
             state.summaries[c.name], state.status[c.name] = s, "skipped"
             emit(Event("skip", c.name, s))
             continue
-        if os.path.exists(run_dir):  # interrupted or different settings: start it again cleanly
-            shutil.rmtree(run_dir)
+        if store.exists(c.name):  # interrupted or different settings: start it again cleanly
+            store.remove_run(c.name)
         todo.append(c)
     state.write()
 
@@ -139,12 +186,27 @@ def run_sweep(trace: str, grid: dict[str, list], out_dir: str, *, jobs: int = 1,
             emit(Event("fail", c.name, error=error))
         state.write()
 
-    runner = {"local": _run_local, "ray": _run_ray}[backend]
-    runner(trace, out_dir, todo, jobs, ray_address, emit, finished)
+    if backend == "ray":
+        from kvbench.sweep.ray_backend import run_ray
+
+        run_ray(trace, store, todo, address=ray_address, cpus_per_task=cpus_per_task,
+                max_retries=max_retries, emit=emit, finished=finished)
+    elif store.local is None:  # a storage URI: each run in a temporary directory, then shipped
+        for c in todo:
+            emit(Event("start", c.name))
+            try:
+                summary, _ = run_shipped(trace, os.path.abspath(trace), c.settings, c.name, __version__,
+                                         store.location)
+            except Exception as e:  # one configuration failing must not stop the rest
+                finished(c, None, str(e))
+            else:
+                finished(c, summary, None)
+    else:
+        _run_local(trace, store.local, todo, jobs, emit, finished)
     return state
 
 
-def _run_local(trace, out_dir, todo, jobs, _address, emit, finished) -> None:
+def _run_local(trace, out_dir, todo, jobs, emit, finished) -> None:
     if jobs <= 1:  # in this process: no start-up cost, and Ctrl-C reaches the engine directly
         for c in todo:
             emit(Event("start", c.name))
@@ -238,34 +300,3 @@ def import_ray():
     except ImportError:
         raise InputError("Ray is not installed: pip install 'kvbench[ray]'", field="--backend") from None
     return ray
-
-
-def _run_ray(trace, out_dir, todo, _jobs, address, emit, finished) -> None:
-    ray = import_ray()
-    ray.init(address=address, ignore_reinit_error=True, log_to_driver=False,
-             include_dashboard=False)
-    remote = ray.remote(run_one)
-    refs = {}
-    trace_abs, out_abs = os.path.abspath(trace), os.path.abspath(out_dir)
-    for c in todo:
-        # one GPU per task for the real model; the cost model needs none
-        gpus = 1 if c.cfg.executor == "model" else 0
-        ref = remote.options(num_gpus=gpus, num_cpus=1).remote(
-            trace_abs, c.settings, os.path.join(out_abs, c.name))
-        refs[ref] = c
-        emit(Event("start", c.name))
-    pending = list(refs)
-    try:
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            for ref in done:
-                c = refs[ref]
-                try:
-                    finished(c, ray.get(ref), None)
-                except ray.exceptions.RayTaskError as e:
-                    cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
-                    finished(c, None, str(cause).strip().splitlines()[-1])
-    except BaseException:
-        for ref in pending:
-            ray.cancel(ref)
-        raise
