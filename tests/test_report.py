@@ -1,10 +1,17 @@
-"""``kvbench report``: a sweep, a single run, two traces, eviction runs and a what-if table give an
-index.html with its charts; the page references nothing outside itself and renders in Chromium."""
+"""``kvbench report``: runs group into comparable sections, each chart is drawn only where it says
+something, legends are short words off the data, the ceiling is each group's own, the page references
+nothing outside itself, its headline table fits a 1400-px window in Chromium, and building it raises no
+warning. A scaled-down copy of reports/make_example.sh runs by default; the real script under -m slow."""
+from __future__ import annotations
+
 import json
+import os
 import re
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -14,34 +21,73 @@ from kvbench.cli import main
 from kvbench.cli.replay import REPLAY_OPTIONS
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.replay import replay
+from kvbench.report import charts
+from kvbench.report.data import group, load_inputs
 from kvbench.report.html import build_report
-from kvbench.sweep import parse_grid, run_sweep
+from kvbench.report.words import MAX_LABEL
+from kvbench.sweep import (
+    Config,
+    add_comparisons,
+    default_sweep_dir,
+    parse_grid,
+    run_sweep,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
-SECTION_PNGS = {"memory", "hit_rate", "concurrency", "latency", "timeline"}
 SIM = dict(executor="sim", model="llama-3-8b", max_model_len=8192)
+RAW_KEYS = re.compile(r"\bpc_(on|off)\b|memdefault|\bm_|\bts\d|\blim\d|limdefault|nbdefault|mmldefault")
+
+
+def _sweep(root: Path, name: str, trace: str, **grid) -> None:
+    grid, _ = add_comparisons(parse_grid({k: str(v) for k, v in grid.items()}, REPLAY_OPTIONS))  # as the CLI does
+    run_sweep(str(REPO / "traces" / trace), grid, str(root / name))
+
+
+def _as_model_run(src: Path, dst: Path, eviction: str, mass: float | None) -> None:
+    """A model-executor run (tiny model, CPU, 8 requests) written from a sim run's files, as the
+    engine writes one: the report reads it from config.json and summary.json."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["settings"].update(executor="model", model="tiny", limit=8, kv_mem=None, eviction=eviction)
+    config["trace"]["requests"] = 8
+    config["environment"]["device_name"] = "cpu"
+    (dst / "config.json").write_text(json.dumps(config))
+    summary = json.loads((dst / "summary.json").read_text())
+    summary.update(attention_mass_kept=mass, kv_capacity_tokens=524288,
+                   evicted_tokens=0 if eviction == "none" else 7000, recalled_tokens=57 * (eviction == "infinigen"))
+    (dst / "summary.json").write_text(json.dumps(summary))
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """A small chat sweep (4 paged + 1 slab), one agent run, one eviction run, one what-if table."""
+    """The example's shape, small: a chat sweep (paged/slab x block size x prefix cache), an agent
+    sweep over cache policies, an agent eviction sweep that shares one configuration with it, three
+    model-executor eviction runs, chat runs that differ from the sweep in one comparable key each
+    (requests, KV pool, time scale, GPU, model, executor), a what-if table."""
     root = tmp_path_factory.mktemp("report-data")
-    grid = parse_grid({"layout": "paged,slab", "block_size": "16,64", "prefix_cache": "on,off",
-                       "executor": "sim", "model": "llama-3-8b", "max_model_len": "8192",
-                       "kv_mem": "4GiB", "time_scale": "0.1", "limit": "40"}, REPLAY_OPTIONS)
-    run_sweep(str(REPO / "traces/chat.jsonl"), grid, str(root / "sweep"))
-    replay(str(REPO / "traces/agent.jsonl"), ReplayConfig(**SIM, limit=15), str(root / "agent-run"))
-    # An eviction run, written as the engine will write one, from a real run's files: the report
-    # must show its section from config.json and summary.json alone.
-    ev = root / "agent-h2o"
-    shutil.copytree(root / "agent-run", ev)
-    config = json.loads((ev / "config.json").read_text())
-    config["settings"].update(eviction="h2o", kv_budget=0.25)
-    (ev / "config.json").write_text(json.dumps(config))
-    summary = json.loads((ev / "summary.json").read_text())
-    summary.update(evicted_tokens=12000, recalled_tokens=3000, attention_mass_kept=0.91)
-    (ev / "summary.json").write_text(json.dumps(summary))
+    _sweep(root, "chat", "chat.jsonl", layout="paged,slab", block_size="16,64", **SIM, kv_mem="4GiB",
+           time_scale=0.1, limit=40)
+    agent = dict(SIM, max_model_len=16384, kv_mem="3GiB", limit=15)
+    _sweep(root, "agent", "agent.jsonl", layout="paged,slab", block_size="16,64", cache_policy="lru,belady", **agent)
+    _sweep(root, "agent-eviction", "agent.jsonl", eviction="none,h2o", kv_budget=0.2, **agent)
+    model = root / "agent-eviction-model"
+    model.mkdir()
+    for name, mass in (("none", None), ("h2o", 0.946), ("infinigen", 0.986)):
+        _as_model_run(root / "agent-eviction" / ("paged-h2o" if name != "none" else "paged-none"),
+                      model / f"paged-{name}", name, mass)
+    # the chat sweep's paged bs16 again, each time with one thing that forbids comparing it with the sweep
+    for name, change in (("chat-first-20", dict(limit=20)), ("chat-8GiB", dict(kv_mem="8GiB")),
+                         ("chat-ts0.2", dict(time_scale=0.2)), ("chat-h100", dict(gpu="h100")),
+                         ("chat-qwen", dict(model="qwen2.5-7b"))):
+        replay(str(REPO / "traces/chat.jsonl"), ReplayConfig(**{**SIM, "kv_mem": "4GiB", "time_scale": 0.1,
+                                                                "limit": 40, **change}), str(root / name))
+    # and on the other executor, everything else equal (the device named as the sim's GPU)
+    shutil.copytree(root / "chat" / "paged-bs16-pc_on", root / "chat-model-executor")
+    config = json.loads((root / "chat-model-executor" / "config.json").read_text())
+    config["settings"]["executor"] = "model"
+    config["environment"]["device_name"] = "h200"
+    (root / "chat-model-executor" / "config.json").write_text(json.dumps(config))
     wi = root / "whatif"
     wi.mkdir()
     budgets = 2.0 ** np.arange(26, 34)
@@ -52,57 +98,272 @@ def data(tmp_path_factory):
     return root
 
 
-def _pngs(out: Path) -> set[str]:
-    return {p.name for p in out.glob("*.png")}
-
-
 @pytest.fixture(scope="module")
-def sweep_report(data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("report") / "sweep"
-    build_report([str(data / "sweep")], str(out))
-    return out
+def example(data, tmp_path_factory):
+    """The report of everything in ``data``, built with every warning an error."""
+    out = tmp_path_factory.mktemp("report") / "example"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rep = build_report([str(data)], str(out))
+    inputs = _inputs([str(data)])
+    return SimpleNamespace(out=out, rep=rep, page=(out / "index.html").read_text(), inputs=inputs,
+                           figures=list(_figures(inputs)))
 
 
-def test_report_of_a_sweep(sweep_report):
-    assert _pngs(sweep_report) == {f"chat-{s}.png" for s in SECTION_PNGS}  # no eviction: no section
-    page = (sweep_report / "index.html").read_text()
-    assert page.count("<h2") == 1 and "Trace chat.jsonl" in page
-    assert len(re.findall(r"<img [^>]*src='data:image/png;base64,", page)) == len(SECTION_PNGS)
-    # the headline table comes first, with every configuration and its ratio to the slab
-    assert page.index("Headline") < page.index("<figure")
-    for name in ("paged-bs16-pc_on", "paged-bs64-pc_off", "slab"):
-        assert f"<td class=name>{name}</td>" in page
-    assert "× slab" in page and "1.00×" in page
-    assert "llama-3-8b" in page and "git_commit" in page  # settings and versions
+def _inputs(paths):
+    inputs = load_inputs(paths)
+    charts.assign_styles(inputs.sections)
+    return inputs
+
+
+# -- the invariants, shared with the slow test over the real example ----------------------------
+def _group_key(run_dir: Path) -> tuple:
+    """What must be equal for two runs to be compared, read straight from config.json."""
+    c = json.loads((run_dir / "config.json").read_text())
+    s = c["settings"]
+    hardware = s.get("gpu") if s.get("executor") == "sim" else c["environment"].get("device_name")
+    return (c["trace"]["sha256"], c["trace"]["requests"], s["model"], s["executor"], hardware,
+            s["time_scale"], s.get("kv_mem"), s.get("num_blocks"))
+
+
+def _figures(inputs):
+    """(section, chart name, figure) for every chart a section draws."""
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    with matplotlib.rc_context(charts.RC):
+        for section in inputs.sections:
+            for stem, _, chart in charts.SECTION_CHARTS:
+                fig = chart(section)
+                if fig is not None:
+                    FigureCanvasAgg(fig).draw()  # lays out: every bounding box below is final
+                    yield section, stem, fig
+
+
+def _overlap(a, b) -> bool:
+    return min(a.x1, b.x1) - max(a.x0, b.x0) > 0.5 and min(a.y1, b.y1) - max(a.y0, b.y0) > 0.5
+
+
+def check_report(page: str, inputs, figures, run_dirs: list[Path]) -> None:
+    # one section per comparable group, each group's runs agreeing on every key
+    keys = {_group_key(d) for d in run_dirs}
+    sections = [m for m in re.findall(r"<h2 id='([^']+)'", page)]
+    assert len(sections) == len(inputs.sections) == len(keys), (sections, len(keys))
+    for section in inputs.sections:
+        assert len({_group_key(Path(r.dir)) for r in section.runs}) == 1, section.title
+        # the ceiling is the group's own: the best ideal of its runs (summary.json), beaten by none of them
+        summaries = [json.loads((Path(r.dir) / "summary.json").read_text()) for r in section.runs]
+        ideals = [s["ideal_hit_rate"] for s in summaries if s.get("ideal_hit_rate") is not None]
+        assert section.ceiling == (max(ideals) if ideals else None), section.title
+        hits = [s["prefix_hit_rate"] for s, r in zip(summaries, section.runs) if r.setting("prefix_cache")]
+        if hits and section.ceiling is not None:
+            assert section.ceiling >= max(hits) - 1e-12, (section.title, section.ceiling, max(hits))
+        for r in section.runs:
+            assert len(r.label) <= MAX_LABEL and not RAW_KEYS.search(r.label), r.label
+    for section, stem, fig in figures:
+        renderer = fig.canvas.get_renderer()
+        visible = [ax for ax in fig.axes if ax.get_visible()]
+        legends = list(fig.legends) + [ax.get_legend() for ax in visible if ax.get_legend() is not None]
+        for leg in legends:
+            for text in leg.get_texts():
+                assert len(text.get_text()) <= MAX_LABEL, (stem, text.get_text())
+            box = leg.get_window_extent(renderer)
+            for ax in visible:
+                assert not _overlap(box, ax.get_window_extent(renderer)), (section.slug, stem, "legend on an axes")
+        for ax in visible:
+            for tick in ax.get_yticklabels():
+                assert len(tick.get_text()) <= MAX_LABEL, (stem, tick.get_text())
+            for line in ax.get_lines():
+                if line.get_linestyle() in ("None", "", " ") or line.get_transform() != ax.transData:
+                    continue  # markers only, or a reference line across the axes
+                xs = np.asarray(line.get_xdata(), float)
+                assert len(np.unique(xs[np.isfinite(xs)])) >= 2, (section.slug, stem, line.get_label(),
+                                                                   "a single x value drawn as a line")
+            if stem == "overview":
+                for line in ax.get_lines():
+                    if line.get_gid() == "ceiling":
+                        assert line.get_xdata()[0] == pytest.approx(100 * section.ceiling)
+
+
+def _run_dirs(root: Path) -> list[Path]:
+    return sorted({p.parent for p in root.rglob("summary.json")})
+
+
+def test_example_report_invariants(example, data):
+    # the agent-eviction sweep's 'none' run is the agent sweep's bs16 lru configuration: merged
+    run_dirs = [d for d in _run_dirs(data) if not (d.name == "paged-none" and d.parent.name == "agent-eviction")]
+    check_report(example.page, example.inputs, example.figures, run_dirs)
+    assert "agent-eviction/paged-none has the same settings" in example.page.replace(str(data) + "/", "")
+
+
+# -- grouping, labels, ratios -------------------------------------------------------------------
+CHAT40 = ("chat.jsonl · llama-3-8b, sim cost model of H200 · 4GiB KV pool · 40 requests · arrival times x0.1",)
+CHAT20 = ("chat.jsonl", 20)
+
+
+def _section(inputs, title_part: str, requests: int | None = None):
+    found = [s for s in inputs.sections if title_part in s.title
+             and (requests is None or f"· {requests} requests" in s.title)]
+    assert len(found) == 1, [s.title for s in inputs.sections]
+    return found[0]
+
+
+def test_runs_that_are_not_comparable_are_apart(example):
+    chat40 = _section(example.inputs, *CHAT40)
+    chat20 = _section(example.inputs, *CHAT20)
+    model = _section(example.inputs, "tiny, model executor")
+    assert len(chat40.runs) == 5 and len(chat20.runs) == 1 and len(model.runs) == 3
+    # labels in words, only the settings that vary in the group
+    assert [r.label for r in chat40.runs] == ["slab", "paged bs16", "paged bs16 +prefix", "paged bs64",
+                                               "paged bs64 +prefix"]
+    assert [r.label for r in model.runs] == ["no eviction", "h2o", "infinigen"]
+    assert chat20.runs[0].label == "paged bs16 +prefix"  # alone: described, not blank
+    # ratios to slab only where the group has one
+    text = {s.slug: example.page.split(f"<h2 id='{s.slug}'>")[1].split("<h2")[0] for s in example.inputs.sections}
+    assert "× slab" in text[chat40.slug] and "1.00× slab" not in text[chat40.slug]
+    assert "× slab" not in text[chat20.slug] and "× slab" not in text[model.slug]
+
+
+def test_a_setting_the_report_does_not_know_varies_inside_a_group(example):
+    """A setting added to ReplayConfig after this report was written (tp_new) splits nothing and is
+    named; one an older run lacks (watermark) reads as its default."""
+    from kvbench.report.data import Run
+
+    r0, r1 = [r for r in _section(example.inputs, *CHAT40).runs if not r.is_baseline][:2]
+    a = Run(r0.dir, "a", {**r0.config, "settings": {**r0.settings, "tp_new": 1}}, r0.summary)
+    b = Run(r0.dir, "b", {**r0.config, "settings": {**r0.settings, "tp_new": 2}}, r0.summary)
+    old = Run(r1.dir, "old", {**r1.config, "settings": {k: v for k, v in r1.settings.items() if k != "watermark"}},
+              r1.summary)
+    (section,) = group([a, b, old])
+    assert "tp_new" in section.varying and "watermark" not in section.varying
+    assert "tp new 1" in a.label and "tp new 2" in b.label
+
+
+def test_styles_are_one_per_configuration(example):
+    for section in example.inputs.sections:
+        styles = [(r.color, r.marker) for r in section.runs]
+        assert len(set(styles)) == len(styles), section.title
+        assert all((r.color == "black") == r.is_baseline for r in section.runs)
+    # a label seen in two groups keeps its colour
+    by_label: dict[str, set] = {}
+    for section in example.inputs.sections:
+        for r in section.runs:
+            by_label.setdefault(r.label, set()).add(r.color)
+    assert by_label["paged bs16 +prefix"] and len(by_label["paged bs16 +prefix"]) == 1
+
+
+# -- which charts ------------------------------------------------------------------------------
+def test_charts_follow_what_varies(example):
+    pngs = {p.name for p in example.out.glob("*.png")}
+    slug = {name: _section(example.inputs, *args).slug for name, args in
+            (("chat40", CHAT40), ("chat20", CHAT20), ("model", ("tiny, model executor",)),
+             ("agent", ("agent.jsonl · llama",)))}
+    assert f"{slug['chat40']}-block_size.png" in pngs and f"{slug['agent']}-block_size.png" in pngs
+    assert f"{slug['chat20']}-block_size.png" not in pngs and f"{slug['model']}-block_size.png" not in pngs
+    assert f"{slug['chat40']}-eviction.png" not in pngs and f"{slug['model']}-eviction.png" in pngs
+    assert all(f"{s}-overview.png" in pngs for s in slug.values())
+    figs = {(s.slug, stem): fig for s, stem, fig in example.figures}
+    # the sim eviction group has no attention-mass panel (nothing measured); the model group has one
+    assert len(figs[(slug["agent"], "eviction")].axes) == 1
+    assert len(figs[(slug["model"], "eviction")].axes) == 2
+    # concurrency: one axes for 3 runs, one panel per run for more
+    assert len([a for a in figs[(slug["model"], "concurrency")].axes if a.get_visible()]) == 1
+    agent_runs = len(_section(example.inputs, "agent.jsonl · llama").runs)
+    assert len([a for a in figs[(slug["agent"], "concurrency")].axes if a.get_visible()]) == agent_runs
+    # the memory timeline of runs that used a sliver of a huge pool is scaled to what they used
+    model = _section(example.inputs, "tiny, model executor")
+    ax = figs[(slug["model"], "timeline")].axes[0]
+    used = max(r.summary["peak_slots_allocated"] for r in model.runs)
+    assert ax.get_ylim()[1] < 0.5 * 524288 and ax.get_ylim()[1] >= used
 
 
 def test_report_of_a_single_run_via_cli(data, tmp_path, capsys):
     out = tmp_path / "one"
-    main(["report", str(data / "agent-run"), "--out", str(out)])
+    main(["report", str(data / "chat-first-20"), "--out", str(out)])
     assert capsys.readouterr().out.strip() == str(out / "index.html")
-    assert _pngs(out) == {f"agent-{s}.png" for s in SECTION_PNGS}
+    assert {p.name for p in out.glob("*.png")} == {f"chat-{s}.png" for s in ("overview", "latency", "timeline",
+                                                                             "concurrency")}
     page = (out / "index.html").read_text()
-    assert "agent-run" in page and "× slab" not in page  # no baseline, no ratios
+    assert "chat-first-20" in page and "× slab" not in page
 
 
-def test_two_traces_eviction_and_whatif(data, tmp_path):
-    out = tmp_path / "all"
-    rep = build_report([str(data)], str(out))  # a directory holding runs, a sweep and a what-if
-    page = (out / "index.html").read_text()
-    assert page.count("<h2 id='chat'>") == 1 and page.count("<h2 id='agent'>") == 1
-    assert "agent-eviction.png" in rep.charts and "chat-eviction.png" not in rep.charts
-    assert "whatif-1.png" in rep.charts and "What-if: whatif" in page
-    assert {"h2o", "n/a"} <= set(re.findall(r"<td>([^<]*)</td>", page))
+def test_report_without_dirs_reads_runs(data, tmp_path, monkeypatch, capsys):
+    (tmp_path / "runs" / "nested").mkdir(parents=True)
+    shutil.copytree(data / "chat", tmp_path / "runs" / "nested" / "chat-sweep-0")  # two levels down
+    monkeypatch.chdir(tmp_path)
+    main(["report"])
+    assert capsys.readouterr().out.strip() == os.path.join("reports", "runs", "index.html")
+    assert (tmp_path / "reports" / "runs" / "chat-overview.png").exists()
+    assert default_sweep_dir("traces/chat.jsonl", {"layout": ["paged", "slab"]}).startswith(
+        os.path.join("runs", "chat-sweep-"))
 
 
-def test_bad_report_input_is_one_line_exit_2(tmp_path, capsys):
+def test_a_run_where_nothing_ran_gets_no_empty_charts(tmp_path):
+    """Every request rejected (longer than --max-model-len): no steps, no latencies; the report says
+    so in its headline and draws no empty time series, without a warning."""
+    trace = tmp_path / "long.jsonl"
+    trace.write_text('{"t": 0, "prompt": [{"unique": 100}], "output_len": 4}\n')
+    replay(str(trace), ReplayConfig(**{**SIM, "max_model_len": 50}), str(tmp_path / "run"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rep = build_report([str(tmp_path / "run")], str(tmp_path / "rep"))
+    assert rep.charts == ["long-overview.png"]
+
+
+def test_bad_report_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit) as e:
         main(["report", str(tmp_path / "empty"), "--out", str(tmp_path / "r")])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "empty" in err[0]
+    monkeypatch.chdir(tmp_path)  # no runs/ here
+    with pytest.raises(SystemExit) as e:
+        main(["report"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "runs" in err[0]
 
 
+# -- the sweep's table -------------------------------------------------------------------------
+def _table(capsys, grid: dict, rows: list[tuple[dict, dict]]) -> str:
+    from kvbench.cli.sweep import _print_table
+
+    configs = [Config(f"c{i}", ReplayConfig(**s)) for i, (s, _) in enumerate(rows)]
+    state = SimpleNamespace(configs=configs, summaries={c.name: m for c, (_, m) in zip(configs, rows)},
+                            status={c.name: "done" for c in configs})
+    _print_table(state, "runs/x-sweep-1", grid)
+    return capsys.readouterr().out
+
+
+def test_sweep_table_eviction_columns_and_identical_rows(capsys):
+    base = {"output_tok_per_s": 100.0, "ttft_ms_p50": 5.0, "e2e_ms_p50": 50.0, "prefix_hit_rate": 0.5,
+            "internal_frag": 0.01, "kv_util": 0.2, "mean_running": 3.0, "preemptions": 0,
+            "evicted_tokens": 0, "recalled_tokens": 0, "attention_mass_kept": None, "cache_evictions": 0}
+    out = _table(capsys, {"cache_policy": ["lru", "fifo"]},
+                 [({"cache_policy": "lru"}, dict(base)), ({"cache_policy": "fifo"}, dict(base))])
+    assert "Every row is the same although cache policy varied" in out and "cache_evictions = 0" in out
+    assert "evicted" not in out and "kvbench report runs/x-sweep-1" in out
+    out = _table(capsys, {"eviction": ["none", "h2o"]},
+                 [({"eviction": "none"}, dict(base)),
+                  ({"eviction": "h2o"}, {**base, "evicted_tokens": 1234, "attention_mass_kept": 0.95})])
+    assert "evicted" in out and "1,234" in out and "0.950" in out and "Every row" not in out
+
+
+def test_headline_says_why_identical_rows_are_identical(example):
+    """Two cache policies that never had to choose give the same figures: the table says why."""
+    from kvbench.report.data import Run
+    from kvbench.report.html import _headline
+
+    r = _section(example.inputs, *CHAT20).runs[0]
+    runs = [Run(r.dir, p, {**r.config, "settings": {**r.settings, "cache_policy": p}}, {**r.summary, "cache_evictions": 0})
+            for p in ("lru", "fifo")]
+    (section,) = group(runs)
+    table = _headline(section)
+    assert "Every row is the same although cache policy varied" in table and "cache_evictions = 0" in table
+    runs[1].summary["output_tok_per_s"] *= 2
+    assert "Every row" not in _headline(group(runs)[0])
+
+
+# -- the page ----------------------------------------------------------------------------------
 EXTERNAL = [
     re.compile(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", re.I),  # remote or protocol-relative
     re.compile(r"<script\b[^>]*\bsrc\s*=", re.I),
@@ -113,12 +374,12 @@ EXTERNAL = [
 ]
 
 
-def test_page_references_nothing_outside_itself(sweep_report):
-    page = (sweep_report / "index.html").read_text()
+def test_page_references_nothing_outside_itself(example):
     for pattern in EXTERNAL:
-        assert not pattern.search(page), pattern.pattern
-    srcs = re.findall(r"""\bsrc\s*=\s*["']([^"']*)""", page)
+        assert not pattern.search(example.page), pattern.pattern
+    srcs = re.findall(r"""\bsrc\s*=\s*["']([^"']*)""", example.page)
     assert srcs and all(s.startswith("data:image/png;base64,") for s in srcs)
+    assert len(srcs) == len(example.rep.charts)
 
 
 def _near(img: np.ndarray, hex_color: str, tol: float = 0.08) -> int:
@@ -126,23 +387,53 @@ def _near(img: np.ndarray, hex_color: str, tol: float = 0.08) -> int:
     return int((np.abs(img[..., :3] - rgb).max(axis=-1) < tol).sum())
 
 
+def _chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                           "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                           "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", *args],
+                          capture_output=True, timeout=120, check=True, text=True)
+
+
+# Appended to a copy of the page (the report itself has no script): every headline table must fit its
+# box at the window's width, with nothing to scroll sideways.
+FIT_PROBE = ("<script>document.title = Array.from(document.querySelectorAll('table.headline')).map("
+             "t => t.parentElement.scrollWidth <= t.parentElement.clientWidth + 1 ? 'fits' : 'overflows').join(',')"
+             "</script>")
+
+
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} missing: apt-get install chromium")
-def test_chromium_renders_the_charts(sweep_report, tmp_path):
+def test_chromium_renders_the_charts_and_the_headline_fits_1400px(example, tmp_path):
     from matplotlib.image import imread
 
     shot = tmp_path / "shot.png"
-    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                    "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                    "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}",
-                    "--window-size=1200,3000", (sweep_report / "index.html").resolve().as_uri()],
-                   capture_output=True, timeout=120, check=True)
+    _chromium(tmp_path, f"--screenshot={shot}", "--window-size=1400,3000", (example.out / "index.html").as_uri())
     img = imread(shot)  # float RGB(A) in [0, 1]
-    assert img.shape[:2] == (3000, 1200)
+    assert img.shape[:2] == (3000, 1400)
     white = (img[..., :3].min(axis=-1) > 0.97).mean()
     assert white < 0.9, f"page is {white:.0%} white"
-    colours = len(np.unique((img[..., :3] * 255).astype(np.uint8).reshape(-1, 3), axis=0))
-    assert colours > 200, f"only {colours} distinct colours"
-    # The charts' own colours: matplotlib's blue and orange lines, the orange 'cached' stack.
-    # Nothing else on the page (text, tables, links) is drawn in them, so they prove the images
-    # were decoded and painted, not shown as broken-image icons.
-    assert _near(img, "#1f77b4") > 2000 and _near(img, "#ff7f0e") > 1000
+    # the charts' own colours (matplotlib's blue and orange): drawn only by decoded images
+    assert _near(img, "#1f77b4") > 500 and _near(img, "#ff7f0e") > 300
+    probe = tmp_path / "probe.html"
+    probe.write_text(example.page.replace("</body>", FIT_PROBE + "</body>"))
+    dom = _chromium(tmp_path, "--window-size=1400,1000", "--dump-dom", probe.as_uri()).stdout
+    verdicts = re.search(r"<title>([^<]*)</title>", dom).group(1).split(",")
+    assert len(verdicts) == len(example.inputs.sections) and set(verdicts) == {"fits"}, verdicts
+
+
+# -- the real example (minutes) ----------------------------------------------------------------
+@pytest.mark.slow
+def test_make_example_report(tmp_path):
+    """reports/make_example.sh as shipped, into a temporary directory; its report rebuilt with every
+    warning an error and held to the same invariants."""
+    env = {**os.environ, "KVBENCH_EXAMPLE_RUNS": str(tmp_path / "runs"), "KVBENCH_EXAMPLE_OUT": str(tmp_path / "r")}
+    subprocess.run(["bash", str(REPO / "reports" / "make_example.sh")], env=env, check=True, capture_output=True,
+                   timeout=1800)
+    runs = tmp_path / "runs"
+    paths = [str(p) for p in sorted(runs.iterdir())]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_report(paths, str(tmp_path / "again"))
+    inputs = _inputs(paths)
+    kept = {r.dir for s in inputs.sections for r in s.runs}
+    check_report((tmp_path / "again" / "index.html").read_text(), inputs, list(_figures(inputs)),
+                 [d for d in _run_dirs(runs) if str(d) in kept])

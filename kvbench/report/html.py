@@ -1,9 +1,10 @@
 """The report: PNG charts and one self-contained ``index.html`` for runs, sweeps and what-if tables.
 
 The page opens offline: images are base64 data URIs, the CSS is inline, there is no script, font or
-stylesheet to fetch. Each trace gets a section that opens with the headline table (every
-configuration, and its ratios to the slab baseline when one is present), then a few findings, the
-charts (report.charts), and the settings and versions of the runs (config.json).
+stylesheet to fetch. Each comparable group of runs (report.data.COMPARABLE) gets a section that opens
+with the headline table (every configuration by its label, ratios to the group's slab baseline), a
+few findings, the charts chosen for the group (report.charts), and the settings and versions of the
+runs (config.json).
 """
 from __future__ import annotations
 
@@ -13,38 +14,47 @@ import os
 from dataclasses import dataclass, field
 
 from kvbench import __version__
-from kvbench.report.charts import SECTION_CHARTS, render, whatif
-from kvbench.report.data import BASELINE, Inputs, Run, Section, load_inputs
+from kvbench.errors import InputError
+from kvbench.report.charts import SECTION_CHARTS, assign_styles, render, whatif
+from kvbench.report.data import BASELINE, COMPARABLE, Inputs, Run, Section, load_inputs
+from kvbench.report.words import rows_identical, setting_words, why_identical
 
-# (summary key, header, format, higher is better) -- the headline table, in this order
+
+def _ms(v: float) -> str:
+    return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 100 else f"{v:,.0f}"
+
+
+# (summary key, header, format, higher is better, ratio to the baseline shown) -- the headline table
 HEADLINE = [
-    ("output_tok_per_s", "output tok/s", "{:,.0f}", True),
-    ("mean_running", "mean running seqs", "{:.1f}", True),
-    ("peak_running", "peak running seqs", "{:.0f}", True),
-    ("ttft_ms_p50", "TTFT p50 (ms)", "{:,.1f}", False),
-    ("tpot_ms_p50", "TPOT p50 (ms)", "{:.2f}", False),
-    ("e2e_ms_p50", "E2E p50 (ms)", "{:,.0f}", False),
-    ("prefix_hit_rate", "prefix hit rate", "{:.1%}", True),
-    ("internal_frag", "internal frag.", "{:.1%}", False),
-    ("kv_util", "KV util", "{:.1%}", True),
-    ("preemptions", "preemptions", "{:.0f}", False),
+    ("output_tok_per_s", "output tok/s", "{:,.0f}".format, True, True),
+    ("mean_running", "mean running seqs", "{:.1f}".format, True, True),
+    ("peak_running", "peak running seqs", "{:.0f}".format, True, False),
+    ("ttft_ms_p50", "TTFT p50 (ms)", _ms, False, True),
+    ("ttft_ms_p99", "TTFT p99 (ms)", _ms, False, False),
+    ("tpot_ms_p50", "TPOT p50 (ms)", _ms, False, False),
+    ("tpot_ms_p99", "TPOT p99 (ms)", _ms, False, False),
+    ("e2e_ms_p50", "E2E p50 (ms)", _ms, False, True),
+    ("prefix_hit_rate", "prefix hit rate", "{:.1%}".format, True, False),
+    ("internal_frag", "internal frag.", "{:.1%}".format, False, False),
+    ("kv_util", "KV util", "{:.1%}".format, True, False),
+    ("preemptions", "preempt&shy;ions", "{:,.0f}".format, False, False),
 ]
-# the ratios to the baseline shown first, as "× slab"
-RATIOS = [("output_tok_per_s", "throughput"), ("mean_running", "mean concurrency"),
-          ("ttft_ms_p50", "TTFT p50"), ("e2e_ms_p50", "E2E p50")]
 ENVIRONMENT = ["kvbench", "git_commit", "python", "torch", "triton", "transformers", "device_name"]
+KEY_WORDS = {"trace": "trace", "requests": "requests replayed", "model": "model", "executor": "executor",
+             "hardware": "GPU (or device)", "time_scale": "arrival time scale", "kv_pool": "KV pool size"}
 
 CSS = """
 body{font-family:-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;margin:24px auto;max-width:1180px;
 color:#222;line-height:1.4;padding:0 16px}
-h1{font-size:22px;margin-bottom:4px}h2{font-size:19px;border-bottom:2px solid #ddd;padding-bottom:4px;
+h1{font-size:22px;margin-bottom:4px}h2{font-size:18px;border-bottom:2px solid #ddd;padding-bottom:4px;
 margin-top:36px}h3{font-size:15px;margin:22px 0 6px}
-.meta{color:#666;font-size:13px}
+.meta{color:#666;font-size:13px}.note{font-size:13px;background:#fff8e1;padding:4px 8px;border-left:3px solid #f0b400}
 table{border-collapse:collapse;font-size:12px;margin:6px 0 12px}
 th,td{border:1px solid #ddd;padding:3px 5px;text-align:right;white-space:nowrap}
-th{background:#f3f5f8;white-space:normal;max-width:76px;vertical-align:bottom;font-weight:600}td.name,th.name{text-align:left}
+th{background:#f3f5f8;white-space:normal;max-width:76px;vertical-align:bottom;font-weight:600}
+td.name,th.name{text-align:left}td.path{white-space:normal;word-break:break-all;text-align:left;font-size:11px}
 tr.baseline td{background:#fafafa;font-style:italic}
-td.up{color:#11702f;font-weight:600}td.down{color:#a11d1d}
+span.x{display:block;font-size:11px}span.up{color:#11702f;font-weight:600}span.down{color:#a11d1d}
 figure{margin:14px 0 22px}figure img{max-width:100%;border:1px solid #eee}
 figcaption{font-size:13px;color:#555}
 ul.findings{font-size:14px}
@@ -57,15 +67,31 @@ class Report:
     out_dir: str
     index: str
     charts: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # inputs left out, one line each
 
 
-def build_report(paths: list[str], out_dir: str, title: str = "kvbench report") -> Report:
-    """Load ``paths`` (runs, sweeps, what-if tables), write the PNGs and index.html into ``out_dir``."""
-    inputs = load_inputs(paths)
-    os.makedirs(out_dir, exist_ok=True)
-    report = Report(out_dir, os.path.join(out_dir, "index.html"))
+def build_report(paths: list[str], out_dir: str, title: str = "kvbench report", on_bad: str = "skip") -> Report:
+    """Load ``paths`` (runs, sweeps, what-if tables), write the PNGs and index.html into ``out_dir``.
+    ``on_bad``: leave out ("skip") or stop at ("stop") an input that cannot be read."""
+    inputs = load_inputs(paths, on_bad)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise InputError("is not a directory (or lies under a file)", file=out_dir, field="--out") from None
+    except OSError as e:
+        raise InputError(f"cannot create the report directory ({e.strerror or e})", file=out_dir,
+                         field="--out") from None
+    report = Report(out_dir, os.path.join(out_dir, "index.html"), skipped=inputs.skipped)
+    assign_styles(inputs.sections)
     body = [f"<h1>{_e(title)}</h1>",
             f"<p class=meta>kvbench {_e(__version__)} · {_describe_inputs(inputs)}</p>"]
+    if inputs.sections:
+        body.append("<p class=meta>Runs are compared only inside a group: the same "
+                    + ", ".join(_e(KEY_WORDS.get(k, k)) for k, _ in COMPARABLE)
+                    + ". Every other setting may vary inside a group, and a configuration is named by the "
+                    "settings that do. Metric definitions: docs/metrics.md in the kvbench repository.</p>")
+    if inputs.skipped:
+        body.append("<p class=meta>Left out, unreadable: " + "; ".join(_e(x) for x in inputs.skipped) + "</p>")
     if len(inputs.sections) + len(inputs.whatifs) > 1:
         body.append(_contents(inputs))
     for section in inputs.sections:
@@ -76,10 +102,11 @@ def build_report(paths: list[str], out_dir: str, title: str = "kvbench report") 
         if render(whatif, w, os.path.join(out_dir, png)):
             report.charts.append(png)
             body.append(_figure(out_dir, png, "Prefix hit rate each cache policy would reach with a "
-                                "given cache budget; the dashed line is the ceiling (infinite cache)."))
+                                "given cache budget; the dash-dot line is the ceiling (infinite cache)."))
         else:
             body.append("<p>This table has no budget_bytes and hit_rate columns to chart.</p>")
     page = ("<!DOCTYPE html><html lang=en><head><meta charset=utf-8>"
+            "<meta name=viewport content='width=device-width, initial-scale=1'>"
             f"<title>{_e(title)}</title><style>{CSS}</style></head><body>"
             + "\n".join(body) + "</body></html>\n")
     with open(report.index, "w", encoding="utf-8") as fh:
@@ -91,17 +118,21 @@ def _e(text) -> str:
     return html.escape(str(text))
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
 def _describe_inputs(inputs: Inputs) -> str:
     runs = sum(len(s.runs) for s in inputs.sections)
-    parts = [f"{runs} run{'s' * (runs != 1)} of {len(inputs.sections)} "
-             f"trace{'s' * (len(inputs.sections) != 1)}"]
+    parts = [f"{_plural(runs, 'configuration')} in {_plural(len(inputs.sections), 'comparable group')}"]
     if inputs.whatifs:
-        parts.append(f"{len(inputs.whatifs)} what-if table{'s' * (len(inputs.whatifs) != 1)}")
+        parts.append(_plural(len(inputs.whatifs), "what-if table"))
     return _e(", ".join(parts))
 
 
 def _contents(inputs: Inputs) -> str:
-    items = [f"<li><a href='#{s.slug}'>{_e(s.title)}</a> ({len(s.runs)} runs)</li>" for s in inputs.sections]
+    items = [f"<li><a href='#{_e(s.slug)}'>{_e(s.title)}</a> ({_plural(len(s.runs), 'configuration')})</li>"
+             for s in inputs.sections]
     items += [f"<li><a href='#whatif-{i + 1}'>What-if: {_e(w.label)}</a></li>"
               for i, w in enumerate(inputs.whatifs)]
     return "<ul>" + "".join(items) + "</ul>"
@@ -115,60 +146,32 @@ def _figure(out_dir: str, png: str, caption: str) -> str:
 
 
 def _section(section: Section, report: Report) -> str:
-    first = section.runs[0]
-    trace = first.trace
-    out = [f"<h2 id='{_e(section.slug)}'>Trace {_e(section.title)}</h2>",
-           f"<p class=meta>{_e(trace.get('path', '?'))} · sha256 {_e(str(trace.get('sha256'))[:16])} · "
-           f"{_e(trace.get('requests', '?'))} requests replayed · {len(section.runs)} configuration"
-           f"{'s' * (len(section.runs) != 1)}</p>",
-           "<h3>Headline</h3>", _headline(section), _findings(section)]
-    for stem, caption, chart in SECTION_CHARTS:
+    trace = section.runs[0].trace
+    vary = ", ".join(_e(n.replace("_", " ")) for n in section.varying) or "nothing (one configuration)"
+    out = [f"<h2 id='{_e(section.slug)}'>{_e(section.title)}</h2>",
+           (f"<p class=meta>{_e(trace.get('path', '?'))} · sha256 {_e(str(trace.get('sha256'))[:16])} · "
+            f"{_plural(len(section.runs), 'configuration')}; varying: {vary}</p>")]
+    for i, (stem, caption, chart) in enumerate(SECTION_CHARTS):
         png = f"{section.slug}-{stem}.png"
         if render(chart, section, os.path.join(report.out_dir, png)):
             report.charts.append(png)
             out.append(_figure(report.out_dir, png, caption))
+        if i == 0:  # the headline figure, then the same figures as numbers
+            out += ["<h3>Headline</h3>", _headline(section), _findings(section)]
+            for left, kept in section.merged:
+                out.append(f"<p class=meta>{_e(left.dir)} has the same settings and figures as "
+                           f"{_e(kept.dir)} (<b>{_e(kept.label)}</b>): shown once.</p>")
+            out.append("<h3>Details</h3>")
     out += ["<h3>Settings</h3>", _settings(section), "<h3>Versions</h3>", _versions(section)]
     return "\n".join(out)
 
 
 # -- tables ------------------------------------------------------------------------------------
-def _fmt(fmt: str, v) -> str:
-    return "–" if v is None or v != v else fmt.format(v)  # v != v: NaN (no request finished)
-
-
 def _ratio(run: Run, base: Run | None, key: str) -> float | None:
-    if base is None:
+    if base is None or base is run:
         return None
     a, b = run.metric(key), base.metric(key)
-    return a / b if a is not None and b not in (None, 0) and a == a and b == b else None
-
-
-def _headline(section: Section) -> str:
-    has_base = any(r.is_baseline for r in section.runs)
-    heads = ["<th class=name>configuration</th>"]
-    heads += [f"<th>{_e(s.replace('_', ' '))}</th>" for s in section.varying]
-    if has_base:
-        heads += [f"<th>{_e(n)}<br>× {_e(BASELINE[1])}</th>" for _, n in RATIOS]
-    heads += [f"<th>{_e(h)}</th>" for _, h, _, _ in HEADLINE]
-    rows = []
-    better = {k: up for k, _, _, up in HEADLINE}
-    for r in section.runs:
-        base = section.baseline_for(r)
-        flag = "" if r.summary.get("complete") else " (incomplete)"
-        cells = [f"<td class=name>{_e(r.label + flag)}</td>"]
-        cells += [f"<td>{_e(_setting_text(r, s))}</td>" for s in section.varying]
-        if has_base:
-            for key, _ in RATIOS:
-                x = _ratio(r, base, key)
-                cls = ""
-                if x is not None and not r.is_baseline and abs(x - 1) > 0.05:
-                    cls = " class=up" if (x > 1) == better[key] else " class=down"
-                cells.append(f"<td{cls}>{_times(x)}</td>")
-        cells += [f"<td>{_fmt(fmt, r.metric(k))}</td>" for k, _, fmt, _ in HEADLINE]
-        rows.append(f"<tr{' class=baseline' if r.is_baseline else ''}>{''.join(cells)}</tr>")
-    note = (f"<p class=meta>× {_e(BASELINE[1])}: the ratio to the {_e(BASELINE[1])} run with the "
-            "closest settings; green is better, red worse.</p>" if has_base else "")
-    return (f"<div class=scroll><table><tr>{''.join(heads)}</tr>{''.join(rows)}</table></div>{note}")
+    return a / b if a is not None and b not in (None, 0) else None
 
 
 def _times(x: float | None) -> str:
@@ -178,15 +181,47 @@ def _times(x: float | None) -> str:
     return f"{x:.2f}×" if x >= 0.1 else f"{x:.2g}×"
 
 
+def _cell(run: Run, section: Section, key: str, fmt, up: bool, ratio: bool) -> str:
+    if key == "prefix_hit_rate" and not run.setting("prefix_cache"):
+        return "<td>off</td>"
+    v = run.metric(key)
+    text = "–" if v is None else fmt(v)
+    x = _ratio(run, section.baseline_for(run), key) if ratio else None
+    if x is not None:
+        cls = "" if abs(x - 1) <= 0.05 else (" up" if (x > 1) == up else " down")
+        text += f"<span class='x{cls}'>{_times(x)} {_e(BASELINE[1])}</span>"
+    return f"<td>{text}</td>"
+
+
+def _headline(section: Section) -> str:
+    """One row per configuration, named in words; × slab under the figures where the group has one."""
+    ceiling = section.ceiling
+    heads = ["<th class=name>configuration</th>"]
+    for key, head, *_ in HEADLINE:
+        if key == "prefix_hit_rate" and ceiling is not None:
+            head += f" (ceiling {ceiling:.1%})"
+        heads.append(f"<th>{head}</th>")
+    rows = []
+    for r in section.runs:
+        flag = "" if r.summary.get("complete", True) else " (incomplete)"
+        cells = [f"<td class=name>{_e(r.label + flag)}</td>"]
+        cells += [_cell(r, section, key, fmt, up, ratio) for key, _, fmt, up, ratio in HEADLINE]
+        rows.append(f"<tr{' class=baseline' if r.is_baseline else ''}>{''.join(cells)}</tr>")
+    notes = []
+    if section.baselines:
+        notes.append(f"× {_e(BASELINE[1])}: the ratio to this group's {_e(BASELINE[1])} run (green better, "
+                     "red worse). A paged run without a prefix cache against the slab measures the layout "
+                     "alone; a +prefix run, the layout and the prefix cache together.")
+    if rows_identical([r.summary for r in section.runs], [k for k, *_ in HEADLINE]):
+        notes.append(why_identical(section.varying, [r.summary for r in section.runs]))
+    note = "".join(f"<p class=meta>{n}</p>" for n in notes)
+    return f"<div class=scroll><table class=headline><tr>{''.join(heads)}</tr>{''.join(rows)}</table></div>{note}"
+
+
 def _setting_text(run: Run, name: str) -> str:
     if not run.uses(name):
         return "n/a"
-    v = run.settings.get(name)
-    if v is None:
-        return "default"
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    return str(v)
+    return setting_words(name, run.value(name))[0]
 
 
 def _findings(section: Section) -> str:
@@ -195,45 +230,58 @@ def _findings(section: Section) -> str:
     if len(runs) < 2:
         return ""
     items = []
+    others = [r for r in runs if not r.is_baseline and r.metric("internal_frag") is not None]
+    for base in section.baselines:
+        if base.metric("internal_frag") is not None and others:
+            lo = min(r.metric("internal_frag") for r in others)
+            hi = max(r.metric("internal_frag") for r in others)
+            span = f"{lo:.1%}" if abs(hi - lo) < 0.0005 else f"{lo:.1%}–{hi:.1%}"
+            items.append(f"<b>{_e(base.label)}</b> leaves {base.metric('internal_frag'):.1%} of the KV slots it "
+                         f"holds empty; the other configurations {span}.")
+            break
     best = max(runs, key=lambda r: r.metric("output_tok_per_s"))
     base = section.baseline_for(best)
     x = _ratio(best, base, "output_tok_per_s")
-    items.append(f"Highest throughput: <b>{_e(best.label)}</b>, "
-                 f"{best.metric('output_tok_per_s'):,.0f} output tok/s"
-                 + (f", {x:.2f}× {_e(base.label)}" if x is not None and base is not best else "") + ".")
-    frag = min(runs, key=lambda r: r.metric("internal_frag") or 0)
-    worst = max(runs, key=lambda r: r.metric("internal_frag") or 0)
-    if worst is not frag:
-        items.append(f"Internal fragmentation ranges from {frag.metric('internal_frag'):.1%} "
-                     f"(<b>{_e(frag.label)}</b>) to {worst.metric('internal_frag'):.1%} "
-                     f"(<b>{_e(worst.label)}</b>).")
-    cached = [r for r in runs if r.setting("prefix_cache")]
+    items.append(f"Highest throughput: <b>{_e(best.label)}</b>, {best.metric('output_tok_per_s'):,.0f} output "
+                 f"tok/s at a mean of {best.metric('mean_running') or 0:.1f} running sequences"
+                 + (f", {x:.2f}× <b>{_e(base.label)}</b> ({base.metric('mean_running') or 0:.1f} running)"
+                    if x is not None else "") + ".")
+    cached = [r for r in runs if r.setting("prefix_cache") and r.metric("prefix_hit_rate") is not None]
     if cached:
-        top = max(cached, key=lambda r: r.metric("prefix_hit_rate") or 0)
-        items.append(f"Best prefix hit rate: <b>{_e(top.label)}</b>, {top.metric('prefix_hit_rate'):.1%} "
-                     f"of prompt tokens, against an ideal of {top.metric('ideal_hit_rate') or 0:.1%}.")
+        top = max(cached, key=lambda r: r.metric("prefix_hit_rate"))
+        ceiling = section.ceiling
+        items.append(f"Best prefix hit rate: <b>{_e(top.label)}</b>, {top.metric('prefix_hit_rate'):.1%} of prompt "
+                     "tokens" + (f", against this group's ceiling of {ceiling:.1%}" if ceiling is not None else "")
+                     + ".")
     return "<ul class=findings>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>"
 
 
 def _settings(section: Section) -> str:
     runs = section.runs
-    common = [k for k in runs[0].settings if k not in section.varying]
-    pairs = " · ".join(f"{_e(k)}={_e(_setting_text(runs[0], k))}" for k in common
-                       if all(r.uses(k) for r in runs))
-    extra = ["num_blocks", "max_model_len_effective"]
-    heads = "".join(f"<th>{_e(h)}</th>" for h in ["run directory", *section.varying, *extra])
+    first = runs[0]
+    common = [k for k in first.settings if k not in section.varying and all(r.uses(k) for r in runs)]
+    pairs = " · ".join(f"{_e(k)}={_e(first.value(k))}" for k in common)
+    extra = [("kv_capacity_tokens", "KV slots"), ("slab_reserve_tokens", "slab reserve (tokens)")]
+    heads = "".join(f"<th>{h}</th>" for h in ["configuration", "run directory",
+                                                *(_e(n.replace("_", " ")) for n in section.varying),
+                                                *(_e(h) for _, h in extra)])
     rows = "".join(
-        "<tr><td class=name>" + _e(r.dir) + "</td>"
+        f"<tr><td class=name>{_e(r.label)}</td><td class=path>{_e(r.dir)}</td>"
         + "".join(f"<td>{_e(_setting_text(r, s))}</td>" for s in section.varying)
-        + "".join(f"<td>{_e(r.config.get(k, '–'))}</td>" for k in extra) + "</tr>" for r in runs)
+        + "".join(f"<td>{_e(_count(r.summary.get(k, r.config.get(k))))}</td>" for k, _ in extra) + "</tr>"
+        for r in runs)
     return (f"<p class=meta>Shared by every run: {pairs or '–'}</p>"
             f"<div class=scroll><table><tr>{heads}</tr>{rows}</table></div>")
+
+
+def _count(v) -> str:
+    return "–" if v is None else f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
 
 
 def _versions(section: Section) -> str:
     groups: dict[tuple, list[str]] = {}
     for r in section.runs:
-        env = r.config.get("environment", {})
+        env = r.environment
         key = tuple(str(env.get(k)) for k in ENVIRONMENT)
         groups.setdefault(key, []).append(r.label)
     heads = "".join(f"<th>{_e(h)}</th>" for h in ["runs", *ENVIRONMENT])

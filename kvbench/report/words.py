@@ -1,0 +1,121 @@
+"""Settings in words: a run's name from the settings that vary in its group (``slab``,
+``paged bs16 +prefix``, ``h2o``), never a raw key such as ``pc_on`` or ``memdefault``; and, for a table
+whose rows all came out equal, the reason why.
+
+A setting this module does not know (one added to ReplayConfig later) still reads as
+``<name> <value>``, so a new setting never breaks a label.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+MAX_LABEL = 40  # characters: a legend entry or a table row's name
+
+
+def _budget(v) -> str:
+    return f"budget {float(v):.0%}" if float(v) < 1 else f"budget {int(v)} tok"
+
+
+def _path(v) -> str:
+    return os.path.basename(os.path.normpath(str(v)))
+
+
+# setting -> value -> (words, quiet). A quiet word (the "off" side: no prefix cache, no eviction) is
+# left out of a label when the label's other words already tell the runs apart.
+WORDS: dict[str, Callable[[object], tuple[str, bool]]] = {
+    "layout": lambda v: (str(v), False),
+    "block_size": lambda v: (f"bs{v}", False),
+    "slab_reserve": lambda v: ("exact-size slab" if v == "exact" else "max-length slab", v == "max"),
+    "prefix_cache": lambda v: ("+prefix" if v else "no prefix", not v),
+    "prefix_mode": lambda v: (str(v), v == "hash"),
+    "radix_eviction": lambda v: (f"{v} eviction", v == "node"),
+    "cache_policy": lambda v: (str(v), False),
+    "eviction": lambda v: ("no eviction" if v == "none" else str(v), v == "none"),
+    "kv_budget": lambda v: (_budget(v), False),
+    "sink_tokens": lambda v: (f"{v} sinks", False),
+    "executor": lambda v: (f"{v} executor", False),
+    "model": lambda v: (_path(v), False),
+    "device": lambda v: (str(v), v == "auto"),
+    "gpu": lambda v: (str(v).upper(), False),
+    "tp": lambda v: (f"tp{v}", v == 1),
+    "kv_dtype": lambda v: (f"kv {v}", v == "auto"),
+    "calibration": lambda v: (f"cal {_path(v)}" if v else "preset costs", not v),
+    "kv_mem": lambda v: (f"{v} KV" if v else "default KV", not v),
+    "num_blocks": lambda v: (f"{v} blocks" if v else "default blocks", not v),
+    "max_num_seqs": lambda v: (f"max {v} seqs", False),
+    "max_batched_tokens": lambda v: (f"{v} tok/step", False),
+    "max_model_len": lambda v: (f"max len {v}" if v else "model's max len", not v),
+    "admission": lambda v: (f"admit {v}", v == "full-prompt"),
+    "watermark": lambda v: (f"watermark {v:g}", not v),
+    "time_scale": lambda v: (f"time x{v:g}", v == 1),
+    "limit": lambda v: (f"{v} requests" if v else "all requests", not v),
+    "seed": lambda v: (f"seed {v}", False),
+    "attention": lambda v: (f"{v} attention", v == "auto"),
+}
+
+
+def setting_words(name: str, value) -> tuple[str, bool]:
+    """(words, quiet) for one setting's value; an unknown setting reads ``<name> <value>``."""
+    fn = WORDS.get(name)
+    if fn is not None:
+        try:
+            return fn(value)
+        except (TypeError, ValueError):
+            pass
+    if isinstance(value, bool):
+        value = "on" if value else "off"
+    return f"{name.replace('_', ' ')} {value}", False
+
+
+def shorten(text: str, most: int = MAX_LABEL) -> str:
+    return text if len(text) <= most else text[: most - 1].rstrip() + "…"
+
+
+def label(settings: dict, names: list[str], unused: set[str], loud: bool = False) -> str:
+    """The words for ``settings`` restricted to ``names`` (those the run uses); quiet words only when
+    ``loud`` or when nothing else is left to say."""
+    parts = [setting_words(n, settings.get(n)) for n in names if n not in unused]
+    words = [w for w, quiet in parts if loud or not quiet] or [w for w, _ in parts]
+    return " ".join(words)
+
+
+# -- why a table says nothing ------------------------------------------------------------------
+def why_identical(varying: list[str], summaries: list[dict]) -> str:
+    """One sentence for a table whose rows came out identical: which settings varied and why they
+    could not matter on this trace, read from the runs' own counters."""
+    def never(key: str) -> bool:
+        return all(not s.get(key) for s in summaries)
+
+    names = ", ".join(n.replace("_", " ") for n in varying) or "nothing"
+    reasons = []
+    if "cache_policy" in varying and never("cache_evictions"):
+        reasons.append("no cached block was ever reclaimed (cache_evictions = 0), so the cache policy "
+                       "never had a choice to make: give the pool less memory (--kv-mem, --num-blocks)")
+    if {"eviction", "kv_budget", "sink_tokens"} & set(varying) and never("evicted_tokens"):
+        reasons.append("no token was evicted (evicted_tokens = 0): no sequence outgrew its KV budget")
+    if {"kv_mem", "num_blocks", "max_num_seqs", "max_batched_tokens", "watermark"} & set(varying) \
+            and never("preemptions"):
+        peak = max((s.get("kv_util") or 0) for s in summaries)
+        reasons.append(f"memory and the scheduler's limits never bound (no preemption; time-weighted KV "
+                       f"use at most {peak:.0%}): replay faster (--time-scale below 1) or give less memory")
+    if not reasons:
+        reasons.append("what varied did not change any figure on this trace")
+    return f"Every row is the same although {names} varied: " + "; ".join(reasons) + "."
+
+
+def rows_identical(summaries: list[dict], keys: list[str], rel: float = 1e-9) -> bool:
+    """Whether every summary has the same value (within ``rel``) for every key; a single row is not
+    'identical' (there is nothing to compare)."""
+    if len(summaries) < 2:
+        return False
+    for k in keys:
+        vals = [s.get(k) for s in summaries]
+        if any(v is None for v in vals):
+            if any(v is not None for v in vals):
+                return False
+            continue
+        lo, hi = min(vals), max(vals)
+        if hi - lo > rel * max(abs(hi), abs(lo), 1e-12):
+            return False
+    return True
