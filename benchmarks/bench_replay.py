@@ -13,6 +13,7 @@ import argparse
 import cProfile
 import os
 import pstats
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--gpu", default="h200")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--num-blocks", type=int, default=None, help="pool size [default: the GPU preset's]")
     ap.add_argument("--convert-from", default="mooncake",
                     help="format of --trace to convert first ('' if it is a kvbench trace already)")
     ap.add_argument("--profile", action="store_true")
@@ -43,18 +45,18 @@ def main() -> None:
             trace = os.path.join(tmp, "trace.jsonl")
             convert(a.convert_from, a.trace, trace)
         cfg = ReplayConfig(executor="sim", model=a.model, gpu=a.gpu, block_size=a.block_size,
-                           limit=a.limit)
+                           limit=a.limit, num_blocks=a.num_blocks)
         t0 = time.perf_counter()
         rp = Replay(trace, cfg, os.path.join(tmp, "run"))
         t_load = time.perf_counter() - t0
         prof = cProfile.Profile() if a.profile else None
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         if prof:
             prof.enable()
         s = rp.run()
         if prof:
             prof.disable()
-        t_run = time.perf_counter() - t1
+        t_run, c_run = time.perf_counter() - t1, time.process_time() - c1
         steps = pd.read_parquet(os.path.join(tmp, "run", "steps.parquet"))
         seq_steps = int(steps["decode_seqs"].sum())
     print(f"{'trace':<28} {Path(a.trace).name}")
@@ -63,11 +65,14 @@ def main() -> None:
     print(f"{'engine steps':<28} {s['steps']:,}")
     print(f"{'load + setup (s)':<28} {t_load:.1f}")
     print(f"{'replay wall (s)':<28} {t_run:.1f}")
+    print(f"{'replay CPU (s)':<28} {c_run:.1f}")
     print(f"{'total wall (s)':<28} {t_load + t_run:.1f}")
     print(f"{'steps per second':<28} {s['steps'] / t_run:,.0f}")
     print(f"{'us per decode seq-step':<28} {t_run / max(1, seq_steps) * 1e6:.2f}")
     print(f"{'prefix hit / ideal':<28} {s['prefix_hit_rate']:.4f} / {s['ideal_hit_rate']:.4f}")
     print(f"{'engine time (s)':<28} {s['duration_s']:.1f}")
+    print(f"{'pool (blocks)':<28} {s['num_blocks']:,}")
+    print(f"{'peak RSS (MB)':<28} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f}")
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 

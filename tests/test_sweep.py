@@ -131,9 +131,10 @@ def test_interrupted_sweep_resumes_without_redoing_finished_runs(tmp_path, jobs)
     assert 2 <= len(recorded) < 9
     rows = pd.read_parquet(out / "sweep.parquet")
     # what resuming goes by: a run directory whose summary says complete. A run may complete just
-    # as Ctrl-C arrives, before the sweep records it; every other started one is marked incomplete.
+    # as Ctrl-C arrives, before the sweep records it; every other started one is marked incomplete,
+    # or has no summary yet when Ctrl-C landed while it was being set up.
     finished = [d.name for d in sorted(out.iterdir()) if d.is_dir() and not d.name.startswith(".")
-                and json.loads((d / "summary.json").read_text())["complete"]]
+                and (d / "summary.json").exists() and json.loads((d / "summary.json").read_text())["complete"]]
     assert set(recorded) <= set(finished) and len(finished) < 9
     # sweep.parquet is rewritten as runs finish, before the manifest: it holds every recorded run
     # (and one more when Ctrl-C falls between the two writes), never an unfinished one

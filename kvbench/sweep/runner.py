@@ -70,20 +70,24 @@ def make_sweep_dir(out_dir: str) -> None:
 
 def preflight(configs: list[Config]) -> None:
     """What would make a configuration fail at once (an unknown model or GPU, an unreadable
-    calibration, no CUDA device) raises InputError before any run starts, once per distinct value."""
+    calibration, no CUDA device, a KV pool that holds no block or does not fit the GPUs) raises
+    InputError before any run starts, once per distinct value."""
+    from kvbench.engine.replay import pool_blocks
     from kvbench.executors import make_executor
     from kvbench.executors.presets import get_model
 
     seen = set()
     for c in configs:
         cfg = c.cfg
-        key = (cfg.executor, cfg.model, cfg.gpu, cfg.calibration, cfg.kv_dtype, cfg.device)
+        key = (cfg.executor, cfg.model, cfg.gpu, cfg.calibration, cfg.kv_dtype, cfg.device, cfg.tp,
+               cfg.kv_mem_bytes, cfg.num_blocks, cfg.block_size)
         if key in seen:
             continue
         seen.add(key)
         model = get_model(cfg.model)
         if cfg.executor == "sim":
-            make_executor(cfg, model)  # cheap: reads the GPU preset and the calibration file
+            # cheap: reads the GPU preset and the calibration file, sizes the pool
+            pool_blocks(cfg, make_executor(cfg, model), model)
         elif cfg.device == "cuda":
             from kvbench.executors.model import resolve_device
             resolve_device("cuda")
