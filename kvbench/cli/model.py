@@ -2,12 +2,12 @@
 and the sim executor's coefficients measured on this device."""
 from __future__ import annotations
 
-import json
 import sys
 
 import click
 
 from kvbench.engine import config as C
+from kvbench.jsonio import dumps
 
 
 @click.command(epilog="""
@@ -40,7 +40,7 @@ def selfcheck(device, model, seed, attention, as_json):
     ok = forwards["ok"] and all(e["ok"] for e in engines.values())
     result = {"ok": ok, "forwards": forwards, "engine": engines["hash"], "engine_radix": engines["radix"]}
     if as_json:
-        click.echo(json.dumps(result, default=str))
+        click.echo(dumps(result))
     else:
         f = forwards
         click.echo(f"model {f['model']} on {f['device']} ({f['dtype']}, attention {f['attention']})")
@@ -62,36 +62,47 @@ def selfcheck(device, model, seed, attention, as_json):
 @click.command(epilog="""
 \b
 Examples:
+  kvbench calibrate --device cpu --quick -o cpu-tiny.json
   kvbench calibrate --device cuda --model llama-3-8b -o h200-llama3-8b.json
   kvbench replay traces/chat.jsonl --executor sim --model llama-3-8b --calibration h200-llama3-8b.json
 """)
 @click.option("--device", type=click.Choice(C.DEVICES), default="auto", show_default=True)
 @click.option("--model", default="tiny", show_default=True, help="preset or local HF model folder")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--quick", is_flag=True, help="a smaller grid (seconds on a CPU)")
+@click.option("--quick", is_flag=True, help="the CPU grid: single-sequence steps, seconds on a CPU")
+@click.option("--repeats", type=click.IntRange(1, 100), default=5, show_default=True,
+              help="timed runs per step (the median is kept)")
 @click.option("-o", "--out", "out", type=click.Path(dir_okay=False), required=True,
               help="calibration file to write (JSON)")
 @click.option("--json", "as_json", is_flag=True, help="print the result as one JSON object")
-def calibrate(device, model, seed, quick, out, as_json):
-    """Measure prefill and decode steps of the model executor on this device and fit the sim
-    executor's coefficients (matmul rate, memory bandwidth, per-step overhead) to them."""
-    from kvbench.executors.calibrate import calibrate as run, write
+def calibrate(device, model, seed, quick, repeats, out, as_json):
+    """Measure prefill chunks after a cached prefix, decode batches over a range of contexts and
+    mixed steps (a chunk plus decodes) on the model executor, and fit the sim executor's
+    per-operation coefficients (matmul and attention rates, weight and KV bandwidths, per-step
+    overhead) to them. Prints the error per step kind on the fitted and the held-out steps."""
+    from kvbench.executors.calibrate import calibrate as run
+    from kvbench.executors.calibrate import write
     from kvbench.executors.model import ModelExecutor
     from kvbench.executors.presets import get_model
 
     ex = ModelExecutor(model, device, seed)
     spec = ex.spec if hasattr(ex, "spec") else get_model(model)
-    result = run(ex, spec, quick=quick, seed=seed)
+    result = run(ex, spec, quick=quick, seed=seed, repeats=repeats)
     write(result, out)
     if as_json:
-        click.echo(json.dumps(result))
+        click.echo(dumps(result))
         return
-    c, f = result["coefficients"], result["fit"]
-    click.echo(f"device {result['device_name']}, model {result['model']}: "
-               f"matmul {c['matmul_flops'] / 1e12:.3g} TFLOP/s, memory {c['mem_bw'] / 1e9:.3g} GB/s, "
+    c = result["coefficients"]
+    click.echo(f"device {result['device_name']}, model {result['model']} ({result['dtype']}), "
+               f"{len(result['points'])} steps in {result['seconds']:.1f} s")
+    click.echo(f"  matmul {c['matmul_flops'] / 1e9:.4g} GFLOP/s, attention {c['attn_flops'] / 1e9:.4g} GFLOP/s, "
+               f"weights {c['mem_bw'] / 1e9:.4g} GB/s, KV {c['kv_bw'] / 1e9:.4g} GB/s, "
                f"overhead {c['step_overhead_s'] * 1e3:.3g} ms per step")
-    click.echo(f"fit error (mean |predicted/measured - 1|): {f['mape_train']:.1%} on "
-               f"{f['points_train']} points, {f['mape_heldout']:.1%} on {f['points_heldout']} held out")
+    click.echo("  error |predicted/measured - 1|   fitted        held out")
+    for kind, row in result["fit"]["per_kind"].items():
+        cells = [f"{row[s]:6.1%} ({row['points_' + s]:2d})" if row[s] is not None else "     -      "
+                 for s in ("train", "heldout")]
+        click.echo(f"  {kind:8s}                       {cells[0]}   {cells[1]}")
     click.echo(f"wrote {out}", err=True)
 
 

@@ -1,9 +1,11 @@
 """Model shapes and GPU presets shared by the sim and model executors.
 
-A ModelSpec is the part of a Llama-family config that decides KV memory and step cost. It comes from a
-preset name or from a Hugging Face ``config.json`` (a file or a model folder). GPU presets hold the
-datasheet memory size and *achievable* rates (roughly what a tuned GEMM and a streaming copy reach,
-not peak): the sim executor's defaults until ``kvbench calibrate`` replaces them with measured ones.
+A ModelSpec is the part of a Llama-family config that decides KV memory and step cost, mixture-of-experts
+(Mixtral, Qwen MoE) included. It comes from a preset name or from a Hugging Face ``config.json`` (a file
+or a model folder). A GPUSpec holds a datasheet's figures (memory in the vendor's unit, GB = 10^9 bytes;
+dense bf16 matrix rate; memory, GPU-to-GPU and host link bandwidths) and the derating factors (the
+achieved fraction of each peak) that turn them into the sim executor's default coefficients, until
+``kvbench calibrate`` replaces them with measured ones.
 """
 from __future__ import annotations
 
@@ -32,18 +34,39 @@ class ModelSpec:
     qkv_bias: bool = False  # Qwen2 has biases on q/k/v projections
     tie_word_embeddings: bool = False
     architecture: str = "llama"  # llama | qwen2 | mistral (all the same block for our purposes)
+    # Mixture of experts (0 = dense): every layer's MLP is num_experts experts of moe_intermediate_size,
+    # experts_per_token of them run per token, plus an always-on shared expert (Qwen2-MoE) when
+    # shared_expert_intermediate_size > 0. intermediate_size is then unused.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def kv_bytes_per_token(self, dtype: str = "bf16") -> int:
         """K and V of one token over all layers: layers x KV heads x head dim x 2 x dtype bytes."""
         return self.num_layers * self.num_kv_heads * self.head_dim * 2 * DTYPE_BYTES[dtype]
 
+    def mlp_params(self, active: bool = False) -> int:
+        """One layer's MLP weights: dense gate/up/down (3 x hidden x intermediate); MoE: every expert
+        (``active``: the experts_per_token a token runs), the shared expert and its gate, the router."""
+        h = self.hidden_size
+        if not self.is_moe:
+            return 3 * h * self.intermediate_size
+        experts = self.experts_per_token if active else self.num_experts
+        shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+        return experts * 3 * h * self.moe_intermediate_size + shared + h * self.num_experts
+
     @property
     def num_params(self) -> int:
+        """Every weight (all experts of a MoE), embedding and LM head included."""
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         attn = h * self.num_heads * self.head_dim * 2 + h * kv * 2
-        mlp = 3 * h * self.intermediate_size
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * h) + emb + h
+        return self.num_layers * (attn + self.mlp_params() + 2 * h) + emb + h
 
     def weight_bytes(self, dtype: str = "bf16") -> int:
         return self.num_params * DTYPE_BYTES[dtype]
@@ -65,30 +88,84 @@ MODELS: dict[str, ModelSpec] = {
     "mistral-7b": ModelSpec("mistral-7b", 32, 4096, 32, 8, 128, 14336, 32768, 32768,
                             rope_theta=1000000.0, architecture="mistral"),
 }
+# Mixture of experts (config.json of mistralai/Mixtral-8x7B-v0.1 and Qwen/Qwen3-30B-A3B): 46.7B and
+# 30.5B weights held, 12.9B and 3.3B run per token.
+MODELS["mixtral-8x7b"] = ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000, 32768,
+                                   rope_theta=1000000.0, architecture="mixtral", num_experts=8,
+                                   experts_per_token=2, moe_intermediate_size=14336)
+MODELS["qwen3-30b-a3b"] = ModelSpec("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 6144, 151936, 40960,
+                                    rope_theta=1000000.0, rms_norm_eps=1e-6, architecture="qwen3_moe",
+                                    num_experts=128, experts_per_token=8, moe_intermediate_size=768)
 MODELS["llama-3.1-8b"] = replace(MODELS["llama-3-8b"], name="llama-3.1-8b")
 MODELS["llama-3.1-70b"] = replace(MODELS["llama-3-70b"], name="llama-3.1-70b")
 
 
+# Derating: the achieved fraction of a datasheet peak, the same for every preset (a tuned bf16 GEMM at
+# large shapes reaches ~70% of the dense tensor-core rate; a streaming read ~85% of HBM/GDDR bandwidth;
+# NCCL all-reduce ~80% of the NVLink/PCIe per-direction rate). `kvbench calibrate` measures them instead.
+MATMUL_EFFICIENCY = 0.70
+MEM_EFFICIENCY = 0.85
+LINK_EFFICIENCY = 0.80
+GPU_MEMORY_UTILIZATION = 0.9  # share of device memory for weights + activations + KV (vLLM's default)
+
+
 @dataclass(frozen=True, slots=True)
 class GPUSpec:
+    """A datasheet's peaks (one GPU) and the per-step costs no datasheet gives."""
+
     name: str
-    mem_bytes: int
-    matmul_flops: float  # achievable dense bf16 FLOP/s
-    mem_bw: float  # achievable HBM bytes/s
-    pcie_bw: float  # achievable host<->device bytes/s (KV offload)
-    step_overhead_s: float  # per-step fixed cost: scheduling, launch, sampling
+    mem_bytes: int  # device memory, as the vendor states it (GB = 10^9 bytes)
+    peak_bf16_flops: float  # dense bf16 tensor-core FLOP/s (the datasheet's "with sparsity" figure / 2)
+    peak_mem_bw: float  # HBM/GDDR bytes/s
+    peak_link_bw: float  # GPU-to-GPU bytes/s per direction (NVLink; PCIe where there is none)
+    peak_pcie_bw: float  # host<->device bytes/s per direction (KV offload)
+    step_overhead_s: float  # per-step fixed cost: scheduling, launch, sampling (an estimate)
+    allreduce_latency_s: float  # one small all-reduce's latency (an estimate; NCCL, within a node)
+
+    @property
+    def matmul_flops(self) -> float:
+        return self.peak_bf16_flops * MATMUL_EFFICIENCY
+
+    @property
+    def mem_bw(self) -> float:
+        return self.peak_mem_bw * MEM_EFFICIENCY
+
+    @property
+    def link_bw(self) -> float:
+        return self.peak_link_bw * LINK_EFFICIENCY
+
+    @property
+    def pcie_bw(self) -> float:
+        return self.peak_pcie_bw * LINK_EFFICIENCY
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "matmul_flops": self.matmul_flops, "mem_bw": self.mem_bw,
+                "link_bw": self.link_bw, "pcie_bw": self.pcie_bw}
 
 
 GB = 10**9
+TB = 10**12
 GPUS: dict[str, GPUSpec] = {
-    "h200": GPUSpec("h200", 141 * GB, 700e12, 4.2e12, 50e9, 4e-3),
-    "h100": GPUSpec("h100", 80 * GB, 660e12, 2.9e12, 50e9, 4e-3),
-    "a100": GPUSpec("a100", 80 * GB, 250e12, 1.7e12, 24e9, 5e-3),
-    "l40s": GPUSpec("l40s", 48 * GB, 250e12, 0.75e12, 24e9, 5e-3),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, BF16 1,979 TFLOPS with
+    # sparsity (989.5 dense), NVLink 900 GB/s (450 per direction), PCIe Gen5 128 GB/s (64 per direction).
+    "h200": GPUSpec("h200", 141 * GB, 989.5e12, 4.8 * TB, 450 * GB, 64 * GB, 4e-3, 10e-6),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM): 80 GB HBM3, 3.35 TB/s, BF16 1,979 TFLOPS with sparsity
+    # (989.5 dense), NVLink 900 GB/s, PCIe Gen5 128 GB/s.
+    "h100": GPUSpec("h100", 80 * GB, 989.5e12, 3.35 * TB, 450 * GB, 64 * GB, 4e-3, 10e-6),
+    # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 80 GB HBM2e, 2,039 GB/s, BF16 312 TFLOPS dense
+    # (624 with sparsity), NVLink 600 GB/s (300 per direction), PCIe Gen4 64 GB/s (32 per direction).
+    "a100": GPUSpec("a100", 80 * GB, 312e12, 2039 * GB, 300 * GB, 32 * GB, 5e-3, 10e-6),
+    # NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, BF16 362.05 TFLOPS dense (733 with sparsity), no
+    # NVLink: GPUs talk over PCIe Gen4 x16, 64 GB/s bidirectional (32 per direction).
+    "l40s": GPUSpec("l40s", 48 * GB, 362.05e12, 864 * GB, 32 * GB, 32 * GB, 5e-3, 20e-6),
 }
+
+
+_POSITIVE_INT_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                        "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings",
+                        "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                        "shared_expert_intermediate_size")
+_MAY_BE_ZERO = ("num_local_experts", "num_experts", "num_experts_per_tok", "shared_expert_intermediate_size")
 
 
 def _from_hf_config(path: str) -> ModelSpec:
@@ -96,12 +173,25 @@ def _from_hf_config(path: str) -> ModelSpec:
     try:
         with open(cfg_path, encoding="utf-8") as fh:
             c = json.load(fh)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 text
         raise InputError(f"cannot read model config: {e}", file=cfg_path) from None
+    if not isinstance(c, dict):
+        raise InputError("must be a JSON object", file=cfg_path)
+    for key in _POSITIVE_INT_FIELDS:
+        v = c.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (0 if key in _MAY_BE_ZERO else 1)):
+            raise InputError(f"must be a positive integer, got {v!r}", file=cfg_path, field=key)
     try:
         heads = c["num_attention_heads"]
         hidden = c["hidden_size"]
         arch = (c.get("model_type") or "llama").lower()
+        # Mixtral names its experts num_local_experts, each of intermediate_size; Qwen MoE num_experts,
+        # each of moe_intermediate_size, plus a shared expert.
+        experts = c.get("num_local_experts") or c.get("num_experts") or 0
+        per_token = c.get("num_experts_per_tok", 0) if experts else 0
+        if experts and not 1 <= per_token <= experts:
+            raise InputError(f"must be in [1, {experts}] for a model of {experts} experts, got {per_token!r}",
+                             file=cfg_path, field="num_experts_per_tok")
         return ModelSpec(
             name=os.path.basename(os.path.normpath(path)),
             num_layers=c["num_hidden_layers"], hidden_size=hidden, num_heads=heads,
@@ -116,6 +206,9 @@ def _from_hf_config(path: str) -> ModelSpec:
             qkv_bias=bool(c.get("attention_bias", arch == "qwen2")),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             architecture=arch,
+            num_experts=experts, experts_per_token=per_token,
+            moe_intermediate_size=(c.get("moe_intermediate_size") or c["intermediate_size"]) if experts else 0,
+            shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0) if experts else 0,
         )
     except KeyError as e:
         raise InputError("required field missing", file=cfg_path, field=e.args[0]) from None

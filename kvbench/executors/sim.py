@@ -1,17 +1,54 @@
-"""The sim executor: a roofline cost model of one engine step on a GPU preset (or calibration).
+"""The sim executor: a per-operation roofline of one engine step, on a GPU preset or a calibration.
 
-step time = overhead + max(compute, memory), where
-  compute = FLOPs / matmul rate:  2 x non-embedding params x tokens computed
-                                  + 2 x hidden x vocab x tokens sampled (LM head)
-                                  + 4 x layers x heads x head_dim x attended (query, key) pairs
-  memory  = bytes / bandwidth:    weights once per step + KV read by every query + KV written
-                                  + slots moved by token eviction's compaction (read + write)
-plus, for InfiniGen-style offload, the batch's host<->device bytes / pcie_bw (not overlapped).
-A decode step of a big batch is memory bound (the KV read grows with context), a long prefill chunk
-compute bound. The coefficients (matmul_flops, mem_bw, step_overhead_s) come from the GPU preset,
-or from a calibration file written by ``kvbench calibrate`` on real hardware, which may also carry
-per-term scale factors fitted to measured steps. No tokens are produced: the memory behaviour is the
-engine's, identical to the model executor's.
+A step costs, per GPU, the sum over its operations of max(FLOPs / rate, bytes / bandwidth), plus a
+fixed overhead. With tensor parallelism (--tp N) every GPU does 1/N of the work at the same time, so
+the figures below are one GPU's. No tokens are produced: the memory behaviour is the engine's,
+identical to the model executor's.
+
+Symbols (the model's shape; the step's StepBatch):
+  L layers, h hidden size, Hq query heads, Hkv KV heads, d head dim, I MLP intermediate size, V vocab;
+  MoE: E experts of intermediate size Ie, k of them per token, a shared expert of size Is (0: none)
+  bw, bkv   bytes per weight and per KV element (bf16 2, fp8 1, fp32 4)
+  N = --tp; hq = Hq / N; hkv = Hkv / N, or 1 when N > Hkv (every GPU holds a replica, as vLLM does)
+  prefill chunk i: n_i new tokens after s_i cached ones (a prefix hit or earlier chunks)
+  decode j: c_j keys (its own included)
+  T = sum_i n_i + #decodes (tokens computed);  S = #decodes + #chunks that end their prompt (sampled)
+  kv = 2 L hkv d bkv (bytes of one token's K and V on one GPU)
+
+Weights per GPU, in elements (the embedding table is not one: a step gathers only its T rows):
+  W_attn = h hq d + 2 h hkv d + hq d h                  Q, K, V, O of one layer
+  W_mlp(e) = 3 h I / N                                  dense
+           = 3 h Ie e / N + (3 h Is + h) / N + h E       MoE with e experts (+ shared expert, router)
+  W_head = h V / N                                      LM head, split over the vocabulary
+
+Operations: FLOPs and bytes per GPU -> time = max(FLOPs / rate, bytes / bandwidth):
+  linear     2 T L (W_attn + W_mlp(k))    |  bw L (W_attn + W_mlp(E_T))      matmul_flops | mem_bw
+             E_T = E (1 - (1 - k/E)^T): experts T tokens touch under uniform routing (dense: W_mlp)
+  prefill    per chunk: 4 L hq d (n_i s_i + n_i (n_i + 1) / 2)  |  kv (s_i + n_i)   attn_flops | kv_bw
+  decode     per sequence: 4 L hq d c_j  |  kv c_j                                 attn_flops | kv_bw
+             (every decode has the same FLOPs per byte, so the sum of their maxes is one max of sums)
+  lm_head    2 S W_head  |  bw W_head, in steps that sample (S > 0)            matmul_flops | mem_bw
+  kv_write   bytes only: kv T (new K/V) + bw T h (embedding rows)
+             + 2 kv (block_size x copy-on-write copies + compaction slot moves)       kv_bw
+  allreduce  N > 1: two per layer of the step's activations (T h bw bytes), ring:
+             2 L (allreduce_latency_s + 2 (N - 1) / N x T h bw / link_bw)
+  overhead   step_overhead_s
+  pcie       InfiniGen offload and recall: batch.pcie_bytes / (N pcie_bw), not overlapped
+Units: FLOPs, bytes, seconds; rates in FLOP/s, bandwidths in bytes/s (per GPU, per direction for
+links). Biases and norms are left out of the FLOPs (under 0.1% of a layer's).
+
+Memory per GPU (GB = 10^9 bytes, as vendors state it):
+  weights     bw (L (W_attn + W_mlp(E) + 2 h) + h V / N (embedding) + W_head (untied) + h)
+  activations bw M (2 h + 3 I_tok / N) + 4 min(M, max_num_seqs) V   (M = --max-batched-tokens;
+              I_tok = I, or k Ie + Is for MoE; the fp32 logits of the sampled rows)
+  free        0.9 x memory - weights - activations (vLLM's gpu_memory_utilization)
+The default KV pool is N x free bytes, each token taking N x kv of them (a replicated KV head is paid
+for on every GPU). Weights and activations that do not fit, or a --kv-mem over N x free, are an
+InputError naming the fix (--tp, --kv-mem, a bigger --gpu).
+
+The coefficients (rates, bandwidths, overhead) come from the --gpu preset (datasheet peaks x the
+derating factors of kvbench.executors.presets), or from a calibration file written by
+``kvbench calibrate`` (the fitted ones replace the preset's; link and PCIe terms keep the preset's).
 
 A calibration file may instead hold a plain linear clock, ``{"kind": "linear",
 "prefill_ms_per_token": 0.1, "decode_step_ms": 20, "overhead_ms": 0}``: a step costs the overhead,
@@ -21,45 +58,170 @@ the same clock as another engine's scheduler driven without a model, to compare 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from kvbench.errors import InputError
+from kvbench.executors.presets import DTYPE_BYTES, GPU_MEMORY_UTILIZATION, GPUSpec, ModelSpec
 from kvbench.scheduler.batch import StepBatch, StepResult
-from kvbench.executors.presets import GPUSpec, ModelSpec
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_VERSION = 2
+OPERATIONS = ("linear", "prefill", "decode", "lm_head", "kv_write", "allreduce", "overhead", "pcie")
 
 
 @dataclass(slots=True)
 class CostModel:
-    matmul_flops: float
-    mem_bw: float
-    step_overhead_s: float
-    pcie_bw: float
+    """The coefficients of the roofline (per GPU)."""
 
-    def time(self, flops: float, mem_bytes: float) -> float:
-        """The roofline: a fixed overhead plus the slower of compute and memory traffic."""
-        return self.step_overhead_s + max(flops / self.matmul_flops, mem_bytes / self.mem_bw)
+    matmul_flops: float  # FLOP/s of the linear layers and the LM head
+    attn_flops: float  # FLOP/s of attention (QK^T and PV)
+    mem_bw: float  # bytes/s reading weights
+    kv_bw: float  # bytes/s reading and writing KV
+    step_overhead_s: float  # fixed cost of a step
+    link_bw: float  # GPU-to-GPU bytes/s per direction (all-reduce)
+    allreduce_latency_s: float  # fixed cost of one all-reduce
+    pcie_bw: float  # host<->device bytes/s (KV offload)
+
+    FITTED = ("matmul_flops", "attn_flops", "mem_bw", "kv_bw", "step_overhead_s")  # by kvbench calibrate
+    MAY_BE_ZERO = ("step_overhead_s", "allreduce_latency_s")
 
     @classmethod
     def from_gpu(cls, gpu: GPUSpec) -> "CostModel":
-        return cls(gpu.matmul_flops, gpu.mem_bw, gpu.step_overhead_s, gpu.pcie_bw)
+        return cls(matmul_flops=gpu.matmul_flops, attn_flops=gpu.matmul_flops, mem_bw=gpu.mem_bw,
+                   kv_bw=gpu.mem_bw, step_overhead_s=gpu.step_overhead_s, link_bw=gpu.link_bw,
+                   allreduce_latency_s=gpu.allreduce_latency_s, pcie_bw=gpu.pcie_bw)
 
     @classmethod
-    def from_file(cls, path: str, fallback: GPUSpec) -> "CostModel":
-        return cls.from_dict(_read_calibration(path), path, fallback)
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
 
-    @classmethod
-    def from_dict(cls, c: dict, path: str, fallback: GPUSpec) -> "CostModel":
-        base = cls.from_gpu(fallback)
-        coef = c.get("coefficients", c)
-        for name in ("matmul_flops", "mem_bw", "step_overhead_s", "pcie_bw"):
-            if name in coef:
-                v = coef[name]
-                if not isinstance(v, (int, float)) or v < 0 or (name != "step_overhead_s" and v == 0):
-                    raise InputError(f"must be a positive number, got {v!r}", file=path, field=name)
-                setattr(base, name, float(v))
-        return base
+    def to_dict(self) -> dict:
+        return {n: getattr(self, n) for n in self.names()}
+
+
+@dataclass(slots=True)
+class Work:
+    """One step's FLOPs and bytes per GPU, by operation (the module docstring's table)."""
+
+    linear_flops: float = 0.0
+    linear_bytes: float = 0.0
+    prefill: list[tuple[float, float]] = field(default_factory=list)  # per chunk: (FLOPs, KV bytes)
+    decode_flops: float = 0.0
+    decode_bytes: float = 0.0
+    lm_head_flops: float = 0.0
+    lm_head_bytes: float = 0.0
+    kv_write_bytes: float = 0.0
+    allreduce_bytes: float = 0.0  # per all-reduce
+    allreduces: int = 0
+    tp: int = 1
+    pcie_bytes: float = 0.0
+
+    def seconds(self, c: CostModel) -> dict[str, float]:
+        """Each operation's time under coefficients ``c``; the step is their sum."""
+        n = self.tp
+        ring = 2 * (n - 1) / n * self.allreduce_bytes / c.link_bw if n > 1 else 0.0
+        return {
+            "linear": max(self.linear_flops / c.matmul_flops, self.linear_bytes / c.mem_bw),
+            "prefill": sum(max(f / c.attn_flops, b / c.kv_bw) for f, b in self.prefill),
+            "decode": max(self.decode_flops / c.attn_flops, self.decode_bytes / c.kv_bw),
+            "lm_head": max(self.lm_head_flops / c.matmul_flops, self.lm_head_bytes / c.mem_bw),
+            "kv_write": self.kv_write_bytes / c.kv_bw,
+            "allreduce": self.allreduces * (c.allreduce_latency_s + ring) if self.allreduces else 0.0,
+            "overhead": c.step_overhead_s,
+            "pcie": self.pcie_bytes / (n * c.pcie_bw) if self.pcie_bytes else 0.0,
+        }
+
+    def time(self, c: CostModel) -> float:
+        return sum(self.seconds(c).values())
+
+
+class StepCost:
+    """A model's shape on N GPUs: the work of a step (``work``) and the memory it needs per GPU."""
+
+    def __init__(self, model: ModelSpec, tp: int = 1, weight_dtype: str = "bf16", kv_dtype: str = "bf16"):
+        m = self.model = model
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise InputError(f"must be a whole number >= 1, got {tp!r}", field="--tp")
+        if m.num_heads % tp:
+            raise InputError(f"{m.name}'s {m.num_heads} query heads do not split over {tp} GPUs "
+                             f"(choose a --tp that divides {m.num_heads})", field="--tp")
+        if m.num_kv_heads % tp and tp % m.num_kv_heads:  # vLLM: divide them, or replicate them evenly
+            raise InputError(f"{m.name}'s {m.num_kv_heads} KV heads neither split over nor replicate evenly "
+                             f"on {tp} GPUs (choose a --tp that divides or is a multiple of {m.num_kv_heads})",
+                             field="--tp")
+        self.tp = n = tp
+        self.dtypes = (weight_dtype, kv_dtype)
+        self.bw, self.bkv = DTYPE_BYTES[weight_dtype], DTYPE_BYTES[kv_dtype]
+        h, d = m.hidden_size, m.head_dim
+        self.hq = m.num_heads // n
+        self.hkv = m.num_kv_heads // n if m.num_kv_heads >= n else 1  # replicated KV heads: one per GPU
+        self.kv_tok = 2 * m.num_layers * self.hkv * d * self.bkv  # bytes per token per GPU
+        self.w_attn = h * self.hq * d + 2 * h * self.hkv * d + self.hq * d * h
+        self.w_head = h * m.vocab_size / n
+        self.flops_pair = 4.0 * m.num_layers * self.hq * d  # one (query, key) pair over all layers
+
+    # -- weights ------------------------------------------------------------------------------
+    def mlp_weights(self, experts: float) -> float:
+        """One layer's MLP weights on one GPU, running ``experts`` experts (dense: the MLP)."""
+        m, n, h = self.model, self.tp, self.model.hidden_size
+        if not m.is_moe:
+            return 3 * h * m.intermediate_size / n
+        shared = (3 * h * m.shared_expert_intermediate_size + h) / n if m.shared_expert_intermediate_size else 0.0
+        return 3 * h * m.moe_intermediate_size * experts / n + shared + h * m.num_experts
+
+    def experts_touched(self, tokens: int) -> float:
+        """Experts ``tokens`` tokens touch under uniform routing: E (1 - (1 - k/E)^T)."""
+        m = self.model
+        if not m.is_moe:
+            return 0.0
+        return m.num_experts * (1.0 - (1.0 - m.experts_per_token / m.num_experts) ** tokens)
+
+    def weight_bytes(self) -> float:
+        """Weights held by one GPU: every layer (all experts), embedding, LM head (unless tied), norms."""
+        m, h = self.model, self.model.hidden_size
+        layers = m.num_layers * (self.w_attn + self.mlp_weights(m.num_experts) + 2 * h)
+        emb = h * m.vocab_size / self.tp
+        return self.bw * (layers + emb + (0 if m.tie_word_embeddings else self.w_head) + h)
+
+    def activation_bytes(self, max_batched_tokens: int, max_num_seqs: int) -> float:
+        """Peak activations of the largest step on one GPU (see the module docstring)."""
+        m, h = self.model, self.model.hidden_size
+        inter = (m.experts_per_token * m.moe_intermediate_size + m.shared_expert_intermediate_size
+                 if m.is_moe else m.intermediate_size)
+        tokens = max_batched_tokens
+        return (self.bw * tokens * (2 * h + 3 * inter / self.tp)
+                + 4 * min(tokens, max_num_seqs) * m.vocab_size)
+
+    # -- one step -----------------------------------------------------------------------------
+    def work(self, batch: StepBatch) -> Work:
+        m, kv = self.model, self.kv_tok
+        w = Work(tp=self.tp, pcie_bytes=float(batch.pcie_bytes))
+        n_pre = 0
+        for start, n in zip(batch.prefill_starts, batch.prefill_lens):
+            n_pre += n
+            # causal: query i of the chunk sees start + i + 1 keys
+            w.prefill.append((self.flops_pair * n * (start + (n + 1) / 2), kv * (start + n)))
+        ctx = sum(batch.decode_context_lens())
+        w.decode_flops, w.decode_bytes = self.flops_pair * ctx, float(kv * ctx)
+        t = n_pre + len(batch.decode_positions)
+        if t:
+            active = m.experts_per_token if m.is_moe else 0
+            w.linear_flops = 2.0 * t * m.num_layers * (self.w_attn + self.mlp_weights(active))
+            w.linear_bytes = self.bw * m.num_layers * (self.w_attn + self.mlp_weights(self.experts_touched(t)))
+        sampled = len(batch.decode_positions) + sum(batch.prefill_last)
+        if sampled:
+            w.lm_head_flops, w.lm_head_bytes = 2.0 * sampled * self.w_head, self.bw * self.w_head
+        moved = len(batch.copies) * batch.block_size
+        if batch.slot_moves is not None:  # compaction after token eviction
+            moved += len(batch.slot_moves[0])
+        w.kv_write_bytes = float(kv * t + self.bw * t * m.hidden_size + 2 * kv * moved)
+        if self.tp > 1 and t:
+            w.allreduces, w.allreduce_bytes = 2 * m.num_layers, float(t * m.hidden_size * self.bw)
+        return w
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,97 +258,185 @@ class LinearClock:
         return ms / 1e3
 
 
-def _read_calibration(path: str) -> dict:
+# -- calibration files ---------------------------------------------------------------------------
+# Top-level keys of a calibration file (kvbench calibrate writes them all; only coefficients is needed).
+CALIBRATION_KEYS = ("kvbench_calibration", "kvbench_version", "device_name", "dtype", "model", "model_spec",
+                    "coefficients", "fit", "points", "grid", "seconds")
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+              "vocab_size", "num_experts", "experts_per_token", "moe_intermediate_size",
+              "shared_expert_intermediate_size")
+
+
+def read_calibration(path: str) -> dict:
+    if not os.path.exists(path):
+        raise InputError("no such file", file=path, field="--calibration")
     try:
         with open(path, encoding="utf-8") as fh:
             c = json.load(fh)
     except (OSError, ValueError) as e:
         raise InputError(f"cannot read calibration: {e}", file=path, field="--calibration") from None
     if not isinstance(c, dict):
-        raise InputError("must be a JSON object", file=path, field="--calibration")
+        raise InputError(f"must be a JSON object, not a {type(c).__name__}", file=path, field="--calibration")
     return c
 
 
+def cost_from_calibration(c: dict, path: str, base: CostModel) -> CostModel:
+    """``base`` with the file's coefficients in place of its own (a file may give only some)."""
+    unknown = sorted(set(c) - set(CALIBRATION_KEYS))
+    if unknown:
+        raise InputError(f"unknown key {unknown[0]!r} (a calibration file holds {', '.join(CALIBRATION_KEYS)}, "
+                         "or is a linear clock with \"kind\": \"linear\")", file=path, field="--calibration")
+    coef = c.get("coefficients")
+    if not isinstance(coef, dict):
+        raise InputError("needs an object \"coefficients\" (run kvbench calibrate to write one)", file=path,
+                         field="coefficients")
+    bad = sorted(set(coef) - set(CostModel.names()))
+    if bad:
+        raise InputError(f"unknown coefficient {bad[0]!r} (known: {', '.join(CostModel.names())})", file=path,
+                         field="coefficients")
+    for name in ("model", "device_name", "dtype", "kvbench_version"):
+        if name in c and c[name] is not None and not isinstance(c[name], str):
+            raise InputError(f"must be a string, got {c[name]!r}", file=path, field=name)
+    if c.get("dtype") is not None and c["dtype"] not in DTYPE_BYTES:
+        raise InputError(f"unknown dtype {c['dtype']!r} (one of {', '.join(DTYPE_BYTES)})", file=path, field="dtype")
+    if "model_spec" in c and not isinstance(c["model_spec"], dict):
+        raise InputError("must be an object", file=path, field="model_spec")
+    out = CostModel(**base.to_dict())
+    if c.get("kvbench_calibration") == 1:  # one rate and one bandwidth for every operation
+        coef = {**coef, "attn_flops": coef.get("matmul_flops", base.attn_flops),
+                "kv_bw": coef.get("mem_bw", base.kv_bw)}
+    for name, v in coef.items():
+        zero_ok = name in CostModel.MAY_BE_ZERO
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                or (v == 0 and not zero_ok)):
+            want = "a finite number >= 0" if zero_ok else "a finite number > 0"
+            raise InputError(f"must be {want}, got {v!r}", file=path, field=name)
+        setattr(out, name, float(v))
+    return out
+
+
+def calibration_mismatches(c: dict, model: ModelSpec, gpu: GPUSpec, kv_dtype: str) -> list[str]:
+    """What a calibration was measured on that this replay differs from (each a warning)."""
+    from kvbench import __version__
+
+    out = []
+    spec = c.get("model_spec")
+    if isinstance(spec, dict):
+        diff = [k for k in SHAPE_KEYS if k in spec and spec[k] != getattr(model, k)]
+        if diff:
+            out.append(f"measured on model {c.get('model') or '?'} whose {', '.join(diff)} differ from "
+                       f"{model.name}'s: its coefficients may not carry over")
+    device = c.get("device_name")
+    if device and gpu.name.lower() not in str(device).lower():
+        out.append(f"measured on {device}, not a {gpu.name}: the file's coefficients time the steps, "
+                   f"--gpu {gpu.name} sets only the memory size and link bandwidths")
+    if c.get("dtype") and kv_dtype != "auto" and kv_dtype != c["dtype"]:
+        out.append(f"measured with {c['dtype']} KV, this replay models {kv_dtype} (--kv-dtype)")
+    if c.get("kvbench_version") and c["kvbench_version"] != __version__:
+        out.append(f"written by kvbench {c['kvbench_version']}, this is {__version__}: run kvbench calibrate again")
+    return out
+
+
+# -- the executor --------------------------------------------------------------------------------
 class SimExecutor:
     name = "sim"
     needs_tokens = False
 
-    def __init__(self, model: ModelSpec, cost: CostModel, gpu_mem_bytes: int, kv_dtype: str = "bf16",
-                 weight_dtype: str = "bf16"):
-        self.model = model
-        self.gpu_mem_bytes = gpu_mem_bytes
-        self.cost = cost
+    def __init__(self, model: ModelSpec, cost: CostModel, gpu: GPUSpec, tp: int = 1, kv_dtype: str = "bf16",
+                 weight_dtype: str = "bf16", max_batched_tokens: int = 8192, max_num_seqs: int = 256):
+        self.model, self.cost, self.gpu = model, cost, gpu
         self.clock: LinearClock | None = None  # a linear clock replaces the roofline when given
         self.kv_dtype = kv_dtype
-        m = model
-        self._kv_tok = m.kv_bytes_per_token(kv_dtype)
-        self._weights = m.weight_bytes(weight_dtype)
-        emb = m.vocab_size * m.hidden_size
-        self._flops_tok = 2.0 * (m.num_params - emb * (1 if m.tie_word_embeddings else 2))
-        self._flops_head = 2.0 * emb
-        self._flops_pair = 4.0 * m.num_layers * m.num_heads * m.head_dim
+        self.shape = StepCost(model, tp, weight_dtype, kv_dtype)
+        self.tp = tp
+        self.weights_per_gpu = self.shape.weight_bytes()
+        self._act_args = (max_batched_tokens, max_num_seqs)
+        self.activations_per_gpu = self.shape.activation_bytes(*self._act_args)
+        self.usable_per_gpu = gpu.mem_bytes * GPU_MEMORY_UTILIZATION
+        self.free_per_gpu = self.usable_per_gpu - self.weights_per_gpu - self.activations_per_gpu
+        self.device_name = f"sim:{gpu.name}" + (f"x{tp}" if tp > 1 else "")
+        if self.free_per_gpu <= 0:
+            raise InputError(self._does_not_fit(), field="--tp")
+
+    def _does_not_fit(self) -> str:
+        g, need = self.gpu, self.weights_per_gpu + self.activations_per_gpu
+        fix = _smallest_tp(self.model, self.shape.dtypes, g, self.tp, self._act_args)
+        where = f"--tp {fix}" if fix else "a bigger GPU (--gpu)"
+        return (f"{self.model.name} needs {need / 1e9:.1f} GB per GPU for weights "
+                f"({self.weights_per_gpu / 1e9:.1f} GB) and activations at --tp {self.tp}, more than the "
+                f"{self.usable_per_gpu / 1e9:.1f} GB usable of one {g.name} ({g.mem_bytes / 1e9:g} GB x "
+                f"{GPU_MEMORY_UTILIZATION}): use {where}" + (" or a bigger GPU (--gpu)" if fix else ""))
 
     def kv_bytes_per_token(self) -> int:
-        return self._kv_tok
+        """Pool bytes one token takes: its K and V on every GPU (N x kv, replicas included)."""
+        return self.shape.kv_tok * self.tp
 
     def default_kv_bytes(self) -> int:
-        """KV pool bytes when none is asked: 90% of the GPU's memory, less the weights."""
-        return int(self.gpu_mem_bytes * 0.9) - self._weights
+        """The KV pool when none is asked: every GPU's memory left after weights and activations."""
+        return int(self.free_per_gpu * self.tp)
+
+    def check_kv_bytes(self, nbytes: int) -> None:
+        """Refuse a --kv-mem that the GPUs cannot hold beside the weights and activations."""
+        per_gpu = nbytes / self.tp
+        if per_gpu > self.free_per_gpu:
+            raise InputError(
+                f"{nbytes / 1e9:.1f} GB of KV is {per_gpu / 1e9:.1f} GB on each of {self.tp} GPU(s), but one "
+                f"{self.gpu.name} has {max(self.free_per_gpu, 0) / 1e9:.1f} GB left after {self.model.name}'s "
+                f"weights and activations: lower --kv-mem, raise --tp, or use a bigger GPU (--gpu)",
+                field="--kv-mem")
 
     def bind_pool(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
 
-    def step_work(self, batch: StepBatch) -> tuple[float, float]:
-        """(FLOPs, HBM bytes) of a step under the model above."""
-        n_pre = 0
-        pairs = 0.0
-        kv_read = 0
-        for start, n in zip(batch.prefill_starts, batch.prefill_lens):
-            n_pre += n
-            pairs += n * (start + (n + 1) / 2)  # causal: query i sees start + i + 1 keys
-            kv_read += start + n
-        ctx = sum(batch.decode_context_lens())
-        pairs += ctx
-        kv_read += ctx
-        n_tok = n_pre + len(batch.decode_positions)
-        n_sampled = len(batch.decode_positions) + sum(batch.prefill_last)
-        flops = self._flops_tok * n_tok + self._flops_head * n_sampled + self._flops_pair * pairs
-        mem = self._weights + self._kv_tok * (kv_read + n_tok)
-        mem += len(batch.copies) * batch.block_size * self._kv_tok * 2  # copy-on-write: read + write
-        if batch.slot_moves is not None:  # compaction after token eviction: read + write
-            mem += len(batch.slot_moves[0]) * self._kv_tok * 2
-        return flops, mem
+    def work(self, batch: StepBatch) -> Work:
+        return self.shape.work(batch)
+
+    def breakdown(self, batch: StepBatch) -> dict[str, float]:
+        """Seconds per operation of the roofline (OPERATIONS); the step time is their sum."""
+        return self.work(batch).seconds(self.cost)
 
     def step_time(self, batch: StepBatch) -> float:
         if self.clock is not None:
             return self.clock.seconds(batch)
-        flops, mem = self.step_work(batch)
-        return self.cost.time(flops, mem) + self.pcie_time(batch)
+        return self.work(batch).time(self.cost)
 
     def pcie_time(self, batch: StepBatch) -> float:
-        """Host<->device KV traffic (InfiniGen offload and recall), not overlapped with compute."""
-        return batch.pcie_bytes / self.cost.pcie_bw if batch.pcie_bytes else 0.0
+        """Host<->device KV traffic (InfiniGen offload and recall): each GPU moves its share."""
+        return batch.pcie_bytes / (self.tp * self.cost.pcie_bw) if batch.pcie_bytes else 0.0
 
     def execute(self, batch: StepBatch) -> StepResult:
         return StepResult(duration_s=self.step_time(batch), pcie_s=self.pcie_time(batch))
 
 
-def make_sim(model: ModelSpec, gpu: GPUSpec, calibration: str | None = None,
-             kv_dtype: str = "auto") -> SimExecutor:
-    """The sim for a model on a GPU preset (or a calibration file); ``kv_dtype`` auto: bf16, the
-    weights' dtype."""
-    if calibration and not os.path.exists(calibration):
-        raise InputError("no such file", file=calibration, field="--calibration")
-    clock = None
+def _smallest_tp(model: ModelSpec, dtypes: tuple[str, str], gpu: GPUSpec, above: int, act: tuple) -> int | None:
+    """The smallest --tp above ``above`` (up to 64) whose weights and activations fit, if any."""
+    for n in range(above + 1, 65):
+        try:
+            s = StepCost(model, n, *dtypes)
+        except InputError:
+            continue
+        if s.weight_bytes() + s.activation_bytes(*act) < gpu.mem_bytes * GPU_MEMORY_UTILIZATION:
+            return n
+    return None
+
+
+def make_sim(model: ModelSpec, gpu: GPUSpec, calibration: str | None = None, kv_dtype: str = "auto",
+             tp: int = 1, max_batched_tokens: int = 8192, max_num_seqs: int = 256) -> SimExecutor:
+    """The sim for a model on ``tp`` GPUs of a preset, timed by the preset or a calibration file.
+    ``kv_dtype`` auto: the weights' dtype (bf16, or the dtype a calibration was measured in)."""
+    clock, raw = None, None
+    cost = CostModel.from_gpu(gpu)
+    weight_dtype = "bf16"
     if calibration:
-        raw = _read_calibration(calibration)
+        raw = read_calibration(calibration)
         if raw.get("kind") == "linear":
-            clock, cost = LinearClock.from_dict(raw, calibration), CostModel.from_gpu(gpu)
+            clock = LinearClock.from_dict(raw, calibration)
         else:
-            cost = CostModel.from_dict(raw, calibration, gpu)
-    else:
-        cost = CostModel.from_gpu(gpu)
-    ex = SimExecutor(model, cost, gpu.mem_bytes, "bf16" if kv_dtype == "auto" else kv_dtype)
+            cost = cost_from_calibration(raw, calibration, cost)
+            weight_dtype = raw.get("dtype") or weight_dtype
+            for msg in calibration_mismatches(raw, model, gpu, kv_dtype):
+                log.warning("kvbench: warning: --calibration %s: %s", calibration, msg)
+    ex = SimExecutor(model, cost, gpu, tp, weight_dtype if kv_dtype == "auto" else kv_dtype, weight_dtype,
+                     max_batched_tokens, max_num_seqs)
     ex.clock = clock
-    ex.device_name = f"sim:{gpu.name}"
     return ex

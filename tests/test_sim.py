@@ -1,0 +1,415 @@
+"""The sim executor's per-operation roofline (kvbench/executors/sim.py) against FLOPs and bytes worked
+out by hand, its GPU presets against the datasheets, tensor parallelism and the memory checks.
+
+Every figure below was worked out from the published shapes, not from kvbench's code:
+  Llama-3-8B   L=32 h=4096 Hq=32 Hkv=8 d=128 I=14336 V=128256
+  Llama-3-70B  L=80 h=8192 Hq=64 Hkv=8 d=128 I=28672 V=128256   (GQA-8)
+bf16 weights and KV (2 bytes). Per GPU at tensor parallelism N: hq = Hq/N, hkv = Hkv/N (1 when N > Hkv),
+  W_attn = h hq d + 2 h hkv d + hq d h,  W_mlp = 3 h I / N,  kv = 2 L hkv d 2,  W_head = h V / N.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbench.engine.config import ReplayConfig
+from kvbench.engine.replay import Replay, pool_blocks
+from kvbench.errors import InputError
+from kvbench.executors.presets import GPUS, MODELS, get_gpu, get_model
+from kvbench.executors.sim import OPERATIONS, CostModel, SimExecutor, StepCost, make_sim
+from kvbench.scheduler.batch import StepBatch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (model, N) -> W_attn, W_mlp, kv bytes per token per GPU, W_head (elements per GPU), worked by hand:
+#   8B  N=1: 4096*4096 + 2*4096*1024 + 4096*4096 = 41,943,040;  3*4096*14336 = 176,160,768;
+#            2*32*8*128*2 = 131,072 (128 KiB);  4096*128256 = 525,336,576
+#   70B N=1: 8192*8192*2 + 2*8192*1024 = 150,994,944;  3*8192*28672 = 704,643,072;  2*80*8*128*2 = 327,680
+#            (320 KiB, design.md);  8192*128256 = 1,050,673,152
+SHAPES = {
+    ("llama-3-8b", 1): (41_943_040, 176_160_768, 131_072, 525_336_576),
+    ("llama-3-8b", 2): (20_971_520, 88_080_384, 65_536, 262_668_288),
+    ("llama-3-8b", 4): (10_485_760, 44_040_192, 32_768, 131_334_144),
+    ("llama-3-70b", 1): (150_994_944, 704_643_072, 327_680, 1_050_673_152),
+    ("llama-3-70b", 2): (75_497_472, 352_321_536, 163_840, 525_336_576),
+    ("llama-3-70b", 4): (37_748_736, 176_160_768, 81_920, 262_668_288),
+}
+LAYERS = {"llama-3-8b": (32, 4096, 128), "llama-3-70b": (80, 8192, 128)}  # L, h, d
+QUERY_HEADS = {"llama-3-8b": 32, "llama-3-70b": 64}
+
+# The three steps: (cached prefix, chunk length, chunk ends the prompt) per chunk; context per decode.
+STEPS = {
+    "prefill": ([(1024, 512, True)], []),  # a chunk after a cached prefix of 1024
+    "decode": ([], [4096] * 64),  # 64 decodes at 4k context
+    "mixed": ([(0, 256, False)], [2048] * 32),  # a mid-prompt chunk (samples nothing) + 32 decodes at 2k
+}
+
+
+def batch_of(chunks, decodes, block_size=16) -> StepBatch:
+    b = StepBatch(block_size=block_size)
+    for i, (start, n, last) in enumerate(chunks):
+        b.prefill_seq_ids.append(i)
+        b.prefill_starts.append(start)
+        b.prefill_lens.append(n)
+        b.prefill_last.append(last)
+    for j, ctx in enumerate(decodes):
+        b.decode_seq_ids.append(100 + j)
+        b.decode_positions.append(ctx - 1)
+    return b
+
+
+def expected(model: str, tp: int, step: str) -> dict:
+    """The step's work per GPU from the hand-worked shapes above."""
+    w_attn, w_mlp, kv, w_head = SHAPES[(model, tp)]
+    L, h, d = LAYERS[model]
+    hq = QUERY_HEADS[model] // tp
+    chunks, decodes = STEPS[step]
+    t = sum(n for _, n, _ in chunks) + len(decodes)
+    s = len(decodes) + sum(last for *_, last in chunks)
+    return {
+        "linear_flops": 2 * t * L * (w_attn + w_mlp), "linear_bytes": 2 * L * (w_attn + w_mlp),
+        "prefill": [(4 * L * hq * d * (n * s0 + n * (n + 1) / 2), kv * (s0 + n)) for s0, n, _ in chunks],
+        "decode_flops": 4 * L * hq * d * sum(decodes), "decode_bytes": kv * sum(decodes),
+        "lm_head_flops": 2 * s * w_head if s else 0, "lm_head_bytes": 2 * w_head if s else 0,
+        "kv_write_bytes": kv * t + 2 * t * h,
+        "allreduces": 2 * L if tp > 1 else 0, "allreduce_bytes": t * h * 2 if tp > 1 else 0,
+    }
+
+
+def work_dict(w) -> dict:
+    return {k: getattr(w, k) for k in ("linear_flops", "linear_bytes", "prefill", "decode_flops", "decode_bytes",
+                                       "lm_head_flops", "lm_head_bytes", "kv_write_bytes", "allreduces",
+                                       "allreduce_bytes")}
+
+
+@pytest.mark.parametrize("model", ["llama-3-8b", "llama-3-70b"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("step", list(STEPS))
+def test_work_of_each_operation_matches_the_hand_computed_figures(model, tp, step):
+    got = work_dict(StepCost(MODELS[model], tp).work(batch_of(*STEPS[step])))
+    want = expected(model, tp, step)
+    for key in want:
+        if key == "prefill":
+            assert [pytest.approx(c, rel=1e-12) for c in want[key]] == got[key]
+        else:
+            assert got[key] == pytest.approx(want[key], rel=1e-12), key
+
+
+def test_llama_3_8b_figures_written_out():
+    """The three Llama-3-8B steps at N=1 with every figure written out, no formula in between."""
+    cost = StepCost(MODELS["llama-3-8b"])
+    pre = work_dict(cost.work(batch_of(*STEPS["prefill"])))
+    assert pre["linear_flops"] == 7_146_825_580_544 and pre["linear_bytes"] == 13_958_643_712
+    assert pre["prefill"] == [(343_731_601_408, 201_326_592)]  # 1024 cached + 512 new tokens of KV read
+    assert (pre["lm_head_flops"], pre["lm_head_bytes"]) == (1_050_673_152, 1_050_673_152)  # one sampled row
+    assert pre["kv_write_bytes"] == 71_303_168 and pre["decode_bytes"] == 0 and pre["allreduces"] == 0
+    dec = work_dict(cost.work(batch_of(*STEPS["decode"])))
+    assert dec["linear_flops"] == 893_353_197_568 and dec["linear_bytes"] == 13_958_643_712
+    assert (dec["decode_flops"], dec["decode_bytes"]) == (137_438_953_472, 34_359_738_368)  # 32 GiB of KV
+    assert dec["lm_head_flops"] == 67_243_081_728 and dec["kv_write_bytes"] == 8_912_896
+    mix = work_dict(cost.work(batch_of(*STEPS["mixed"])))
+    assert mix["prefill"] == [(17_246_978_048, 33_554_432)]
+    assert (mix["decode_flops"], mix["decode_bytes"]) == (34_359_738_368, 8_589_934_592)
+    assert mix["lm_head_flops"] == 33_621_540_864  # the 32 decodes only: the chunk ends no prompt
+
+
+def test_llama_3_70b_tp4_figures_written_out():
+    cost = StepCost(MODELS["llama-3-70b"], tp=4)
+    dec = work_dict(cost.work(batch_of(*STEPS["decode"])))
+    assert dec["linear_bytes"] == 34_225_520_640  # a quarter of 136.9 GB of layer weights
+    assert (dec["decode_flops"], dec["decode_bytes"]) == (171_798_691_840, 21_474_836_480)
+    assert (dec["allreduces"], dec["allreduce_bytes"]) == (160, 1_048_576)  # 2 x 80 layers, 64 x 8192 x 2
+    pre = work_dict(cost.work(batch_of(*STEPS["prefill"])))
+    assert pre["prefill"] == [(429_664_501_760, 125_829_120)] and pre["allreduce_bytes"] == 8_388_608
+
+
+def test_step_time_is_the_sum_of_each_operations_roofline():
+    """Llama-3-70B at N=2 on the H200 preset: each operation's max(FLOPs / rate, bytes / bandwidth) by
+    hand (989.5 TFLOP/s x 0.7; 4.8 TB/s x 0.85; NVLink 450 GB/s x 0.8; 10 us per all-reduce)."""
+    ex = make_sim(MODELS["llama-3-70b"], GPUS["h200"], tp=2)
+    rate, bw, link = 989.5e12 * 0.7, 4.8e12 * 0.85, 450e9 * 0.8
+    b = batch_of(*STEPS["mixed"])
+    got = ex.breakdown(b)
+    assert got["linear"] == pytest.approx(max(19_713_899_888_640 / rate, 68_451_041_280 / bw))
+    assert got["prefill"] == pytest.approx(max(43_117_445_120 / rate, 41_943_040 / bw))
+    assert got["decode"] == pytest.approx(max(85_899_345_920 / rate, 10_737_418_240 / bw))
+    assert got["lm_head"] == pytest.approx(max(33_621_540_864 / rate, 1_050_673_152 / bw))
+    assert got["kv_write"] == pytest.approx(51_904_512 / bw)
+    assert got["allreduce"] == pytest.approx(160 * (10e-6 + 2 * 1 / 2 * 4_718_592 / link))
+    assert got["overhead"] == 4e-3 and got["pcie"] == 0 and tuple(got) == OPERATIONS
+    assert ex.step_time(b) == pytest.approx(sum(got.values()))
+    # a ring all-reduce moves 2 (N - 1) / N of the message per GPU: 1 at N=2, 1.5 at N=4
+    tp4 = make_sim(MODELS["llama-3-70b"], GPUS["h200"], tp=4).breakdown(b)
+    assert tp4["allreduce"] == pytest.approx(160 * (10e-6 + 2 * 3 / 4 * 4_718_592 / link))
+
+
+def test_decode_kv_reads_are_not_hidden_inside_a_big_prefill_chunk():
+    """The issue's case: 256 decodes at 8k context beside an 8k prefill chunk of Llama-3-8B on an H200.
+    One max over the whole step hid their KV reads (~69 ms) behind the chunk's compute; per operation
+    they add their own time."""
+    ex = make_sim(MODELS["llama-3-8b"], GPUS["h200"])
+    chunk = batch_of([(0, 8192, True)], [])
+    both = batch_of([(0, 8192, True)], [8192] * 256)
+    kv_read_s = 256 * 8192 * 131_072 / (4.8e12 * 0.85)  # 275 GB of KV
+    assert kv_read_s > 0.06
+    assert ex.step_time(both) - ex.step_time(chunk) >= kv_read_s
+
+
+def test_decode_step_time_rises_with_context_as_the_kv_bytes_predict():
+    """H200 preset, Llama-3-8B, a batch of 64: from 1k to 4k to 16k context each step adds exactly its
+    extra KV bytes at the KV bandwidth (the README's table)."""
+    ex = make_sim(MODELS["llama-3-8b"], GPUS["h200"])
+    times = {c: ex.step_time(batch_of([], [c] * 64)) for c in (1024, 4096, 16384)}
+    kv_bw = 4.8e12 * 0.85
+    for lo, hi in ((1024, 4096), (4096, 16384)):
+        extra_bytes = 64 * (hi - lo) * 131_072  # KV read grows with context
+        assert times[hi] - times[lo] == pytest.approx(extra_bytes / kv_bw, rel=1e-9)
+    assert times[16384] > 2 * times[1024]
+
+
+def test_kv_heads_that_do_not_divide_tp_are_replicated():
+    """Llama-3-8B at N=16: 8 KV heads over 16 GPUs, one replica each (vLLM); the pool pays for every copy."""
+    cost = StepCost(MODELS["llama-3-8b"], tp=16)
+    assert cost.hq == 2 and cost.hkv == 1
+    assert cost.kv_tok == 2 * 32 * 1 * 128 * 2  # 16,384 bytes per GPU
+    ex = make_sim(MODELS["llama-3-8b"], GPUS["h200"], tp=16)
+    assert ex.kv_bytes_per_token() == 16 * 16_384 == 2 * MODELS["llama-3-8b"].kv_bytes_per_token()
+    w = cost.work(batch_of([], [100]))
+    assert w.decode_bytes == 100 * 16_384 and w.decode_flops == 4 * 32 * 2 * 128 * 100
+    assert cost.w_attn == 4096 * 256 + 2 * 4096 * 128 + 256 * 4096
+    with pytest.raises(InputError, match="--tp"):
+        StepCost(MODELS["llama-3-8b"], tp=3)  # 32 query heads
+    with pytest.raises(InputError, match="--tp"):
+        StepCost(MODELS["llama-3-8b"], tp=12)  # neither divides nor is a multiple of 8 KV heads... nor of 32
+    with pytest.raises(InputError, match="--tp"):
+        StepCost(MODELS["llama-3-8b"], tp=0)
+
+
+def test_presets_are_the_datasheets_with_one_derating():
+    """Memory in the vendor's unit (GB = 10^9) and dense bf16 rates; one derating factor per resource."""
+    sheet = {"h200": (141e9, 4.8e12, 989.5e12), "h100": (80e9, 3.35e12, 989.5e12),
+             "a100": (80e9, 2.039e12, 312e12), "l40s": (48e9, 864e9, 362.05e12)}
+    for name, (mem, bw, flops) in sheet.items():
+        g = get_gpu(name)
+        assert (g.mem_bytes, g.peak_mem_bw, g.peak_bf16_flops) == (mem, bw, flops)
+        assert g.mem_bw / g.peak_mem_bw == GPUS["h200"].mem_bw / GPUS["h200"].peak_mem_bw
+        assert g.matmul_flops / g.peak_bf16_flops == GPUS["h200"].matmul_flops / GPUS["h200"].peak_bf16_flops
+    assert get_gpu("l40s").peak_link_bw == get_gpu("l40s").peak_pcie_bw  # no NVLink: PCIe
+    assert get_gpu("h100").peak_link_bw == 450e9  # NVLink 4: 900 GB/s both ways
+
+
+def test_default_pool_is_the_gpu_memory_left_after_weights_and_activations():
+    """Llama-3-8B on one H200: 0.9 x 141e9 - 16.06 GB of weights - activations of an 8192-token step."""
+    ex = make_sim(MODELS["llama-3-8b"], GPUS["h200"])
+    weights = 2 * (32 * (41_943_040 + 176_160_768 + 2 * 4096) + 2 * 525_336_576 + 4096)
+    assert weights == 16_060_522_496
+    acts = 2 * 8192 * (2 * 4096 + 3 * 14336) + 4 * 256 * 128256
+    assert ex.default_kv_bytes() == int(0.9 * 141e9 - weights - acts)
+    assert ex.default_kv_bytes() > 109e9  # GB, not GiB: 7% more than 0.9 x 131.3 GiB would give
+    tp4 = make_sim(MODELS["llama-3-70b"], GPUS["h100"], tp=4)
+    per_gpu = 0.9 * 80e9 - 2 * (80 * (37_748_736 + 176_160_768 + 2 * 8192) + 2 * 262_668_288 + 8192) \
+        - (2 * 8192 * (2 * 8192 + 3 * 28672 / 4) + 4 * 256 * 128256)
+    assert tp4.default_kv_bytes() == int(4 * per_gpu)
+    assert tp4.kv_bytes_per_token() == 4 * 81_920 == MODELS["llama-3-70b"].kv_bytes_per_token()
+
+
+def test_weights_that_do_not_fit_name_the_fix():
+    with pytest.raises(InputError, match=r"--tp 2"):
+        make_sim(MODELS["llama-3-70b"], GPUS["h200"])  # 141 GB of weights on a 141 GB GPU
+    with pytest.raises(InputError, match=r"--tp 4"):
+        make_sim(MODELS["llama-3-70b"], GPUS["l40s"], tp=2)
+    ex = make_sim(MODELS["llama-3-8b"], GPUS["h100"])
+    with pytest.raises(InputError, match="--kv-mem"):
+        ex.check_kv_bytes(60 * 10**9)  # 16 GB of weights + 60 GB of KV > 72 GB usable
+    ex.check_kv_bytes(50 * 10**9)
+
+
+def _cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "kvbench", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_cli_70b_runs_on_four_h100s_and_asks_for_tp_without(tmp_path):
+    r = _cli("replay", "traces/chat.jsonl", "--executor", "sim", "--model", "llama-3-70b", "--gpu", "h100",
+             "--tp", "4", "--limit", "40", "--json", "--out", str(tmp_path / "tp4"))
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["completed"] == 40 and s["kv_bytes_per_token"] == 327_680
+    cfg = json.loads((tmp_path / "tp4" / "config.json").read_text())
+    assert cfg["settings"]["tp"] == 4
+    for args in (["--gpu", "h100"], ["--gpu", "h100", "--kv-mem", "60GB"], ["--gpu", "h200"]):
+        r = _cli("replay", "traces/chat.jsonl", "--executor", "sim", "--model", "llama-3-70b", *args,
+                 "--out", str(tmp_path / "x"))
+        assert r.returncode == 2 and "--tp" in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--executor", "sim", "--tp", "0"], "--tp"),
+    (["--executor", "sim", "--model", "llama-3-8b", "--tp", "3"], "--tp"),
+    (["--executor", "model", "--tp", "2"], "--tp"),
+    (["--executor", "sim", "--model", "llama-3-8b", "--gpu", "h100", "--kv-mem", "70GB"], "--kv-mem"),
+])
+def test_bad_tp_or_kv_mem_is_one_line_exit_2(tmp_path, args, needle):
+    r = _cli("replay", "traces/chat.jsonl", *args, "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_tp_halves_the_decode_step_and_pools_two_gpus(tmp_path):
+    """The same trace on one and two H100s: two hold more KV and run each step faster."""
+    runs = {}
+    for tp in (1, 2):
+        rp = Replay(str(ROOT / "traces" / "chat.jsonl"),
+                    ReplayConfig(executor="sim", model="llama-3-8b", gpu="h100", tp=tp, limit=30),
+                    str(tmp_path / f"tp{tp}"))
+        runs[tp] = (rp.num_blocks, rp.run())
+    assert runs[2][0] > 2 * runs[1][0]  # weights split too: more than twice the free memory
+    assert runs[2][1]["tpot_ms_p50"] < runs[1][1]["tpot_ms_p50"]
+
+
+def test_sweep_varies_tp_for_the_sim_only():
+    from kvbench.cli.replay import REPLAY_OPTIONS
+    from kvbench.sweep.grid import expand, parse_grid
+
+    configs = expand(parse_grid({"executor": "sim,model", "tp": "1,2", "model": "llama-3-8b"}, REPLAY_OPTIONS))
+    names = sorted(c.name for c in configs)
+    assert names == ["paged-model", "paged-sim-tp1", "paged-sim-tp2"]  # the model executor has no tp
+
+
+def test_kv_mem_is_checked_and_num_blocks_is_not():
+    ex = make_sim(MODELS["llama-3-8b"], GPUS["h100"])
+    with pytest.raises(InputError, match="--kv-mem"):
+        pool_blocks(ReplayConfig(executor="sim", kv_mem="60GB"), ex, MODELS["llama-3-8b"])
+    assert pool_blocks(ReplayConfig(executor="sim", num_blocks=10**7), ex, MODELS["llama-3-8b"]) == 10**7
+
+
+# -- mixture of experts --------------------------------------------------------------------------
+def test_moe_runs_active_experts_and_holds_all_of_them():
+    """Mixtral-8x7B: 2 of 8 experts per token (12.9B parameters run), all 8 held (46.7B)."""
+    m = MODELS["mixtral-8x7b"]
+    assert m.num_params == 46_702_792_704
+    cost = StepCost(m)
+    w_attn = 4096 * 4096 * 2 + 2 * 4096 * 1024
+    expert = 3 * 4096 * 14336
+    one = cost.work(batch_of([], [100]))  # one token touches its 2 experts
+    assert one.linear_flops == 2 * 1 * 32 * (w_attn + 2 * expert + 4096 * 8)
+    assert one.linear_bytes == pytest.approx(2 * 32 * (w_attn + 2 * expert + 4096 * 8))
+    many = cost.work(batch_of([], [100] * 64))  # 64 tokens touch all 8 (8 (1 - (6/8)^64))
+    assert many.linear_flops == 64 * one.linear_flops
+    assert many.linear_bytes == pytest.approx(2 * 32 * (w_attn + 8 * expert + 4096 * 8), rel=1e-6)
+    assert cost.weight_bytes() == pytest.approx(2 * m.num_params)
+    with pytest.raises(InputError, match="--tp 2"):
+        make_sim(m, GPUS["h100"])  # 93 GB of weights
+    make_sim(m, GPUS["h200"])
+
+
+def test_moe_shapes_from_config_json(tmp_path):
+    mixtral = {"model_type": "mixtral", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
+               "num_local_experts": 8, "num_experts_per_tok": 2}
+    (tmp_path / "mixtral.json").write_text(json.dumps(mixtral))
+    m = get_model(str(tmp_path / "mixtral.json"))
+    assert (m.num_experts, m.experts_per_token, m.moe_intermediate_size) == (8, 2, 14336)
+    assert m.num_params == MODELS["mixtral-8x7b"].num_params
+    qwen = {"model_type": "qwen2_moe", "num_hidden_layers": 24, "hidden_size": 2048, "num_attention_heads": 16,
+            "num_key_value_heads": 16, "intermediate_size": 5632, "vocab_size": 151936, "num_experts": 60,
+            "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632}
+    (tmp_path / "qwen.json").write_text(json.dumps(qwen))
+    q = get_model(str(tmp_path / "qwen.json"))
+    assert (q.num_experts, q.experts_per_token, q.moe_intermediate_size, q.shared_expert_intermediate_size) == \
+        (60, 4, 1408, 5632)
+    h = 2048
+    per_token = 4 * 3 * h * 1408 + 3 * h * 5632 + h + h * 60  # 4 experts + shared expert (+ gate) + router
+    w = StepCost(q).work(batch_of([], [10]))
+    w_attn = 2048 * 2048 * 2 + 2 * 2048 * 2048
+    assert w.linear_flops == 2 * 24 * (w_attn + per_token)
+    bad = {**qwen, "num_experts_per_tok": 61}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(InputError, match="num_experts_per_tok"):
+        get_model(str(tmp_path / "bad.json"))
+
+
+# -- calibration files ---------------------------------------------------------------------------
+@pytest.mark.parametrize("content, field", [
+    ('{"coefficients": {"mem_bw": NaN}}', "mem_bw"),
+    ('{"coefficients": {"kv_bw": Infinity}}', "kv_bw"),
+    ('{"coefficients": {"attn_flops": -1}}', "attn_flops"),
+    ('{"coefficients": {"matmul_flops": 0}}', "matmul_flops"),
+    ('{"coefficients": {"matmul_flops": true}}', "matmul_flops"),
+    ('{"coefficients": {"mem_bw": "fast"}}', "mem_bw"),
+    ('{"coefficients": {"warp_speed": 1}}', "warp_speed"),
+    ('{"coefficients": {}, "colour": "red"}', "colour"),
+    ('{"coefficients": [1, 2]}', "coefficients"),
+    ('[{"coefficients": {}}]', "list"),
+    ('{"dtype": "fp64", "coefficients": {}}', "dtype"),
+    ('{"kind": "linear", "decode_step_ms": -3}', "decode_step_ms"),
+    ('{"coefficients": {', "cannot read"),
+])
+def test_bad_calibration_file_is_one_line_exit_2(tmp_path, content, field):
+    cal = tmp_path / "cal.json"
+    cal.write_text(content)
+    r = _cli("replay", "traces/chat.jsonl", "--executor", "sim", "--calibration", str(cal), "--limit", "3",
+             "--out", str(tmp_path / "x"))
+    assert r.returncode == 2, r.stderr
+    assert field in r.stderr and str(cal) in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_partial_calibration_overrides_only_its_coefficients(tmp_path):
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"coefficients": {"step_overhead_s": 0.0, "kv_bw": 1e12}}))
+    ex = make_sim(MODELS["llama-3-8b"], GPUS["h100"], str(cal))
+    base = CostModel.from_gpu(GPUS["h100"])
+    assert ex.cost.kv_bw == 1e12 and ex.cost.step_overhead_s == 0.0
+    assert ex.cost.mem_bw == base.mem_bw and ex.cost.link_bw == base.link_bw
+
+
+def test_calibration_measured_elsewhere_warns(tmp_path, caplog):
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"kvbench_calibration": 2, "kvbench_version": "0.0.1", "device_name": "cpu",
+                               "dtype": "fp32", "model": "tiny", "model_spec": MODELS["tiny"].to_dict(),
+                               "coefficients": {"mem_bw": 1e10}}))
+    with caplog.at_level("WARNING"):
+        ex = make_sim(MODELS["llama-3-8b"], GPUS["h200"], str(cal), kv_dtype="bf16")
+    text = caplog.text
+    assert "tiny" in text and "num_layers" in text  # model shape
+    assert "measured on cpu" in text  # device
+    assert "fp32" in text and "--kv-dtype" in text  # dtype
+    assert "0.0.1" in text  # kvbench version
+    assert ex.shape.bw == 4  # weights timed in the dtype they were measured in
+    caplog.clear()
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps({"device_name": "NVIDIA H200", "dtype": "bf16", "model": "llama-3-8b",
+                                "model_spec": MODELS["llama-3-8b"].to_dict(), "coefficients": {"mem_bw": 4e12}}))
+    with caplog.at_level("WARNING"):
+        make_sim(MODELS["llama-3-8b"], GPUS["h200"], str(same))
+    assert caplog.text == ""
+
+
+def test_linear_clock_is_unchanged(tmp_path):
+    clock = tmp_path / "linear.json"
+    clock.write_text(json.dumps({"kind": "linear", "prefill_ms_per_token": 0.5, "decode_step_ms": 20,
+                                 "overhead_ms": 1}))
+    ex = make_sim(MODELS["llama-3-8b"], GPUS["h200"], str(clock), tp=2)
+    assert ex.step_time(batch_of([(0, 100, True)], [10, 20])) == pytest.approx((1 + 50 + 20) / 1e3)
+    assert ex.step_time(batch_of([(0, 100, True)], [])) == pytest.approx(51 / 1e3)
+
+
+def test_pcie_time_splits_over_the_gpus():
+    ex1 = make_sim(MODELS["llama-3-8b"], GPUS["h100"])
+    ex2 = make_sim(MODELS["llama-3-8b"], GPUS["h100"], tp=2)
+    b = batch_of([], [100])
+    b.pcie_bytes = 10**9
+    assert ex1.pcie_time(b) == pytest.approx(1e9 / (64e9 * 0.8))
+    assert ex2.pcie_time(b) == pytest.approx(ex1.pcie_time(b) / 2)
+    assert ex1.breakdown(b)["pcie"] == ex1.pcie_time(b)
+
+
+def test_executor_interface_without_tp_is_the_single_gpu_model():
+    ex = SimExecutor(MODELS["llama-3-8b"], CostModel.from_gpu(GPUS["h200"]), GPUS["h200"])
+    assert ex.kv_bytes_per_token() == MODELS["llama-3-8b"].kv_bytes_per_token() == 131_072
+    assert ex.device_name == "sim:h200"
