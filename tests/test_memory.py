@@ -274,7 +274,7 @@ def test_slab_first_fit_and_fragmentation():
     slab.free(seqs[0])  # a 30-block hole at the front
     assert not slab.allocate(SeqKV(reserve=16 * 31), 1)  # 30 free blocks, but no 31-block hole
     big = SeqKV(reserve=16 * 30)
-    assert slab.allocate(big, 1) and big.table == range(0, 30)
+    assert slab.allocate(big, 1) and big.table == range(30)
     slab.free(seqs[1])
     slab.free(seqs[2])
     slab.free(big)
@@ -467,3 +467,15 @@ def test_radix_evicts_leaves_only():
             assert [b for b in order if b in trunk_blocks] == trunk[::-1]  # then from its end to the root
         else:
             assert first_trunk < 4  # fifo takes the oldest registered blocks: the trunk's
+
+
+def test_radix_node_hit_past_a_private_copy_splits_the_node_it_leaves():
+    """A partial hit makes a sequence compute a cached prefix again (private copies), so the next
+    block it registers hangs apart from the cached chain; a later match runs through the cached
+    chain into that block and must split the node it leaves, or the node is partly held."""
+    kv = make_paged(8, 4, "lru", "radix-node")
+    prompts = [STREAMS.stream(f"p{k % 3}", 200) for k in range(7)]
+    seqs: list[SeqKV] = []
+    for op, k, n in [("new", 1, 3), ("free", 0, 1), ("new", 1, 1), ("append", 0, 9), ("new", 1, 5)]:
+        apply_op(kv, seqs, prompts, op, k, n)
+        check_invariants(kv, seqs)

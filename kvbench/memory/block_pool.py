@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbench.memory.policies import NEVER, CachePolicy, make_policy
+from kvbench.memory.policies import NEVER, CachePolicy, PoolView, make_policy
 
 
 class BlockPool:
@@ -38,6 +38,7 @@ class BlockPool:
         self.block_size = block_size
         self.enable_cache = enable_cache
         self.policy = make_policy(policy, num_blocks) if isinstance(policy, str) else policy
+        self.policy.bind(PoolView(self))  # keys and parents, read at insert and evict
         self.refcnt = [0] * num_blocks
         self.fill = [0] * num_blocks  # tokens whose KV is written in the block
         self.key: list[int | None] = [None] * num_blocks
@@ -58,6 +59,9 @@ class BlockPool:
         self.evictions = 0  # cached blocks evicted (reclaimed for new content, or freed with their node)
         self.clock = 0  # logical time for policies (request index or step)
         self.on_evict = None  # called with each cached block reclaimed (the radix tree forgets it)
+        # KV events for a router's index (engine.routing.KVIndex), when a list: (True, keys stored) and
+        # (False, keys evicted), in the order they happen; the engine drains it after each step.
+        self.events: list | None = None
         # leaves-only eviction (None until enable_leaf_eviction)
         self.kids: list[int] | None = None  # cached children counted against a block
         self.kid_of: list[int] = []  # the block a child is counted against, or -1
@@ -124,6 +128,8 @@ class BlockPool:
             index, key, fill, refcnt, on_evict = self.index, self.key, self.fill, self.refcnt, self.on_evict
             k = need if self.kids is None else 1  # leaves-only: each victim may make its parent next
             victims = self.policy.pop_many(k)
+            if self.events is not None:
+                self.events.append((False, [key[b] for b in victims]))
             if len(victims) > k:  # node eviction frees whole nodes: the rest of the last one is free
                 for b in victims[k:]:
                     if on_evict is not None:
@@ -273,6 +279,8 @@ class BlockPool:
             self.policy.on_recompute_many([index[keys[i]] for i in again], self.clock,
                                           [int(next_uses[i]) for i in again])
         if rows:
+            if self.events is not None:
+                self.events.append((True, [keys[i] for i in rows]))
             self.policy.on_insert_many([blocks[i] for i in rows], self.clock,
                                        None if next_uses is None else [int(next_uses[i]) for i in rows])
             bs = self.block_size

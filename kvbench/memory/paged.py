@@ -208,7 +208,11 @@ class PagedKV:
             assert not s.table and s.num_kv == 0, "hits are only taken by an empty table"
             for b in hits:
                 p.incref(b)
-            if p.nodes is not None:  # node eviction: the match ends here
+            if p.nodes is not None:  # node eviction: the match ends here, and leaves a node
+                down = p.nodes.down  # wherever the next hit is not the node's next block (a run
+                for a, b in zip(hits, hits[1:]):  # registered after a private copy hangs apart)
+                    if down[a] >= 0 and down[a] != b:
+                        p.nodes.split_after(a)
                 p.nodes.split_after(hits[-1])
             p.touch(hits, None if s.next_use is None else s.next_use[:n_hit])
             s.table.extend(hits)

@@ -29,6 +29,22 @@ continues is ``hold``-ed — released for ordering, not evictable — and ``unho
 cached child is evicted. lru and the touch-ordered queues (fifo, lfu) give it the place its release
 (or touch) gave it — lru keeps held blocks in its queue and skips them; belady re-queues it at its
 unhold, so among blocks of the same next use it goes last rather than by release.
+
+Policies from cache research, and two that use the structure of LLM prompts (issue 22); each
+class's docstring states its rule and where it comes from. ``capacity`` is the cache's size in blocks
+(the pool's, or the what-if's budget), and the CacheView a policy is bound to (``bind``) tells it a
+block's prefix key (its content, which outlives the physical block: ARC's and S3-FIFO's ghosts) and
+the cached block holding its parent key (chain depth, continuations):
+
+- lru2: LRU-K with K = 2 (O'Neil et al., SIGMOD '93), the second-most-recent use;
+- arc: ARC (Megiddo & Modha, FAST '03), recency and frequency lists sized by ghost hits;
+- s3fifo: S3-FIFO (Yang et al., SOSP '23), a small probationary FIFO, a main FIFO, a ghost FIFO;
+- prefix: the deepest block first, ties by recency;
+- learned (kvbench.memory.learned): the lowest predicted chance of reuse within W seconds.
+
+lru2, prefix and learned key a block when it becomes evictable and keep a heap (O(log n)); arc and
+s3fifo are O(1) dict operations per block, amortised. tests/test_policies.py holds each to a
+brute-force restatement of its rule.
 """
 from __future__ import annotations
 
@@ -37,6 +53,37 @@ from collections import OrderedDict, deque
 from itertools import groupby, islice, repeat
 
 NEVER = 1 << 62  # next use of a block no later request looks up
+
+
+class CacheView:
+    """What a policy may read about cached blocks besides the calls it gets. Unbound, it knows no
+    key (no ghost entry ever matches) and no parent (every block is a root)."""
+
+    block_size: int | None = None
+
+    def key_of(self, block: int):
+        """The block's prefix key: the identity of its content, which outlives the physical block."""
+        return
+
+    def parent_of(self, block: int) -> int:
+        """The cached block holding the block's parent key, or -1 (a root, or a parent not cached)."""
+        return -1
+
+
+class PoolView(CacheView):
+    """A BlockPool's keys and index, read when a block is inserted or evicted (the pool sets a
+    block's key before ``on_insert_many`` and clears it after ``pop_many``)."""
+
+    def __init__(self, pool):
+        self._pool = pool
+        self.block_size = pool.block_size
+
+    def key_of(self, block: int):
+        return self._pool.key[block]
+
+    def parent_of(self, block: int) -> int:
+        p = self._pool
+        return p.index.get(p.parent[block], -1)
 
 
 class CachePolicy:
@@ -48,8 +95,14 @@ class CachePolicy:
 
     name = "base"
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, capacity: int | None = None):
         self.num_blocks = num_blocks
+        self.capacity = capacity if capacity is not None else num_blocks  # blocks the cache holds
+        self.view = CacheView()
+
+    def bind(self, view: CacheView) -> None:
+        """Read block keys and parents through ``view`` (BlockPool: PoolView)."""
+        self.view = view
 
     def on_insert(self, block: int, now: int, next_use: int = NEVER) -> None:
         """A block was registered in the cache (it is in use)."""
@@ -117,8 +170,8 @@ class LRUPolicy(CachePolicy):
 
     name = "lru"
 
-    def __init__(self, num_blocks: int):
-        super().__init__(num_blocks)
+    def __init__(self, num_blocks: int, capacity: int | None = None):
+        super().__init__(num_blocks, capacity)
         self._q: OrderedDict[int, None] = OrderedDict()
         self._held: set[int] = set()  # in _q, not evictable
 
@@ -193,8 +246,8 @@ class _TouchOrder(CachePolicy):
     ``on_use`` and ``release`` for blocks in use, ``reuse`` for evictable ones.
     """
 
-    def __init__(self, num_blocks: int):
-        super().__init__(num_blocks)
+    def __init__(self, num_blocks: int, capacity: int | None = None):
+        super().__init__(num_blocks, capacity)
         self._buckets: list[OrderedDict[int, None]] = [OrderedDict(), OrderedDict()]
         self._key = [0] * num_blocks
         self._min = 0  # no bucket below it holds a block
@@ -207,8 +260,7 @@ class _TouchOrder(CachePolicy):
     def _queue(self, blocks, key: int) -> None:
         """Blocks not cached before join bucket ``key``, in order."""
         _consume(map(self._buckets[key].__setitem__, blocks, repeat(None)))
-        if key < self._min:
-            self._min = key
+        self._min = min(self._min, key)
 
     def release_many(self, blocks) -> None:
         self._ev.update(blocks)
@@ -313,8 +365,8 @@ class BeladyPolicy(CachePolicy):
 
     name = "belady"
 
-    def __init__(self, num_blocks: int):
-        super().__init__(num_blocks)
+    def __init__(self, num_blocks: int, capacity: int | None = None):
+        super().__init__(num_blocks, capacity)
         self._next = [NEVER] * num_blocks
         self._n = 0  # evictable blocks
         self._buckets: dict[int, OrderedDict[int, None]] = {}
@@ -375,13 +427,405 @@ class BeladyPolicy(CachePolicy):
         return self._n
 
 
+class _ReleaseKeyed(CachePolicy):
+    """Evict the evictable block with the smallest key, computed when it becomes evictable (release,
+    or unhold); ties go to the block that became evictable longest ago (lru's order).
+
+    A heap of ``(key, seq, block)`` with lazy deletion: ``_entry[b]`` is the seq of the block's live
+    entry (0 when it is not evictable), so ``reuse`` costs nothing and ``pop`` skips entries whose
+    block was taken again or queued anew: O(log n) per block. ``_ended`` sees every end of a use (a
+    release, or a hold, which ends a use without making the block evictable) before ``_key`` is
+    read. A key depends only on state that stays put while the block waits, or ``_requeue`` queues
+    it again, as released now (learned: a new continuation).
+    """
+
+    def __init__(self, num_blocks: int, capacity: int | None = None):
+        super().__init__(num_blocks, capacity)
+        self._heap: list[tuple] = []
+        self._entry = [0] * num_blocks
+        self._seq = 0
+        self._n = 0
+
+    def _ended(self, b: int, seq: int) -> None:
+        """A use of ``b`` ended at ``seq`` (its release, or its hold)."""
+
+    def _key(self, b: int):
+        raise NotImplementedError
+
+    def _push(self, b: int) -> None:
+        self._seq += 1
+        self._entry[b] = self._seq
+        heapq.heappush(self._heap, (self._key(b), self._seq, b))
+
+    def release_many(self, blocks) -> None:
+        n = 0
+        for b in blocks:
+            self._ended(b, self._seq + 1)
+            self._push(b)
+            n += 1
+        self._n += n
+
+    def hold(self, block: int) -> None:
+        self._seq += 1
+        self._ended(block, self._seq)
+
+    def unhold(self, block: int) -> None:
+        self._push(block)
+        self._n += 1
+
+    def reuse_held(self, block: int) -> None:
+        pass
+
+    def reuse_many(self, blocks) -> None:
+        entry = self._entry
+        n = 0
+        for b in blocks:
+            entry[b] = 0
+            n += 1
+        self._n -= n
+        self._compact()
+
+    def _requeue(self, b: int) -> None:
+        """An evictable block's key changed: queue it again, as released now."""
+        if self._entry[b]:
+            self._push(b)  # the old entry no longer matches _entry[b]: skipped by pop
+            self._compact()
+
+    def _compact(self) -> None:
+        if len(self._heap) > 2 * self._n + 4096:  # entries of blocks taken again or requeued
+            entry = self._entry
+            self._heap = [e for e in self._heap if entry[e[2]] == e[1]]
+            heapq.heapify(self._heap)
+
+    def pop_many(self, n: int) -> list[int]:
+        if n > self._n:
+            raise IndexError(f"pop {n} of {self._n} evictable blocks")
+        heap, entry = self._heap, self._entry
+        victims: list[int] = []
+        while len(victims) < n:
+            _, seq, b = heapq.heappop(heap)
+            if entry[b] == seq:
+                entry[b] = 0
+                victims.append(b)
+        self._n -= n
+        return victims
+
+    def __len__(self) -> int:
+        return self._n
+
+
+class LRU2Policy(_ReleaseKeyed):
+    """LRU-K with K = 2 (O'Neil, O'Neil & Weikum, "The LRU-K page replacement algorithm for database
+    disk buffering", SIGMOD '93): evict the block whose second-most-recent use lies furthest back;
+    a block with one use since it entered has none (infinitely far back) and goes first, among such
+    blocks by lru's order. A use ends at its release (or hold), so the clock is the release order:
+    the key is the seq that ended the block's previous use, 0 for none. The paper's correlated
+    reference period is not modelled: uses that overlap (a block shared by running sequences) end
+    together, at the last release."""
+
+    name = "lru2"
+
+    def __init__(self, num_blocks: int, capacity: int | None = None):
+        super().__init__(num_blocks, capacity)
+        self._last = [0] * num_blocks  # seq that ended the block's last use
+        self._prev = [0] * num_blocks  # ... and the use before it
+
+    def on_insert_many(self, blocks, now: float, next_uses=None) -> None:
+        last, prev = self._last, self._prev
+        for b in blocks:  # new content: no use ended yet
+            last[b] = prev[b] = 0
+
+    def _ended(self, b: int, seq: int) -> None:
+        self._prev[b] = self._last[b]
+        self._last[b] = seq
+
+    def _key(self, b: int) -> int:
+        return self._prev[b]
+
+
+class PrefixPolicy(_ReleaseKeyed):
+    """Deepest first, ties by lru's order: a prefix block serves every continuation, so the blocks
+    furthest from the root go before the prefixes they continue. Depth is fixed at insert: 0 for a
+    block whose parent key no cached block holds, else its cached parent's depth + 1 (the pool tells
+    a run's blocks in chain order, parents first)."""
+
+    name = "prefix"
+
+    def __init__(self, num_blocks: int, capacity: int | None = None):
+        super().__init__(num_blocks, capacity)
+        self._depth = [0] * num_blocks
+
+    def on_insert_many(self, blocks, now: float, next_uses=None) -> None:
+        depth, parent_of = self._depth, self.view.parent_of
+        for b in blocks:
+            p = parent_of(b)
+            depth[b] = depth[p] + 1 if p >= 0 else 0
+
+    def _key(self, b: int) -> int:
+        return -self._depth[b]
+
+
+class ARCPolicy(CachePolicy):
+    """ARC (Megiddo & Modha, "ARC: A Self-Tuning, Low Overhead Replacement Cache", FAST '03, Fig. 4),
+    over the pool's calls. T1 holds the cached blocks not hit since they entered, T2 those hit since;
+    B1 and B2 are ghosts: the keys of blocks evicted from T1 and T2, oldest first.
+
+    - insert, key in B1: p += max(|B2|/|B1|, 1) (at most c), the key leaves B1, the block joins T2;
+      key in B2: p -= max(|B1|/|B2|, 1) (at least 0), the key leaves B2, the block joins T2; else
+      it joins T1 and the oldest ghosts go until |T1| + |B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c,
+      B1's first (the paper's case IV).
+    - use (a hit): the block moves to T2.
+    - pop (the paper's REPLACE): from T1 if |T1| > p, else from T2; the victim is the list's
+      evictable block released longest ago (ARC's LRU end, with recency counted at release as lru
+      does), from the other list when this one has none; its key joins the end of B1 (from T1) or B2.
+
+    Where the pool differs from the paper's cache: eviction happens before the new block's key is
+    known (the pool allocates, then registers), so REPLACE cannot read "x in B2" and the paper's
+    tie case (|T1| = p) goes to T2; blocks in use cannot be evicted, so the list named may yield
+    to the other. ``c`` is ``capacity``, the cache's size in blocks. O(1) dict operations per block.
+    """
+
+    name = "arc"
+
+    def __init__(self, num_blocks: int, capacity: int | None = None):
+        super().__init__(num_blocks, capacity)
+        self.p = 0.0  # target size of T1
+        self._list = [0] * num_blocks  # 1: T1, 2: T2, 0: not cached
+        self._size = [0, 0, 0]  # cached blocks in T1, T2 (in use or not)
+        self._q: tuple[OrderedDict, ...] = (OrderedDict(), OrderedDict(), OrderedDict())  # evictable; [0] unused
+        self._ghost: tuple[OrderedDict, ...] = (OrderedDict(), OrderedDict(), OrderedDict())  # [1]: B1, [2]: B2
+
+    def on_insert_many(self, blocks, now: float, next_uses=None) -> None:
+        key_of, lst, size = self.view.key_of, self._list, self._size
+        _, b1, b2 = self._ghost
+        c = self.capacity
+        for b in blocks:
+            k = key_of(b)
+            if k is not None and k in b1:
+                self.p = min(float(c), self.p + max(len(b2) / len(b1), 1.0))
+                del b1[k]
+                where = 2
+            elif k is not None and k in b2:
+                self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
+                del b2[k]
+                where = 2
+            else:
+                where = 1
+            lst[b] = where
+            size[where] += 1
+            if where == 1:  # a new key: the directory may exceed c (T1 + B1) or 2c (all four)
+                while size[1] + len(b1) > c and b1:
+                    b1.popitem(last=False)
+                while size[1] + size[2] + len(b1) + len(b2) > 2 * c and b2:
+                    b2.popitem(last=False)
+
+    def on_use_many(self, blocks, now: float, next_uses=None) -> None:
+        lst, size = self._list, self._size
+        for b in blocks:
+            if lst[b] == 1:
+                lst[b] = 2
+                size[1] -= 1
+                size[2] += 1
+
+    def release_many(self, blocks) -> None:
+        lst, q = self._list, self._q
+        for b in blocks:
+            q[lst[b]][b] = None
+
+    def reuse_many(self, blocks) -> None:
+        lst, q = self._list, self._q
+        for b in blocks:
+            del q[lst[b]][b]
+
+    def pop_many(self, n: int) -> list[int]:
+        if n > len(self):
+            raise IndexError(f"pop {n} of {len(self)} evictable blocks")
+        q, ghost, lst, size, key_of = self._q, self._ghost, self._list, self._size, self.view.key_of
+        victims: list[int] = []
+        for _ in range(n):
+            where = 1 if q[1] and (size[1] > self.p or not q[2]) else 2
+            b = q[where].popitem(last=False)[0]
+            size[where] -= 1
+            lst[b] = 0
+            k = key_of(b)
+            if k is not None:
+                ghost[where][k] = None
+            victims.append(b)
+        return victims
+
+    def __len__(self) -> int:
+        return len(self._q[1]) + len(self._q[2])
+
+
+class S3FIFOPolicy(CachePolicy):
+    """S3-FIFO (Yang, Zhang, Qiu, Yue & Rashmi, "FIFO queues are all you need for cache eviction",
+    SOSP '23; as libCacheSim's S3FIFO.c evicts), over the pool's calls. Two FIFO queues of cached
+    blocks, S (small, 10% of c) and M (main, the rest), a ghost FIFO G of up to 0.9c keys, and a
+    hit count per block (capped at 3: two bits).
+
+    - insert: into M if the block's key is in G (it leaves G), else into S; count 0.
+    - use (a hit): count + 1.
+    - pop: from M if |M| > c - |S|max or S is empty, else from S. From S: its oldest block goes to
+      M's end with count 0 if hit since it entered, else it is the victim and its key joins G (the
+      oldest key leaves G past 0.9c); repeat until a victim. From M: its oldest block goes back to
+      M's end with count - 1 if its count is > 0, else it is the victim.
+
+    Where the pool differs: a block in use cannot be evicted. One found at the front with count 0
+    is set aside (out of its queue) and re-enters its queue's end when released, as if inserted
+    then. When the queue named yields no victim, the other is tried, then the first again. O(1) dict
+    operations per block, amortised (a block's count falls at every pass over it).
+    """
+
+    name = "s3fifo"
+    SMALL = 0.1  # libCacheSim's small-size-ratio
+    GHOST = 0.9  # ghost-size-ratio
+    MAX_COUNT = 3
+
+    def __init__(self, num_blocks: int, capacity: int | None = None):
+        super().__init__(num_blocks, capacity)
+        self._small_max = max(1, int(self.capacity * self.SMALL))
+        self._main_max = self.capacity - self._small_max
+        self._ghost_max = max(1, int(self.capacity * self.GHOST))
+        self._count = [0] * num_blocks
+        self._where = [0] * num_blocks  # 1: S, 2: M, 0: not cached
+        self._size = [0, 0, 0]  # cached blocks of S, M (set-aside ones included)
+        self._q: tuple[OrderedDict, ...] = (OrderedDict(), OrderedDict(), OrderedDict())  # [0] unused
+        self._ev: set[int] = set()
+        self._aside: set[int] = set()
+        self._ghost: OrderedDict = OrderedDict()
+
+    def on_insert_many(self, blocks, now: float, next_uses=None) -> None:
+        key_of, ghost, count, where, size, q = (self.view.key_of, self._ghost, self._count, self._where,
+                                                self._size, self._q)
+        for b in blocks:
+            k = key_of(b)
+            w = 1
+            if k is not None and k in ghost:
+                del ghost[k]
+                w = 2
+            count[b] = 0
+            where[b] = w
+            size[w] += 1
+            q[w][b] = None
+
+    def on_use_many(self, blocks, now: float, next_uses=None) -> None:
+        count, top = self._count, self.MAX_COUNT
+        for b in blocks:
+            if count[b] < top:
+                count[b] += 1
+
+    def release_many(self, blocks) -> None:
+        self._ev.update(blocks)
+        aside = self._aside
+        if aside:
+            q, where = self._q, self._where
+            for b in blocks:
+                if b in aside:
+                    aside.discard(b)
+                    q[where[b]][b] = None
+
+    def reuse_many(self, blocks) -> None:
+        self._ev.difference_update(blocks)
+
+    def _evict(self, b: int, w: int) -> int:
+        self._ev.discard(b)
+        self._where[b] = 0
+        self._size[w] -= 1
+        return b
+
+    def _from_small(self) -> int:
+        small, main, count, ev, size = self._q[1], self._q[2], self._count, self._ev, self._size
+        while small:
+            b = small.popitem(last=False)[0]
+            if count[b]:  # hit since it entered: on to M
+                count[b] = 0
+                self._where[b] = 2
+                size[1] -= 1
+                size[2] += 1
+                main[b] = None
+            elif b in ev:
+                k = self.view.key_of(b)
+                if k is not None:
+                    ghost = self._ghost
+                    ghost.pop(k, None)
+                    ghost[k] = None
+                    if len(ghost) > self._ghost_max:
+                        ghost.popitem(last=False)
+                return self._evict(b, 1)
+            else:
+                self._aside.add(b)
+        return -1
+
+    def _from_main(self) -> int:
+        main, count, ev = self._q[2], self._count, self._ev
+        while main:
+            b = main.popitem(last=False)[0]
+            if count[b]:
+                count[b] -= 1
+                main[b] = None
+            elif b in ev:
+                return self._evict(b, 2)
+            else:
+                self._aside.add(b)
+        return -1
+
+    def pop_many(self, n: int) -> list[int]:
+        if n > len(self._ev):
+            raise IndexError(f"pop {n} of {len(self._ev)} evictable blocks")
+        victims: list[int] = []
+        for _ in range(n):
+            if self._size[2] > self._main_max or not self._size[1]:
+                first, second = self._from_main, self._from_small
+            else:
+                first, second = self._from_small, self._from_main
+            b = first()
+            if b < 0:
+                b = second()
+                if b < 0:  # S moved its hit blocks to M: M has them now
+                    b = first()
+            victims.append(b)
+        return victims
+
+    def __len__(self) -> int:
+        return len(self._ev)
+
+
 CACHE_POLICIES: dict[str, type[CachePolicy]] = {
-    "lru": LRUPolicy, "fifo": FIFOPolicy, "lfu": LFUPolicy, "belady": BeladyPolicy,
+    "lru": LRUPolicy, "fifo": FIFOPolicy, "lfu": LFUPolicy, "lru2": LRU2Policy, "arc": ARCPolicy,
+    "s3fifo": S3FIFOPolicy, "prefix": PrefixPolicy,
 }
 
 
-def make_policy(name: str, num_blocks: int) -> CachePolicy:
-    try:
-        return CACHE_POLICIES[name](num_blocks)
-    except KeyError:
-        raise ValueError(f"unknown cache policy {name!r} (choose from {', '.join(CACHE_POLICIES)})") from None
+def split_policy(spec: str) -> tuple[str, str | None]:
+    """'learned:policy.json' -> ('learned', 'policy.json'); 'lru' -> ('lru', None)."""
+    name, sep, arg = spec.partition(":")
+    return name, (arg if sep else None)
+
+
+def check_policy(spec: str) -> str:
+    """``spec`` if it names a policy (``name``, or ``name:ARG`` for one that takes an argument),
+    else ValueError in one line. Reads no file."""
+    base, arg = split_policy(spec)
+    cls = CACHE_POLICIES.get(base)
+    if cls is None:
+        raise ValueError(f"unknown cache policy {spec!r} (choose from {', '.join(CACHE_POLICIES)}; "
+                         "learned:FILE for a fitted one)")
+    if arg is not None and (not getattr(cls, "takes_arg", False) or not arg):
+        raise ValueError(f"cache policy {base!r} takes no argument (got {spec!r})" if arg
+                         else f"{spec!r}: give the file after the colon")
+    return spec
+
+
+def make_policy(name: str, num_blocks: int, capacity: int | None = None) -> CachePolicy:
+    """The policy a ``--cache-policy`` value names: a registry name, or ``name:ARG`` for a policy
+    that takes an argument (``learned:policy.json``). ``capacity``: the cache's size in blocks
+    (default ``num_blocks``, the pool's)."""
+    base, arg = split_policy(check_policy(name))
+    cls = CACHE_POLICIES[base]
+    return cls(num_blocks, capacity) if arg is None else cls(num_blocks, capacity, arg)
+
+
+from kvbench.memory.learned import LearnedPolicy
+
+CACHE_POLICIES["learned"] = LearnedPolicy
+CACHE_POLICIES["belady"] = BeladyPolicy  # last: the optimum the others are measured against
