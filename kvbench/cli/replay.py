@@ -65,6 +65,12 @@ REPLAY_OPTIONS: list[Opt] = [
     Opt("time_scale", Finite(min=0, max=MAX_TIME_SCALE, min_open=True), "multiply arrival times (0.5 = twice the rate)"),
     Opt("limit", Count(1, 2**31 - 1), "replay only the first N requests"),
     Opt("seed", Count(0, 2**63 - 1), "seed for every random choice"),
+    Opt("replicas", Count(1, C.MAX_REPLICAS), "engine instances, each its own pool, scheduler and executor, one clock"),
+    Opt("router", click.Choice(C.ROUTERS), "which replica an arriving request goes to (with --replicas > 1)"),
+    Opt("router_prefix_blocks", Count(1), "prefix router: leading prompt blocks consistent-hashed to a replica"),
+    Opt("router_cache_weight", Finite(0, C.MAX_ROUTER_WEIGHT), "kv-aware: cost weight of the prompt blocks a replica must prefill (Dynamo's overlap weight)"),
+    Opt("router_load_weight", Finite(0, C.MAX_ROUTER_WEIGHT), "kv-aware: cost weight of the replica's active blocks"),
+    Opt("router_event_delay", Finite(0, C.MAX_ROUTER_WEIGHT), "kv-aware: engine seconds before a replica's KV event reaches the router's index"),
 ]
 DEFAULTS = ReplayConfig()
 
@@ -110,7 +116,26 @@ def print_summary(summary: dict, run_dir: str) -> None:
     for key, label, fmt in HEADLINE:
         v = summary.get(key)
         t.add_row(label, "-" if v is None else fmt.format(v))
-    Console(file=sys.stdout).print(t)
+    if summary.get("replicas"):
+        t.add_row("requests max/mean per replica", f"{summary['balance_requests_max_over_mean']:.2f}")
+        t.add_row("busy time max/mean per replica", f"{summary['balance_busy_max_over_mean']:.2f}")
+        t.add_row("Jain's index (requests, busy)", f"{summary['jain_requests']:.3f}, {summary['jain_busy']:.3f}")
+        if summary.get("router_predicted_blocks") is not None:
+            t.add_row("router predicted / hit blocks",
+                      f"{summary['router_predicted_blocks']:,} / {summary['router_hit_blocks']:,}")
+    console = Console(file=sys.stdout)
+    console.print(t)
+    if summary.get("per_replica"):
+        r = Table(title=f"{summary['replicas']} replicas, router {summary['router']} (times in ms)")
+        for col in ("replica", "reqs", "hit", "TTFT p50", "TTFT p99", "TPOT p50", "running", "preempt", "busy s"):
+            r.add_column(col, justify="right")
+        for p in summary["per_replica"]:
+            def f(v, fmt):
+                return "-" if v is None else fmt.format(v)
+            r.add_row(str(p["replica"]), f"{p['requests']:,}", f(p["prefix_hit_rate"], "{:.4f}"),
+                      f(p["ttft_ms_p50"], "{:.1f}"), f(p["ttft_ms_p99"], "{:.1f}"), f(p["tpot_ms_p50"], "{:.2f}"),
+                      f(p["mean_running"], "{:.1f}"), str(p["preemptions"]), f(p["busy_s"], "{:.1f}"))
+        console.print(r)
 
 
 def run_with_progress(trace: str, cfg: ReplayConfig, out: str | None, quiet: bool = False,

@@ -9,6 +9,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from kvbench import eviction, executors, memory, scheduler
+from kvbench.engine import routing
 from kvbench.errors import InputError
 from kvbench.trace.format import MAX_REQUEST_TOKENS
 
@@ -23,6 +24,7 @@ RADIX_EVICTIONS = memory.RADIX_EVICTIONS
 DEVICES = ("auto", "cuda", "cpu")
 ADMISSIONS = scheduler.ADMISSIONS
 KV_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # auto: the dtype the model computes in
+ROUTERS = routing.ROUTERS
 
 MAX_BLOCK_SIZE = 4096  # tokens per block
 MAX_NUM_BLOCKS = 2**31 - 1  # block ids are int32 in block tables
@@ -30,6 +32,8 @@ MAX_NUM_SEQS = 2**20
 MAX_TIME_SCALE = 1e6
 MAX_KV_MEM_BYTES = 2**50  # 1 PiB
 MAX_TP = 64  # GPUs in one tensor-parallel group
+MAX_REPLICAS = 1024
+MAX_ROUTER_WEIGHT = 1e6
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -80,6 +84,12 @@ class ReplayConfig:
     limit: int | None = None
     seed: int = 0
     attention: str = "auto"  # model executor: triton kernels or torch reference
+    replicas: int = 1  # engine instances, each its own pool, scheduler and executor (engine.routing)
+    router: str = "round-robin"
+    router_prefix_blocks: int = 4  # prefix router: leading blocks hashed
+    router_cache_weight: float = 1.0  # kv-aware: weight of the blocks to prefill
+    router_load_weight: float = 1.0  # kv-aware: weight of the replica's active blocks
+    router_event_delay: float = 0.0  # kv-aware: engine seconds before a KV event reaches the router
 
     def validate(self) -> "ReplayConfig":
         def choice(name, allowed):
@@ -91,7 +101,7 @@ class ReplayConfig:
                               ("prefix_mode", PREFIX_MODES), ("cache_policy", CACHE_POLICIES),
                               ("eviction", EVICTIONS), ("executor", EXECUTORS), ("device", DEVICES),
                               ("kv_dtype", KV_DTYPES), ("admission", ADMISSIONS),
-                              ("radix_eviction", RADIX_EVICTIONS)):
+                              ("radix_eviction", RADIX_EVICTIONS), ("router", ROUTERS)):
             choice(name, allowed)
         if (self.layout == "paged" and self.prefix_cache and self.prefix_mode == "radix"
                 and self.radix_eviction == "node" and self.cache_policy != "lru"):
@@ -115,6 +125,13 @@ class ReplayConfig:
         positive("sink_tokens", self.sink_tokens, 0)
         positive("seed", self.seed, 0, most=2**63 - 1)
         positive("tp", self.tp, most=MAX_TP)
+        positive("replicas", self.replicas, most=MAX_REPLICAS)
+        positive("router_prefix_blocks", self.router_prefix_blocks)
+        for name in ("router_cache_weight", "router_load_weight", "router_event_delay"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_ROUTER_WEIGHT:
+                raise InputError(f"must be a number in [0, {MAX_ROUTER_WEIGHT:g}], got {v!r}",
+                                 field="--" + name.replace("_", "-"))
         if self.tp != 1 and self.executor != "sim":
             raise InputError(f"tensor parallelism is modelled by --executor sim; the {self.executor} executor "
                              "runs on one device", field="--tp")

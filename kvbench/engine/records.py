@@ -21,7 +21,7 @@ from kvbench.errors import InputError
 from kvbench.jsonio import dumps
 
 REQUEST_SCHEMA = pa.schema([
-    ("id", pa.string()), ("session", pa.string()), ("arrival_s", pa.float64()),
+    ("id", pa.string()), ("session", pa.string()), ("replica", pa.int64()), ("arrival_s", pa.float64()),
     ("first_token_s", pa.float64()), ("finish_s", pa.float64()), ("prompt_tokens", pa.int64()),
     ("cached_tokens", pa.int64()), ("output_tokens", pa.int64()), ("n", pa.int64()),
     ("ttft_ms", pa.float64()), ("tpot_ms", pa.float64()), ("e2e_ms", pa.float64()),
@@ -29,7 +29,7 @@ REQUEST_SCHEMA = pa.schema([
     ("evicted_tokens", pa.int64()), ("recalled_tokens", pa.int64()), ("rejected", pa.string()),
 ])
 STEP_SCHEMA = pa.schema([
-    ("step", pa.int64()), ("t_s", pa.float64()), ("dur_ms", pa.float64()),
+    ("step", pa.int64()), ("replica", pa.int64()), ("t_s", pa.float64()), ("dur_ms", pa.float64()),
     ("prefill_tokens", pa.int64()), ("decode_seqs", pa.int64()), ("running", pa.int64()),
     ("waiting", pa.int64()), ("blocks_total", pa.int64()), ("blocks_used", pa.int64()),
     ("blocks_cached", pa.int64()), ("blocks_free", pa.int64()), ("slots_allocated", pa.int64()),

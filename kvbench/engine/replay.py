@@ -4,6 +4,10 @@ The clock advances by each step's duration (measured by the model executor, mode
 nothing is running or waiting it jumps to the next arrival, so a replay never sleeps. The same loop
 serves every layout, cache policy, eviction policy and executor: they are picked by name from
 registries, and the loop never branches on them.
+
+With ``--replicas N`` the engine is N replicas (each its own pool, scheduler and executor) on one
+engine clock: the replica whose next step starts first takes it, and an arrival is routed (engine.routing)
+before any step that starts at or after it. One replica is exactly the single engine.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from kvbench.memory import make_kv
 from kvbench.memory.future import next_uses
 from kvbench.executors.presets import get_model
 from kvbench.engine.records import RunWriter, claim_run_dir, distribution, environment, holds_run
+from kvbench.engine.routing import Router, jain, max_over_mean
 from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig
 from kvbench.trace.format import Request, load_trace
 from kvbench.trace.ideal import (IdealCounter, PrefixKeys, RadixIdealCounter, ideal_hits, radix_ideal_hits,
@@ -65,6 +70,30 @@ def pool_blocks(cfg: ReplayConfig, executor, model) -> int:
     return n
 
 
+@dataclass(slots=True, eq=False)
+class _Replica:
+    """One engine instance: its pool, scheduler, executor and token evictor, its clock and counters."""
+
+    index: int
+    kv: object
+    executor: object
+    evictor: object
+    sched: Scheduler
+    st: "_Totals"
+    clock: float = 0.0
+    steps: int = 0
+    routed: int = 0
+    lat: list = None  # (ttft, tpot, e2e, queue) ms of its finished requests
+
+    def load(self, bs: int) -> tuple[int, int, int]:
+        """What the replica reports to a router: sequences waiting + running, blocks it can hand
+        out, blocks active (held by running sequences, plus what the waiting ones need)."""
+        sched = self.sched
+        used, cached, free, _, _ = self.kv.stats()
+        waiting_blocks = sum(-(-s.num_tokens // bs) for s in sched.waiting)
+        return len(sched.waiting) + len(sched.running), free + cached, used + waiting_blocks
+
+
 class Replay:
     """One replay of a trace under one configuration, writing a run directory."""
 
@@ -89,25 +118,43 @@ class Replay:
         self.max_len = cfg.max_model_len or self.model.max_model_len
         self.slab_reserve_tokens = self._slab_reserve_tokens()
         self.streams = TokenStreams()
-        self.executor = make_executor(cfg, self.model)
-        self.num_blocks = pool_blocks(cfg, self.executor, self.model)
-        paged = cfg.layout == "paged"
-        self.kv = make_kv(cfg.layout, self.num_blocks, cfg.block_size,
-                          prefix_cache=cfg.prefix_cache and paged, cache_policy=cfg.cache_policy,
-                          prefix_mode=cfg.prefix_mode, radix_eviction=cfg.radix_eviction)
-        self.executor.bind_pool(self.num_blocks, cfg.block_size)
-        self.evictor = make_evictor(cfg.eviction, self.kv, kv_budget=cfg.kv_budget,
-                                    sink_tokens=cfg.sink_tokens, seed=cfg.seed,
-                                    kv_bytes_per_token=self.executor.kv_bytes_per_token(),
-                                    speculate=getattr(self.executor, "speculate", None))
-        self.sched = Scheduler(self.kv, SchedulerConfig(cfg.max_num_seqs, cfg.max_batched_tokens,
-                                                        cfg.admission, cfg.watermark),
-                               needs_tokens=self.executor.needs_tokens, streams=self.streams,
-                               evictor=self.evictor)
+        executor = make_executor(cfg, self.model)
+        self.num_blocks = pool_blocks(cfg, executor, self.model)  # per replica
+        self.replicas = [self._replica(i, executor if i == 0 else make_executor(cfg, self.model))
+                         for i in range(cfg.replicas)]
+        # the single engine's parts (replica 0), as tests and selfcheck read them
+        first = self.replicas[0]
+        self.kv, self.executor, self.evictor, self.sched = first.kv, first.executor, first.evictor, first.sched
+        self.router = Router(cfg.router, cfg.replicas, prefix_blocks=cfg.router_prefix_blocks,
+                             cache_weight=cfg.router_cache_weight, load_weight=cfg.router_load_weight,
+                             event_delay_s=cfg.router_event_delay)
+        if self.router.index is not None:
+            for rep in self.replicas:  # the replicas publish KV events for the router's index
+                pool = getattr(rep.kv, "pool", None)
+                if pool is not None and rep.kv.prefix_cache:
+                    pool.events = []
         self._lat: list[tuple[float, float, float, float]] = []  # ttft, tpot, e2e, queue (ms)
+        self._routing = [0, 0, 0]  # router: blocks predicted to hit, blocks hit, |difference| summed
+        self._predicted: dict[RequestState, int] = {}
         self.finished: list[RequestState] | None = None  # set to [] to keep finished requests
         # set to [] to keep every step's plan: ([(request id, sample, tokens)], [preempted request ids])
         self.step_log: list | None = None
+
+    def _replica(self, i: int, executor) -> _Replica:
+        cfg = self.cfg
+        paged = cfg.layout == "paged"
+        kv = make_kv(cfg.layout, self.num_blocks, cfg.block_size,
+                     prefix_cache=cfg.prefix_cache and paged, cache_policy=cfg.cache_policy,
+                     prefix_mode=cfg.prefix_mode, radix_eviction=cfg.radix_eviction)
+        executor.bind_pool(self.num_blocks, cfg.block_size)
+        evictor = make_evictor(cfg.eviction, kv, kv_budget=cfg.kv_budget,
+                               sink_tokens=cfg.sink_tokens, seed=cfg.seed,
+                               kv_bytes_per_token=executor.kv_bytes_per_token(),
+                               speculate=getattr(executor, "speculate", None))
+        sched = Scheduler(kv, SchedulerConfig(cfg.max_num_seqs, cfg.max_batched_tokens,
+                                              cfg.admission, cfg.watermark),
+                          needs_tokens=executor.needs_tokens, streams=self.streams, evictor=evictor)
+        return _Replica(i, kv, executor, evictor, sched, _Totals(peak=0), lat=[])
 
     # -- checks before the run ----------------------------------------------------------------
     def _reject_reason(self, r: Request) -> str | None:
@@ -146,8 +193,9 @@ class Replay:
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self, on_progress: Callable[[Progress], None] | None = None) -> dict:
-        cfg, sched, kv, ex = self.cfg, self.sched, self.kv, self.executor
+        cfg, kv, ex = self.cfg, self.kv, self.executor
         reqs = self.requests
+        replicas = self.replicas
         bs = cfg.block_size
         use_tokens = kv.prefix_cache or ex.needs_tokens
         future = next_uses(reqs, bs, self.streams) if kv.prefix_cache and cfg.cache_policy == "belady" else None
@@ -169,86 +217,115 @@ class Replay:
         self.out_dir = claim_run_dir(self.out_dir, force=self._force, unique=self._unique)
         writer = RunWriter(self.out_dir, self._config_json())
         self._writer = writer
-        st = _Totals(peak=0)
+        st = _Totals(peak=0)  # the cluster's: requests and tokens (steps are counted per replica)
+        self._st = st
         prog = Progress(len(reqs))
         complete = False
         clock = reqs[0].t * cfg.time_scale if reqs else 0.0
         t0_s = clock
+        for rep in replicas:
+            rep.clock = clock
+        index = self.router.index
         nxt = 0
         step = 0
         wall0 = time.perf_counter()
         try:
-            while nxt < len(reqs) or sched.has_work():
-                while nxt < len(reqs) and reqs[nxt].t * cfg.time_scale <= clock:
-                    self._arrive(reqs[nxt], nxt, future, use_tokens, writer, st)
-                    nxt += 1
-                if not sched.has_work():
-                    if nxt < len(reqs):
-                        clock = max(clock, reqs[nxt].t * cfg.time_scale)
-                    continue
-                plan = sched.schedule(clock)
+            while True:
+                # the replica whose next step starts first (one replica: that one, whenever it has work)
+                rep = None
+                for r in replicas:
+                    if r.sched.has_work() and (rep is None or r.clock < rep.clock):
+                        rep = r
+                if nxt < len(reqs):
+                    arrival = reqs[nxt].t * cfg.time_scale
+                    if rep is None or arrival <= rep.clock:  # arrivals up to the step's start first
+                        self._arrive(reqs[nxt], nxt, future, use_tokens, writer, st, arrival)
+                        nxt += 1
+                        continue
+                elif rep is None:
+                    break
+                sched = rep.sched
+                plan = sched.schedule(rep.clock)
                 if not plan.seqs:
                     raise RunError("the scheduler could not make progress: no running sequence "
                                    "and the next waiting one does not fit", usage=True)
                 batch = sched.build_batch(plan)
-                result = ex.execute(batch)
-                start_s = clock
-                clock += result.duration_s
+                result = rep.executor.execute(batch)
+                start_s = rep.clock
+                rep.clock += result.duration_s
                 if self.step_log is not None:
                     self.step_log.append(([(s.rs.req.id, s.sample, n) for s, n in zip(plan.seqs, plan.num_new)],
                                           [s.rs.req.id for s in plan.preempted]))
-                finished = sched.update(plan, result, clock)
-                self._record_step(writer, st, step, start_s, result, batch, plan)
+                finished = sched.update(plan, result, rep.clock)
+                self._record_step(writer, rep, start_s, result, batch, plan)
+                rep.steps += 1
                 step += 1
+                if index is not None and rep.kv.pool.events:
+                    index.publish(rep.index, rep.clock, rep.kv.pool.events)
+                    rep.kv.pool.events = []
                 if self.finished is not None:
                     self.finished.extend(finished)
                 for rs in finished:
-                    self._record_request(writer, rs)
+                    self._record_request(writer, rs, rep)
                     st.completed += 1
                     st.output_tokens += rs.output_tokens
                 prog.steps = step
                 if on_progress is not None and (step & 63) == 0:
-                    prog.requests_done, prog.clock_s = st.completed + st.rejected, clock - t0_s
+                    prog.requests_done, prog.clock_s = st.completed + st.rejected, rep.clock - t0_s
                     prog.output_tokens = st.output_tokens
                     on_progress(prog)
             complete = True
         finally:
-            summary = self._summary(st, ideal or self._ideal.result(), clock - t0_s, step, complete,
+            end = max(r.clock for r in replicas)
+            summary = self._summary(st, ideal or self._ideal.result(), end - t0_s, step, complete,
                                     time.perf_counter() - wall0)
             writer.close(summary)
         if on_progress is not None:
-            prog.requests_done, prog.clock_s, prog.output_tokens = st.completed + st.rejected, clock - t0_s, st.output_tokens
+            prog.requests_done, prog.clock_s, prog.output_tokens = st.completed + st.rejected, end - t0_s, st.output_tokens
             on_progress(prog)
         return summary
 
-    def _arrive(self, r: Request, index: int, future, use_tokens: bool, writer, st) -> None:
-        arrival = r.t * self.cfg.time_scale
+    def _arrive(self, r: Request, index: int, future, use_tokens: bool, writer, st, arrival: float) -> None:
         prompt = self.streams.expand(r)
         rs = RequestState(req=r, arrival_s=arrival, prompt=prompt)
         reason = self._reject_reason(r)
         if reason is not None:
             rs.reject_reason = reason
             st.rejected += 1
-            self._record_request(writer, rs)
+            self._record_request(writer, rs, None)
             return
         keys, prompt_len = self._keys_of(r)
         if self._ideal is not None:  # the ceiling of the requests this run admits
             self._ideal.add(keys, prompt_len)
+        replicas = self.replicas
+        if len(replicas) == 1:
+            rep, expected = replicas[0], None
+        else:
+            bs = self.cfg.block_size
+            i, expected = self.router.route(arrival, r.session, keys, len(keys),
+                                            [x.load(bs) for x in replicas] if self.router.name != "round-robin"
+                                            else None)
+            rep = replicas[i]
+            if self.router.index is not None:
+                self._predicted[rs] = expected
+        rep.routed += 1
+        if not rep.sched.has_work():  # an idle replica starts at the arrival
+            rep.clock = max(rep.clock, arrival)
         tokens = sequence_tokens(r, prompt, self.streams) if use_tokens else None
-        seq = self.sched.new_seq(rs, tokens, None if future is None else future[index],
-                                 keys=keys.tolist() if self.kv.prefix_cache else None,
-                                 reserve=self._reserve(r))
-        self.sched.add(seq)
+        seq = rep.sched.new_seq(rs, tokens, None if future is None else future[index],
+                                keys=keys.tolist() if rep.kv.prefix_cache else None,
+                                reserve=self._reserve(r))
+        rep.sched.add(seq)
 
     # -- records ------------------------------------------------------------------------------
-    def _record_step(self, writer, st, step, start_s, result, batch, plan) -> None:
-        sched = self.sched
+    def _record_step(self, writer, rep: _Replica, start_s, result, batch, plan) -> None:
+        sched, st = rep.sched, rep.st
         dur_s = result.duration_s
-        used, cached, free, slots, live = self.kv.stats()
+        used, cached, free, slots, live = rep.kv.stats()
         running = plan.running  # the sequences the step held, those that finished in it included
         frag = 1.0 - live / slots if slots else 0.0
-        util = live / self.kv.capacity_tokens
-        writer.steps.add((step, start_s, dur_s * 1e3, batch.num_prefill_tokens, batch.num_decodes,
+        util = live / rep.kv.capacity_tokens
+        writer.steps.add((rep.steps, rep.index, start_s, dur_s * 1e3, batch.num_prefill_tokens, batch.num_decodes,
                           running, len(sched.waiting), self.num_blocks, used, cached, free, slots,
                           live, frag, util, sched.hit_tokens, sched.query_tokens))
         st.busy_s += dur_s
@@ -264,7 +341,7 @@ class Replay:
         if live > st.peak_live:
             st.peak_live = live
 
-    def _record_request(self, writer, rs: RequestState) -> None:
+    def _record_request(self, writer, rs: RequestState, rep: _Replica | None) -> None:
         r = rs.req
         nan = math.nan
         done = rs.reject_reason is None
@@ -273,46 +350,95 @@ class Replay:
         tpot = ((rs.finish_s - rs.first_token_s) * 1e3 / (r.output_len - 1)
                 if done and r.output_len > 1 else nan)
         queue = (rs.first_sched_s - rs.arrival_s) * 1e3 if done else nan
-        writer.requests.add((r.id, r.session, rs.arrival_s, rs.first_token_s, rs.finish_s,
+        writer.requests.add((r.id, r.session, None if rep is None else rep.index, rs.arrival_s,
+                             rs.first_token_s, rs.finish_s,
                              r.prompt_len, rs.cached_tokens, rs.output_tokens, r.n, ttft, tpot, e2e,
                              queue, rs.preemptions, rs.recomputed_tokens, rs.evicted_tokens,
                              rs.recalled_tokens, rs.reject_reason))
         if done:
             self._lat.append((ttft, tpot, e2e, queue))
+            rep.lat.append((ttft, tpot, e2e, queue))
+            rep.st.completed += 1
+            rep.st.output_tokens += rs.output_tokens
+            expected = self._predicted.pop(rs, None)
+            if expected is not None:
+                hit = rs.cached_tokens // self.cfg.block_size
+                self._routing[0] += expected
+                self._routing[1] += hit
+                self._routing[2] += abs(expected - hit)
 
     def _summary(self, st, ideal, duration_s, steps, complete, wall_s) -> dict:
-        sched = self.sched
+        reps = self.replicas
+        tot = _Totals(peak=0)  # the replicas' step figures: time integrals summed, peaks the largest
+        for r in reps:
+            for name in ("busy_s", "slots_t", "live_t", "running_t", "util_t", "pcie_s"):
+                setattr(tot, name, getattr(tot, name) + getattr(r.st, name))
+            tot.peak, tot.peak_slots = max(tot.peak, r.st.peak), max(tot.peak_slots, r.st.peak_slots)
+            tot.peak_live = max(tot.peak_live, r.st.peak_live)
         lat = np.array(self._lat, dtype=np.float64).reshape(-1, 4)
         s = {"complete": complete, "requests": len(self.requests), "completed": st.completed,
              "rejected": st.rejected, "duration_s": duration_s,
              "output_tok_per_s": st.output_tokens / duration_s if duration_s > 0 else 0.0}
         for k, name in enumerate(("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms")):
             s.update(distribution(name, lat[:, k]))
-        q = sched.query_tokens
+
+        def total(get):
+            return sum(get(r) for r in reps)
+        q, rq = total(lambda r: r.sched.query_tokens), total(lambda r: r.sched.resumed_query_tokens)
         s.update({
-            "prefix_hit_rate": sched.hit_tokens / q if q else 0.0,
+            "prefix_hit_rate": total(lambda r: r.sched.hit_tokens) / q if q else 0.0,
             "ideal_hit_rate": ideal.hit_rate,
-            "resumed_hit_rate": (sched.resumed_hit_tokens / sched.resumed_query_tokens
-                                 if sched.resumed_query_tokens else 0.0),
-            "internal_frag": 1.0 - st.live_t / st.slots_t if st.slots_t else 0.0,
-            "kv_util": st.util_t / st.busy_s if st.busy_s else 0.0,
-            "peak_running": st.peak,
-            "mean_running": st.running_t / st.busy_s if st.busy_s else 0.0,
-            "preemptions": sched.preemptions,
-            "recomputed_tokens": sched.recomputed_tokens,
-            **self.evictor.summary(), "pcie_s": st.pcie_s,
-            "peak_slots_allocated": st.peak_slots, "peak_tokens_live": st.peak_live,
+            "resumed_hit_rate": total(lambda r: r.sched.resumed_hit_tokens) / rq if rq else 0.0,
+            "internal_frag": 1.0 - tot.live_t / tot.slots_t if tot.slots_t else 0.0,
+            "kv_util": tot.util_t / tot.busy_s if tot.busy_s else 0.0,
+            "peak_running": tot.peak,
+            "mean_running": tot.running_t / tot.busy_s if tot.busy_s else 0.0,
+            "preemptions": total(lambda r: r.sched.preemptions),
+            "recomputed_tokens": total(lambda r: r.sched.recomputed_tokens),
+            **_merge_evictors([r.evictor.summary() for r in reps]), "pcie_s": tot.pcie_s,
+            "peak_slots_allocated": tot.peak_slots, "peak_tokens_live": tot.peak_live,
             "output_tokens": st.output_tokens, "steps": steps,
             "num_blocks": self.num_blocks, "block_size": self.cfg.block_size,
             "kv_capacity_tokens": self.kv.capacity_tokens,
             "kv_bytes_per_token": self.executor.kv_bytes_per_token(),
-            "cache_evictions": getattr(getattr(self.kv, "pool", None), "evictions", 0),
-            "cow_copies": getattr(self.kv, "cow_copies", 0),
+            "cache_evictions": total(lambda r: getattr(getattr(r.kv, "pool", None), "evictions", 0)),
+            "cow_copies": total(lambda r: getattr(r.kv, "cow_copies", 0)),
             "slab_reserve_tokens": self.slab_reserve_tokens if self.cfg.layout == "slab" else None,
-            "partial_hit_tokens": getattr(self.kv, "partial_hit_tokens", 0),
+            "partial_hit_tokens": total(lambda r: getattr(r.kv, "partial_hit_tokens", 0)),
             "wall_s": wall_s,
         })
+        if len(reps) > 1:
+            s.update(self._cluster_summary(duration_s))
         return s
+
+    def _cluster_summary(self, duration_s: float) -> dict:
+        """Balance and the router's prediction (spec §3), and each replica's own figures."""
+        reps = self.replicas
+        per = []
+        for r in reps:
+            lat = np.array(r.lat, dtype=np.float64).reshape(-1, 4)
+            q = r.sched.query_tokens
+            row = {"replica": r.index, "requests": r.routed, "completed": r.st.completed,
+                   "prefix_hit_rate": r.sched.hit_tokens / q if q else 0.0,
+                   "busy_s": r.st.busy_s, "steps": r.steps,
+                   "mean_running": r.st.running_t / r.st.busy_s if r.st.busy_s else 0.0,
+                   "peak_running": r.st.peak, "preemptions": r.sched.preemptions,
+                   "output_tok_per_s": r.st.output_tokens / duration_s if duration_s > 0 else 0.0}
+            for k, name in enumerate(("ttft_ms", "tpot_ms", "e2e_ms")):
+                d = distribution(name, lat[:, k])
+                row.update({f"{name}_p50": d[f"{name}_p50"], f"{name}_p99": d[f"{name}_p99"]})
+            per.append(row)
+        routed = [r.routed for r in reps]
+        busy = [r.st.busy_s for r in reps]
+        predicted, hit, wrong = self._routing
+        return {"replicas": len(reps), "router": self.cfg.router,
+                "balance_requests_max_over_mean": max_over_mean(routed),
+                "balance_busy_max_over_mean": max_over_mean(busy),
+                "jain_requests": jain(routed), "jain_busy": jain(busy),
+                "router_predicted_blocks": predicted if self.router.index is not None else None,
+                "router_hit_blocks": hit if self.router.index is not None else None,
+                "router_mispredicted_blocks": wrong if self.router.index is not None else None,
+                "per_replica": per}
 
     def _config_json(self) -> dict:
         return {"settings": self.cfg.to_dict(), "max_model_len_effective": self.max_len,
@@ -337,6 +463,25 @@ class _Totals:
     running_t: float = 0.0
     util_t: float = 0.0
     pcie_s: float = 0.0
+
+
+def _merge_evictors(summaries: list[dict]) -> dict:
+    """The replicas' token-eviction figures as one: counts summed, peaks the largest, the attention
+    mass kept averaged over the replicas that measured it."""
+    if len(summaries) == 1:
+        return summaries[0]
+    out = {}
+    for key in summaries[0]:
+        vals = [s[key] for s in summaries if s.get(key) is not None]
+        if not vals:
+            out[key] = None
+        elif key == "attention_mass_kept":
+            out[key] = sum(vals) / len(vals)
+        elif key.startswith("peak_") or "_max_" in key:
+            out[key] = max(vals)
+        else:
+            out[key] = sum(vals)
+    return out
 
 
 def _sha256(path: str) -> str | None:

@@ -34,6 +34,13 @@ NOT_APPLICABLE: dict[tuple[str, object], tuple[str, ...]] = {
     ("eviction", "none"): ("kv_budget", "sink_tokens"),
     ("executor", "sim"): ("device", "attention"),
     ("executor", "model"): ("gpu", "calibration", "tp"),
+    ("replicas", 1): ("router", "router_prefix_blocks", "router_cache_weight", "router_load_weight",
+                      "router_event_delay"),
+    ("router", "round-robin"): ("router_prefix_blocks", "router_cache_weight", "router_load_weight", "router_event_delay"),
+    ("router", "least-loaded"): ("router_prefix_blocks", "router_cache_weight", "router_load_weight", "router_event_delay"),
+    ("router", "session"): ("router_prefix_blocks", "router_cache_weight", "router_load_weight", "router_event_delay"),
+    ("router", "prefix"): ("router_cache_weight", "router_load_weight", "router_event_delay"),
+    ("router", "kv-aware"): ("router_prefix_blocks",),
 }
 
 # How a setting reads in a run directory's name; the default is "<short><value>".
@@ -41,7 +48,9 @@ SHORT = {"layout": "", "block_size": "bs", "slab_reserve": "res_", "prefix_cache
          "cache_policy": "", "eviction": "", "kv_budget": "kvb", "sink_tokens": "sink",
          "executor": "", "model": "m_", "device": "dev_", "gpu": "gpu_", "tp": "tp", "kv_dtype": "kv_", "calibration": "cal_",
          "kv_mem": "mem", "num_blocks": "nb", "max_num_seqs": "seqs", "max_batched_tokens": "mbt",
-         "max_model_len": "mml", "admission": "adm_", "watermark": "wm", "time_scale": "ts", "limit": "lim", "seed": "seed"}
+         "max_model_len": "mml", "admission": "adm_", "watermark": "wm", "time_scale": "ts", "limit": "lim", "seed": "seed",
+         "replicas": "x", "router": "", "router_prefix_blocks": "rpb", "router_cache_weight": "rcw",
+         "router_load_weight": "rlw", "router_event_delay": "red"}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 

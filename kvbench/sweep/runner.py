@@ -129,7 +129,8 @@ class SweepState:
             unused = not_applicable(c.settings)
             row = {"run": c.name}
             row.update({k: (None if k in unused else v) for k, v in c.settings.items()})
-            row.update({k: v for k, v in s.items() if k not in row})
+            # scalars only: a cluster run's per-replica figures stay in its summary.json
+            row.update({k: v for k, v in s.items() if k not in row and not isinstance(v, (list, dict))})
             rows.append(row)
         buf = pa.BufferOutputStream()
         pq.write_table(pa.Table.from_pylist(rows), buf)
