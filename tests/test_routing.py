@@ -216,3 +216,20 @@ def test_the_index_forgets_evicted_blocks(tmp_path):
     assert s["cache_evictions"] > 0
     assert s["router_predicted_blocks"] == s["router_hit_blocks"] == 0
     assert s["router_mispredicted_blocks"] == 0
+
+
+def test_report_draws_routing_and_sums_replicas_over_time(tmp_path):
+    from kvbench.report import build_report
+    from kvbench.report.charts import binned
+
+    # two replicas running one sequence each over the same second: the cluster runs two
+    steps = pd.DataFrame({"replica": [0, 1, 0, 1], "t_s": [0.0, 0.0, 0.5, 0.5], "dur_ms": [500.0] * 4,
+                          "running": [1, 1, 1, 1]})
+    _, v = binned(steps, "running", hold=False, bins=4)
+    assert v == pytest.approx([2, 2, 2, 2])
+    runs = tmp_path / "runs"
+    for n, router in ((1, "round-robin"), (2, "prefix"), (2, "round-robin")):
+        replay(CHAT, sim(limit=40, replicas=n, router=router), str(runs / f"x{n}-{router}"))
+    out = tmp_path / "report"
+    build_report([str(runs)], str(out))
+    assert (out / "chat-routing.png").exists()

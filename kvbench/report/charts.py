@@ -329,18 +329,22 @@ def binned(steps, column: str, hold: bool, bins: int = TIME_BINS) -> tuple[np.nd
     ``hold``: the value lasts until the next step starts (memory, which stays put while the engine
     idles); otherwise only for the step's own duration (running sequences: none while idle).
     """
-    start = steps["t_s"].to_numpy(float)
-    dur = steps["dur_ms"].to_numpy(float) / 1e3
-    values = steps[column].to_numpy(float)
-    if not len(start):
+    if not len(steps):
         return np.zeros(0), np.zeros(0)
-    start = start - start[0]
-    end = start[-1] + dur[-1]
-    span = np.diff(np.append(start, end)) if hold else dur
-    cum = np.concatenate([[0.0], np.cumsum(values * span)])
+    # a run of several replicas: each replica's steps on its own, summed (the cluster's total)
+    groups = ([g for _, g in steps.groupby("replica", sort=True)]
+              if "replica" in steps.columns and steps["replica"].nunique() > 1 else [steps])
+    t0 = float(steps["t_s"].min())
+    parts = [(g["t_s"].to_numpy(float) - t0, g["dur_ms"].to_numpy(float) / 1e3, g[column].to_numpy(float))
+             for g in groups]
+    end = max(start[-1] + dur[-1] for start, dur, _ in parts)
     edges = np.linspace(0.0, max(end, 1e-9), bins + 1)
-    k = np.clip(np.searchsorted(start, edges, side="right") - 1, 0, len(start) - 1)
-    integral = cum[k] + values[k] * np.clip(edges - start[k], 0.0, span[k])
+    integral = np.zeros(len(edges))
+    for start, dur, values in parts:
+        span = np.diff(np.append(start, start[-1] + dur[-1])) if hold else dur
+        cum = np.concatenate([[0.0], np.cumsum(values * span)])
+        k = np.clip(np.searchsorted(start, edges, side="right") - 1, 0, len(start) - 1)
+        integral += cum[k] + values[k] * np.clip(edges - start[k], 0.0, span[k])
     return (edges[:-1] + edges[1:]) / 2, np.diff(integral) / np.diff(edges)
 
 
@@ -526,6 +530,47 @@ def eviction(section: Section) -> Figure | None:
     return fig
 
 
+def routing(section: Section) -> Figure | None:
+    """Where runs had several replicas: hit rate, TTFT p50/p99 and load balance by router and
+    replica count (one replica drawn too, as the reference)."""
+    multi = [r for r in section.runs if (r.metric("replicas") or 1) > 1]
+    if not multi:
+        return None
+    runs = [r for r in section.runs if (r.metric("replicas") or 1) > 1 or r.value("replicas") in (None, 1)]
+    n = len(runs)
+    fig = _figure(12, 1.9 + 0.32 * n)
+    hits, ttft, bal = fig.subplots(1, 3, sharey=True, width_ratios=[1, 1.25, 1])
+    y = np.arange(n)[::-1]
+    _hbars(hits, y, runs, [_pct(r.metric("prefix_hit_rate")) for r in runs], "{:.1f}%", 100)
+    handles = []
+    if section.ceiling is not None:
+        handles.append(hits.axvline(100 * section.ceiling, gid="ceiling",
+                                    label=f"ceiling: ideal hit rate {section.ceiling:.1%}", **CEILING_STYLE))
+    hits.set_title("Prefix hit rate\n% of prompt tokens", fontsize=9)
+    hits.set_xlabel("% (higher is better)")
+    hits.set_yticks(y, [r.label for r in runs])
+    hits.set_ylim(-0.6, n - 0.4)
+    _dots(ttft, y, runs, "ttft_ms_p50", "ttft_ms_p99")
+    _log_if_wide(ttft, seconds=True)
+    ttft.set_title("TTFT, time to first token\np50 (filled) to p99 (open)", fontsize=9)
+    ttft.set_xlabel(("log scale" if ttft.get_xscale() == "log" else "ms") + " (lower is better)")
+    ttft.margins(x=0.15)
+    busy = [r.metric("balance_busy_max_over_mean") for r in runs]
+    _hbars(bal, y, runs, busy, "{:.2f}", max([b for b in busy if b is not None] or [1.0]) * 1.3,
+           missing="one replica")
+    bal.axvline(1.0, color="black", lw=0.8)
+    bal.set_title("Load balance\nbusiest replica's busy time / mean", fontsize=9)
+    bal.set_xlabel("ratio (1 = even; lower is better)")
+    handles += [Line2D([], [], marker="o", color="grey", ls="none", label="p50"),
+                Line2D([], [], marker="o", color="grey", mfc="white", ls="none", label="p99")]
+    for ax in (hits, ttft, bal):
+        ax.grid(axis="y", visible=False)
+        ax.tick_params(axis="y", length=0)
+    _legend_below(fig, handles)
+    fig.suptitle(f"Routing across replicas: hit rate, latency and balance by router\n{section.title}", fontsize=10)
+    return fig
+
+
 # -- what-if tables ----------------------------------------------------------------------------
 WHATIF_SERIES = ("policy", "block_size", "prefix_mode")
 
@@ -575,4 +620,6 @@ SECTION_CHARTS = [
      memory_timeline),
     ("eviction", ("Token eviction: tokens evicted, recalled and offloaded, and the attention mass kept "
                   "where the model executor measured it."), eviction),
+    ("routing", ("Several replicas: prefix hit rate, TTFT p50/p99 and load balance (the busiest replica's "
+                 "busy time over the mean) by router and replica count, one replica as the reference."), routing),
 ]
