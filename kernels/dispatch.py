@@ -29,6 +29,16 @@ def use_triton(backend: str, device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def check_kv_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """Attention runs in the query's dtype over a cache of that dtype. An fp8 cache would need its
+    scales applied before tl.dot (a bf16 x fp8 dot does not compile): refused here, on every backend,
+    rather than failing inside the compiler on the first GPU (fp8 KV is modelled by the sim executor)."""
+    if k_cache.dtype != q.dtype:
+        raise ValueError(f"KV cache dtype {k_cache.dtype} differs from the query dtype {q.dtype}: the paged "
+                         "attention kernels need KV in the compute dtype (fp8 KV with scales is not implemented; "
+                         "--executor sim models its bytes)")
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, backend: str = "auto") -> None:
     """k, v: [T, Hkv, D] -> their slots (int64 [T], -1 = skip) of k_cache, v_cache [NB, BS, Hkv, D]."""
@@ -52,6 +62,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       cu_seqlens_q: torch.Tensor, starts: torch.Tensor, scale: float, max_q_len: int,
                       kept: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """q: [T, Hq, D] of chunks starting at ``starts`` -> out [T, Hq, D] (causal over cache, GQA)."""
+    check_kv_dtype(q, k_cache)
     if use_triton(backend, q.device):
         from kvbench.kernels import paged_attention
         return paged_attention.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, starts,
@@ -60,13 +71,16 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, max_seq_len: int, num_splits: int | None = None,
-                     kept: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [S, Hq, D] at positions seq_lens-1 -> out [S, Hq, D], lse f32 [S, Hq]."""
+                     seq_lens: torch.Tensor, scale: float, max_seq_len: int,
+                     num_splits: int | torch.Tensor | None = None, kept: torch.Tensor | None = None,
+                     backend: str = "auto", max_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [S, Hq, D] at positions seq_lens-1 -> out [S, Hq, D], lse f32 [S, Hq].
+    num_splits / max_splits: the split-KV plan (paged_attention.decode_attention); torch ignores it."""
+    check_kv_dtype(q, k_cache)
     if use_triton(backend, q.device):
         from kvbench.kernels import paged_attention
         return paged_attention.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                max_seq_len, num_splits, kept)
+                                                max_seq_len, num_splits, kept, max_splits=max_splits)
     return ref.decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, kept)
 
 
@@ -74,6 +88,7 @@ def attention_weights(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torc
                       lse: torch.Tensor, scale: float, max_len: int, kept: torch.Tensor | None = None,
                       backend: str = "auto") -> torch.Tensor:
     """Second pass after decode: probabilities per position summed per KV group -> f32 [S, Hkv, max_len]."""
+    check_kv_dtype(q, k_cache)
     if use_triton(backend, q.device):
         from kvbench.kernels import paged_attention
         return paged_attention.attention_weights(q, k_cache, block_tables, seq_lens, lse, scale, max_len, kept)

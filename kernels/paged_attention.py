@@ -4,21 +4,25 @@ the decode's lse (for H2O-style statistics). References: kernels/reference.py.
 
 All three attention kernels share one inner loop (`_attend_range`): a tile of query rows, each row one
 (token, query head) pair of a single KV head's group, streams KV positions [lo, hi) in tiles of
-BLOCK_N through the block table with an online softmax. A KV tile may span several small blocks or sit
-inside one huge block (the slab table, block_size = slab length): positions are mapped to slots one by
-one, so any block_size works and paged vs slab run the very same code.
+BLOCK_N through the block table with an online softmax. BLOCK_SIZE (tokens per KV block) is a
+compile-time constant, so a position's block and offset are a shift and a mask (a multiply for a
+size that is not a power of two), and a tile that lies inside one block (BLOCK_SIZE a multiple of
+BLOCK_N: blocks of 64 tokens or more, or one block per sequence) reads one block-table entry, not one
+per position. Paged and slab tables run the very same code; each block size is its own compiled kernel.
 
 GQA: one program serves every query head of a KV head, so each K/V tile is read once per group.
 Rows are padded to at least 16 (tl.dot's minimum on GPU); padded rows have q_pos = -1 and see nothing.
 Softmax runs in base 2 (exp2) with the scale folded in; lse is returned in natural log units.
+Warps and stages per launch come from kernels/tuning.py; so does the decode's split plan.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
+
+from kvbench.kernels import tuning
+from kvbench.kernels.dispatch import check_kv_dtype
 
 LOG2E = 1.4426950408889634
 # Running max starts finite so a fully masked tile gives exp2(-inf - m) = 0, never NaN.
@@ -26,35 +30,47 @@ _M_INIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _kv_offsets(block_tables_ptr, stride_bt, seq, pos, pos_ok, block_size,
-                stride_cb, stride_ct, kv_head_off):
-    """Element offsets (int64) of positions `pos` [BLOCK_N] of sequence `seq` for one KV head."""
-    blk = tl.load(block_tables_ptr + seq * stride_bt + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
-    return blk * stride_cb + (pos % block_size).to(tl.int64) * stride_ct + kv_head_off
+def _tile_offsets(block_tables_ptr, bt_row, start, pos_ok, stride_cb, stride_ct, kv_head_off,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Element offsets (int64) [BLOCK_N] of positions start + arange(BLOCK_N) for one KV head.
+    ``start`` is a multiple of BLOCK_N; ``bt_row`` the sequence's row offset in the block table."""
+    if BLOCK_SIZE % BLOCK_N == 0:
+        # The tile lies inside one block: one table entry, then consecutive slots.
+        blk = tl.load(block_tables_ptr + bt_row + start // BLOCK_SIZE).to(tl.int64)
+        slot = (start % BLOCK_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
+        return blk * stride_cb + slot * stride_ct + kv_head_off
+    else:
+        # Blocks smaller than the tile (or not dividing it): each position reads its block's entry,
+        # pos // BLOCK_SIZE being a shift for a power of two. Lanes of a warp reading the same entry
+        # share one transaction; loading the tile's BLOCK_N / BLOCK_SIZE entries once and broadcasting
+        # them took ~30 more registers in the AOT compile, for no fewer transactions.
+        pos = start + tl.arange(0, BLOCK_N)
+        blk = tl.load(block_tables_ptr + bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        return blk * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_ct + kv_head_off
 
 
 @triton.jit
-def _attend_range(acc, l_i, m_i, q, q_pos, lo, hi, seq, kv_head,
+def _attend_range(acc, l_i, m_i, q, q_pos, lo, hi, bt_row, kept_row, kv_head,
                   k_cache_ptr, v_cache_ptr, block_tables_ptr, kept_ptr,
-                  stride_bt, stride_cb, stride_ct, stride_ch, stride_kept, block_size, qk_scale,
-                  HAS_KEPT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                  stride_cb, stride_ct, stride_ch, qk_scale,
+                  HAS_KEPT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     # q: [BLOCK_M, BLOCK_D]; q_pos: [BLOCK_M] (-1 = padding row); acc: [BLOCK_M, BLOCK_D] f32;
-    # l_i, m_i: [BLOCK_M] f32 (base-2 running sum and max).
+    # l_i, m_i: [BLOCK_M] f32 (base-2 running sum and max). lo: a multiple of BLOCK_N.
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     kv_head_off = kv_head.to(tl.int64) * stride_ch
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical positions
         pos_ok = pos < hi
-        offs = _kv_offsets(block_tables_ptr, stride_bt, seq, pos, pos_ok, block_size,
-                           stride_cb, stride_ct, kv_head_off)
+        offs = _tile_offsets(block_tables_ptr, bt_row, start, pos_ok, stride_cb, stride_ct, kv_head_off,
+                             BLOCK_SIZE, BLOCK_N)
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         ok = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_KEPT:
-            kept = tl.load(kept_ptr + seq.to(tl.int64) * stride_kept + pos, mask=pos_ok, other=0)
+            kept = tl.load(kept_ptr + kept_row + pos, mask=pos_ok, other=0)
             ok = ok & (kept[None, :] != 0)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -70,10 +86,10 @@ def _attend_range(acc, l_i, m_i, q, q_pos, lo, hi, seq, kv_head,
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_ptr, starts_ptr, kept_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                    stride_cb, stride_ct, stride_ch, stride_kept, block_size, qk_scale,
+                    stride_cb, stride_ct, stride_ch, stride_kept, qk_scale,
                     GROUP: tl.constexpr, TOKENS: tl.constexpr, HAS_KEPT: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     # Grid (chunk, kv_head, query tile). Row r of the tile = token r // GROUP, head r % GROUP of the group.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -95,65 +111,82 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
-    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, 0, hi, seq, kv_head,
+    seq64 = seq.to(tl.int64)
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, 0, hi, seq64 * stride_bt, seq64 * stride_kept, kv_head,
                                   k_cache_ptr, v_cache_ptr, block_tables_ptr, kept_ptr,
-                                  stride_bt, stride_cb, stride_ct, stride_ch, stride_kept, block_size, qk_scale,
-                                  HAS_KEPT, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+                                  stride_cb, stride_ct, stride_ch, qk_scale,
+                                  HAS_KEPT, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + t_abs[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, kept_ptr,
-                         mid_o_ptr, mid_lse_ptr,
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, splits_ptr, kept_ptr,
+                         out_ptr, lse_ptr, mid_o_ptr, mid_lse_ptr,
                          stride_qs, stride_qh, stride_bt, stride_cb, stride_ct, stride_ch, stride_kept,
-                         stride_mo_s, stride_mo_h, stride_mo_p, stride_ml_s, stride_ml_h,
-                         block_size, qk_scale, num_splits,
+                         stride_os, stride_oh, stride_ls,
+                         stride_mo_s, stride_mo_h, stride_mo_p, stride_ml_s, stride_ml_h, qk_scale,
                          GROUP: tl.constexpr, HAS_KEPT: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         PRECISION: tl.constexpr):
-    # Grid (seq, kv_head, split): the split's KV range, for all GROUP query heads of the KV head.
+                         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, SINGLE_SPLIT: tl.constexpr):
+    # Grid (seq, kv_head, split < max splits): the split's KV range, for all GROUP query heads of the
+    # KV head. A sequence has splits_ptr[seq] splits; programs past them return at once.
+    # SINGLE_SPLIT: the whole context in one program, written straight to out/lse (no merge launch).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(seq_lens_ptr + seq)
-    # Split length rounded to whole tiles, so only the last split of a sequence has a ragged tile.
-    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, ctx)
+    if SINGLE_SPLIT:
+        lo = 0
+        hi = ctx
+    else:
+        n_splits = tl.load(splits_ptr + seq)
+        if split >= n_splits:
+            return
+        # Split length rounded to whole tiles, so only the last split of a sequence has a ragged tile.
+        split_len = tl.cdiv(tl.cdiv(ctx, n_splits), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, ctx)
     g = tl.arange(0, BLOCK_G)
     row_ok = g < GROUP
     head = kv_head * GROUP + g
     d = tl.arange(0, BLOCK_D)
     io_mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
+    seq64 = seq.to(tl.int64)
+    q = tl.load(q_ptr + seq64 * stride_qs + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
     q_pos = tl.where(row_ok, ctx - 1, -1)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], _M_INIT, dtype=tl.float32)
-    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, lo, hi, seq, kv_head,
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, lo, hi, seq64 * stride_bt, seq64 * stride_kept, kv_head,
                                   k_cache_ptr, v_cache_ptr, block_tables_ptr, kept_ptr,
-                                  stride_bt, stride_cb, stride_ct, stride_ch, stride_kept, block_size, qk_scale,
-                                  HAS_KEPT, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+                                  stride_cb, stride_ct, stride_ch, qk_scale,
+                                  HAS_KEPT, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, PRECISION)
     # Base-2 lse of the split; -inf where the split saw no kept position (merged with weight 0).
     lse2 = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    mo = mid_o_ptr + seq.to(tl.int64) * stride_mo_s + head[:, None] * stride_mo_h + split * stride_mo_p + d[None, :]
-    tl.store(mo, out, mask=io_mask)
-    tl.store(mid_lse_ptr + seq.to(tl.int64) * stride_ml_s + head * stride_ml_h + split, lse2, mask=row_ok)
+    if SINGLE_SPLIT:
+        tl.store(out_ptr + seq64 * stride_os + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+        tl.store(lse_ptr + seq64 * stride_ls + head, lse2 / 1.4426950408889634, mask=row_ok)
+    else:
+        mo = mid_o_ptr + seq64 * stride_mo_s + head[:, None] * stride_mo_h + split * stride_mo_p + d[None, :]
+        tl.store(mo, out, mask=io_mask)
+        tl.store(mid_lse_ptr + seq64 * stride_ml_s + head * stride_ml_h + split, lse2, mask=row_ok)
 
 
 @triton.jit
-def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, lse_ptr,
+def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, splits_ptr, out_ptr, lse_ptr,
                          stride_mo_s, stride_mo_h, stride_mo_p, stride_ml_s, stride_ml_h,
-                         stride_os, stride_oh, stride_ls, num_splits,
+                         stride_os, stride_oh, stride_ls,
                          HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    # Grid (seq, q_head): out = sum_p w_p o_p / sum_p w_p with w_p = 2^(lse_p - max lse).
+    # Grid (seq, q_head): out = sum_p w_p o_p / sum_p w_p with w_p = 2^(lse_p - max lse), over the
+    # sequence's own splits_ptr[seq] splits.
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     p = tl.arange(0, BLOCK_P)
-    p_ok = p < num_splits
+    p_ok = p < tl.load(splits_ptr + seq)
     d = tl.arange(0, BLOCK_D)
     lse2 = tl.load(mid_lse_ptr + seq * stride_ml_s + head * stride_ml_h + p, mask=p_ok, other=float("-inf"))
     m = tl.max(lse2, 0)
@@ -169,34 +202,43 @@ def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, lse_ptr,
 @triton.jit
 def _weights_kernel(q_ptr, k_cache_ptr, block_tables_ptr, seq_lens_ptr, lse_ptr, kept_ptr, w_ptr,
                     stride_qs, stride_qh, stride_bt, stride_cb, stride_ct, stride_ch, stride_kept,
-                    stride_ls, stride_ws, stride_wh, max_len, block_size, qk_scale,
+                    stride_ls, stride_ws, stride_wh, max_len, qk_scale,
                     GROUP: tl.constexpr, HAS_KEPT: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    # Grid (seq, kv_head, position tile): p = 2^(s - lse2) summed over the group's heads. Only K is read.
+                    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    # Grid (seq, kv_head, position tile): p = 2^(s - lse2) summed over the group's heads. Only K is read;
+    # a tile past the sequence's end leaves its zeros.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    pos = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.program_id(2) * BLOCK_N
     ctx = tl.load(seq_lens_ptr + seq)
+    if start >= ctx:
+        return
+    pos = start + tl.arange(0, BLOCK_N)
     pos_ok = pos < ctx
     g = tl.arange(0, BLOCK_G)
     row_ok = g < GROUP
     head = kv_head * GROUP + g
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + head[:, None] * stride_qh + d[None, :],
+    seq64 = seq.to(tl.int64)
+    q = tl.load(q_ptr + seq64 * stride_qs + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    lse2 = tl.load(lse_ptr + seq.to(tl.int64) * stride_ls + head, mask=row_ok, other=0.0) * 1.4426950408889634
-    offs = _kv_offsets(block_tables_ptr, stride_bt, seq, pos, pos_ok, block_size, stride_cb, stride_ct,
-                       kv_head.to(tl.int64) * stride_ch)
+    lse2 = tl.load(lse_ptr + seq64 * stride_ls + head, mask=row_ok, other=0.0) * 1.4426950408889634
+    offs = _tile_offsets(block_tables_ptr, seq64 * stride_bt, start, pos_ok, stride_cb, stride_ct,
+                         kv_head.to(tl.int64) * stride_ch, BLOCK_SIZE, BLOCK_N)
     k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
     ok = row_ok[:, None] & pos_ok[None, :]
     if HAS_KEPT:
-        kept = tl.load(kept_ptr + seq.to(tl.int64) * stride_kept + pos, mask=pos_ok, other=0)
+        kept = tl.load(kept_ptr + seq64 * stride_kept + pos, mask=pos_ok, other=0)
         ok = ok & (kept[None, :] != 0)
     p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
-    tl.store(w_ptr + seq.to(tl.int64) * stride_ws + kv_head * stride_wh + pos, tl.sum(p, 0), mask=pos < max_len)
+    tl.store(w_ptr + seq64 * stride_ws + kv_head * stride_wh + pos, tl.sum(p, 0), mask=pos < max_len)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -206,6 +248,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 def _common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, kept: torch.Tensor | None):
     """Shared launch arguments. q: [*, Hq, D]; caches [NB, BS, Hkv, D] with the same strides."""
+    check_kv_dtype(q, k_cache)
     hq, d = q.shape[-2:]
     hkv = k_cache.shape[2]
     assert hq % hkv == 0 and q.stride(-1) == 1 and k_cache.stride(3) == 1
@@ -214,7 +257,7 @@ def _common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None
         kept = kept.to(torch.int8) if kept.dtype == torch.bool else kept
         assert kept.stride(1) == 1
     return dict(group=hq // hkv, kept=kept, block_d=max(16, triton.next_power_of_2(d)),
-                precision=_precision(k_cache.dtype), head_dim=d)
+                precision=_precision(k_cache.dtype), head_dim=d, block_size=k_cache.shape[1])
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -239,25 +282,41 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, starts, kept if kept is not None else starts,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), kept.stride(0) if kept is not None else 0,
-        k_cache.shape[1], scale * LOG2E,
+        scale * LOG2E,
         GROUP=group, TOKENS=tokens, HAS_KEPT=kept is not None, HEAD_DIM=c["head_dim"],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=c["block_d"], PRECISION=c["precision"])
+        BLOCK_SIZE=c["block_size"], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=c["block_d"],
+        PRECISION=c["precision"], **tuning.launch_options("prefill", c["head_dim"], q.device))
     return out
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int = 64,
-                       target_programs: int = 264) -> int:
-    """Enough splits to fill the GPU (~2 programs per SM on a 132-SM H200) without tiles under BLOCK_N."""
-    want = math.ceil(target_programs / max(1, num_seqs * num_kv_heads))
-    return max(1, min(want, math.ceil(max_seq_len / block_n), 64))
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int = 64) -> int:
+    """Splits of a batch of ``num_seqs`` sequences all ``max_seq_len`` long (the plan's uniform case)."""
+    return int(tuning.plan_decode_splits([max_seq_len] * max(1, num_seqs), num_kv_heads, block_n=block_n)[0])
+
+
+def _split_plan(num_splits, max_splits: int | None, seq_lens: torch.Tensor, num_kv_heads: int,
+                block_n: int) -> tuple[torch.Tensor, int]:
+    """-> (splits per sequence int32 [S] on the device, grid size >= their max)."""
+    if isinstance(num_splits, torch.Tensor):
+        return num_splits, int(max_splits if max_splits is not None else num_splits.max())
+    if num_splits is None:  # plan from the lengths: a host read (metadata builders pass a plan instead)
+        plan = tuning.plan_decode_splits(seq_lens.tolist(), num_kv_heads, tuning.device_sms(seq_lens.device),
+                                         block_n)
+        return torch.from_numpy(plan).to(seq_lens.device), int(plan.max())
+    n = max(1, int(num_splits))
+    return torch.full(seq_lens.shape, n, dtype=torch.int32, device=seq_lens.device), n
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, max_seq_len: int, num_splits: int | None = None,
-                     kept: torch.Tensor | None = None, block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                     seq_lens: torch.Tensor, scale: float, max_seq_len: int,
+                     num_splits: int | torch.Tensor | None = None, kept: torch.Tensor | None = None,
+                     block_n: int = 64, max_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode: one query token per sequence at position seq_lens-1.
 
     q: [S, Hq, D]; block_tables: int32 [S, MB]; seq_lens: int32 [S] -> out [S, Hq, D], lse f32 [S, Hq]
+    num_splits: None (planned from seq_lens, read on the host), an int for every sequence, or int32
+    [S] per sequence with ``max_splits`` >= its largest (no host read: safe under CUDA-graph capture).
+    One split in all runs one kernel, writing out and lse directly; more add the merge kernel.
     """
     c = _common(q, k_cache, v_cache, kept)
     s_, hq, d = q.shape
@@ -266,26 +325,29 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lse = torch.empty(s_, hq, dtype=torch.float32, device=q.device)
     if s_ == 0:
         return out, lse
-    if num_splits is None:
-        num_splits = default_num_splits(s_, hkv, max_seq_len, block_n)
+    splits, grid_splits = _split_plan(num_splits, max_splits, seq_lens, hkv, block_n)
+    single = grid_splits == 1
     # Partial results stay float32: [S, Hq, splits, D] and base-2 lse [S, Hq, splits].
-    mid_o = torch.empty(s_, hq, num_splits, d, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(s_, hq, num_splits, dtype=torch.float32, device=q.device)
+    mid_o = out if single else torch.empty(s_, hq, grid_splits, d, dtype=torch.float32, device=q.device)
+    mid_lse = lse if single else torch.empty(s_, hq, grid_splits, dtype=torch.float32, device=q.device)
+    mo_strides = (0, 0, 0) if single else mid_o.stride()[:3]
+    ml_strides = (0, 0) if single else mid_lse.stride()[:2]
     kept = c["kept"]
-    _decode_split_kernel[(s_, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, kept if kept is not None else seq_lens, mid_o, mid_lse,
+    _decode_split_kernel[(s_, hkv, grid_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, splits, kept if kept is not None else seq_lens,
+        out, lse, mid_o, mid_lse,
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), kept.stride(0) if kept is not None else 0,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        k_cache.shape[1], scale * LOG2E, num_splits,
-        GROUP=c["group"], HAS_KEPT=kept is not None, HEAD_DIM=d,
+        out.stride(0), out.stride(1), lse.stride(0), *mo_strides, *ml_strides, scale * LOG2E,
+        GROUP=c["group"], HAS_KEPT=kept is not None, HEAD_DIM=d, BLOCK_SIZE=c["block_size"],
         BLOCK_G=max(16, triton.next_power_of_2(c["group"])), BLOCK_N=block_n, BLOCK_D=c["block_d"],
-        PRECISION=c["precision"])
-    _decode_merge_kernel[(s_, hq)](
-        mid_o, mid_lse, out, lse,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), num_splits,
-        HEAD_DIM=d, BLOCK_P=triton.next_power_of_2(num_splits), BLOCK_D=c["block_d"])
+        PRECISION=c["precision"], SINGLE_SPLIT=single, **tuning.launch_options("decode", d, q.device))
+    if not single:
+        _decode_merge_kernel[(s_, hq)](
+            mid_o, mid_lse, splits, out, lse, *mo_strides, *ml_strides,
+            out.stride(0), out.stride(1), lse.stride(0),
+            HEAD_DIM=d, BLOCK_P=triton.next_power_of_2(grid_splits), BLOCK_D=c["block_d"],
+            **tuning.launch_options("merge", d, q.device))
     return out, lse
 
 
@@ -307,8 +369,9 @@ def attention_weights(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torc
         q, k_cache, block_tables, seq_lens, lse, kept if kept is not None else seq_lens, w,
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), kept.stride(0) if kept is not None else 0,
-        lse.stride(0), w.stride(0), w.stride(1), max_len, k_cache.shape[1], scale * LOG2E,
-        GROUP=c["group"], HAS_KEPT=kept is not None, HEAD_DIM=c["head_dim"],
+        lse.stride(0), w.stride(0), w.stride(1), max_len, scale * LOG2E,
+        GROUP=c["group"], HAS_KEPT=kept is not None, HEAD_DIM=c["head_dim"], BLOCK_SIZE=c["block_size"],
         BLOCK_G=max(16, triton.next_power_of_2(c["group"])), BLOCK_N=block_n, BLOCK_D=c["block_d"],
-        PRECISION=c["precision"])
+        PRECISION=c["precision"], **tuning.launch_options("weights", c["head_dim"], q.device))
     return w
+

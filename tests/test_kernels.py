@@ -1,10 +1,16 @@
-"""Triton kernels against their torch references, float32, tiny shapes.
+"""Triton kernels against their torch references: float32 at tiny shapes (exact), then bf16 and fp16 at
+production shapes (head dim 128, 64-wide tiles, the planned split-KV and the single-split path).
 
 Without a GPU the kernels run in Triton's interpreter: TRITON_INTERPRET must be set before any kernel
 module is imported (triton.jit picks interpreter or compiler when it decorates), hence the top lines.
+The interpreter has no bfloat16 arithmetic (it holds bf16 as raw uint16 and its tl.dot multiplies
+those integers), so bf16 tests widen tl.dot's operands to float32 first (``bf16_dot``): what a tensor
+core does too (exact bf16 products, float32 accumulation). Compilation for real GPUs is checked in
+tests/test_kernel_compile.py.
 """
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,14 +19,16 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from kvbench.kernels import cache_ops, paged_attention  # noqa: E402
+from kvbench import kernels  # noqa: E402
+from kvbench.kernels import cache_ops, paged_attention, tuning  # noqa: E402
 from kvbench.kernels import reference as ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 HEAD_DIM = 16
 
 
-def _paged(ctx_lens: list[int], block_size: int, hkv: int, gen: torch.Generator, spare: int = 3):
+def _paged(ctx_lens: list[int], block_size: int, hkv: int, gen: torch.Generator, spare: int = 3,
+           head_dim: int = HEAD_DIM, dtype: torch.dtype = torch.float32):
     """Random K/V in a pool whose blocks are handed out shuffled.
 
     -> k_cache, v_cache [NB, BS, Hkv, D], block_tables int32 [S, MB] (padding entries -1)
@@ -31,10 +39,10 @@ def _paged(ctx_lens: list[int], block_size: int, hkv: int, gen: torch.Generator,
     tables = torch.full((len(ctx_lens), max(nblk)), -1, dtype=torch.int32)
     for s, n in enumerate(nblk):
         tables[s, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
-    shape = (total, block_size, hkv, HEAD_DIM)
+    shape = (total, block_size, hkv, head_dim)
     k = torch.randn(shape, generator=gen)
     v = torch.randn(shape, generator=gen)
-    return k.to(DEV), v.to(DEV), tables.to(DEV)
+    return k.to(DEV, dtype), v.to(DEV, dtype), tables.to(DEV)
 
 
 def _kept(ctx_lens: list[int], gen: torch.Generator) -> torch.Tensor:
@@ -187,3 +195,160 @@ def test_slab_table_with_huge_block_equals_paged():
     paged, _ = paged_attention.decode_attention(q, k_p, v_p, tables_p, lens, 0.25, 70, num_splits=2, block_n=16)
     slab_out, _ = paged_attention.decode_attention(q, k_s, v_s, tables_s, lens, 0.25, 70, num_splits=2, block_n=16)
     torch.testing.assert_close(paged, slab_out, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode design: per-sequence splits, the single-split path, fp8 refused
+
+
+def test_split_plan_follows_each_sequence_not_the_longest():
+    """One 32k sequence among 255 of 1k: the long one is cut to the short ones' length (~29 splits)
+    instead of running as one straggler program per KV head; the short ones are not split."""
+    plan = tuning.plan_decode_splits([1024] * 255 + [32768], num_kv_heads=8)
+    assert set(plan[:255].tolist()) == {1}
+    assert plan[255] >= 16
+    # A lone long sequence fills the GPU; a lone short one is not cut below MIN_SPLIT_TOKENS.
+    assert tuning.plan_decode_splits([32768], 8)[0] == tuning.MAX_SPLITS
+    assert tuning.plan_decode_splits([300], 8)[0] == 2
+    assert tuning.plan_decode_splits([1], 8)[0] == 1
+
+
+def test_decode_with_ragged_per_sequence_splits_matches_reference():
+    """Splits per sequence as a tensor (the CUDA-graph form), each sequence a different count, some
+    with splits past its tiles (empty) and a grid larger than any sequence needs."""
+    gen = torch.Generator().manual_seed(11)
+    ctx_lens = [1, 70, 200, 33, 129]
+    k_cache, v_cache, tables = _paged(ctx_lens, 8, 2, gen)
+    q = torch.randn(len(ctx_lens), 8, HEAD_DIM, generator=gen).to(DEV)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=DEV)
+    splits = torch.tensor([1, 3, 7, 4, 2], dtype=torch.int32, device=DEV)
+    out, lse = paged_attention.decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 200, num_splits=splits,
+                                                block_n=16, max_splits=9)
+    exp_out, exp_lse = ref.decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25)
+    torch.testing.assert_close(out, exp_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, exp_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_single_split_decode_skips_the_merge_kernel(monkeypatch):
+    gen = torch.Generator().manual_seed(12)
+    k_cache, v_cache, tables = _paged([40, 9], 4, 2, gen)
+    q = torch.randn(2, 4, HEAD_DIM, generator=gen).to(DEV)
+    lens = torch.tensor([40, 9], dtype=torch.int32, device=DEV)
+    merges = []
+    real = paged_attention._decode_merge_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(paged_attention, "_decode_merge_kernel", Spy())
+    out, lse = paged_attention.decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 40, num_splits=1, block_n=16)
+    assert merges == []
+    exp_out, exp_lse = ref.decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25)
+    torch.testing.assert_close(out, exp_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, exp_lse, rtol=1e-4, atol=1e-4)
+    paged_attention.decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 40, num_splits=2, block_n=16)
+    assert len(merges) == 1
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_kv_cache_is_refused_clearly(backend):
+    """A bf16 x fp8 tl.dot would not compile on a GPU; every backend refuses the cache dtype up front."""
+    gen = torch.Generator().manual_seed(13)
+    k_cache, v_cache, tables = _paged([20], 4, 2, gen)
+    q = torch.randn(1, 4, HEAD_DIM, generator=gen).to(DEV, torch.bfloat16)
+    lens = torch.tensor([20], dtype=torch.int32, device=DEV)
+    k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="fp8 KV"):
+        kernels.decode_attention(q, k8, v8, tables, lens, 0.25, 20, backend=backend)
+    with pytest.raises(ValueError, match="fp8 KV"):
+        kernels.prefill_attention(q, k8, v8, tables, torch.tensor([0, 1], dtype=torch.int32, device=DEV),
+                                  torch.tensor([19], dtype=torch.int32, device=DEV), 0.25, 1, backend=backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# Production shapes and dtypes (interpreter): head dim 128, the default 64-wide tiles
+
+PROD_HEAD_DIM, PROD_BLOCK = 128, 16
+# Tolerances (rtol, atol) against the float32 reference over the same bf16/fp16 values. Scores and
+# the softmax statistics are float32 in the kernel (products of 16-bit values are exact in float32),
+# so lse matches to float32 rounding; the output carries the probabilities rounded to the cache dtype
+# before the PV dot and its own final rounding: ~2 ulp of the dtype (bf16 2^-8, fp16 2^-11). Measured
+# on these cases: bf16 2.8e-3, fp16 1.5e-4 largest absolute error on outputs up to 3; lse 1e-6.
+TOL = {torch.bfloat16: dict(out=(8e-3, 8e-3), lse=(1e-5, 1e-5)),
+       torch.float16: dict(out=(1e-3, 1e-3), lse=(1e-5, 1e-5))}
+
+
+@pytest.fixture
+def bf16_dot(monkeypatch):
+    """Widen bf16 tl.dot operands to float32 in the interpreter (see the module docstring)."""
+    if DEV == "cuda":
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    real = interpreter.InterpreterBuilder.create_dot
+
+    def widen(h):
+        if h.dtype == tl.bfloat16:  # raw bf16 bits are the high half of the float32
+            return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return real(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+def _prod_decode(dtype, group, num_splits, ctx_lens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    hkv = 2
+    k_cache, v_cache, tables = _paged(ctx_lens, PROD_BLOCK, hkv, gen, head_dim=PROD_HEAD_DIM, dtype=dtype)
+    q = torch.randn(len(ctx_lens), hkv * group, PROD_HEAD_DIM, generator=gen).to(DEV, dtype)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=DEV)
+    scale = PROD_HEAD_DIM ** -0.5
+    out, lse = paged_attention.decode_attention(q, k_cache, v_cache, tables, lens, scale, max(ctx_lens),
+                                                num_splits=num_splits)
+    exp_out, exp_lse = ref.decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+    assert out.dtype == dtype
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), exp_out, rtol=tol["out"][0], atol=tol["out"][1])
+    torch.testing.assert_close(lse, exp_lse, rtol=tol["lse"][0], atol=tol["lse"][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("group,num_splits", [(4, None), (8, 1)], ids=["gqa4-planned", "gqa8-single"])
+def test_decode_production_shape(bf16_dot, dtype, group, num_splits):
+    """Planned splits (here 1, 2 and 4 per sequence) and the single-split path, ragged last tiles."""
+    ctx_lens = [1, 300, 1000]
+    if num_splits is None:
+        assert tuning.plan_decode_splits(ctx_lens, 2).tolist() == [1, 2, 4]
+    _prod_decode(dtype, group, num_splits, ctx_lens, seed=group)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_prefill_production_shape(bf16_dot, dtype):
+    """Default 64x64 tiles, GQA 4, a chunk over a cached prefix and a fresh prompt."""
+    gen = torch.Generator().manual_seed(21)
+    hkv, group = 2, 4
+    starts, lens = [0, 150], [70, 40]
+    ctx_lens = [s + n for s, n in zip(starts, lens)]
+    k_cache, v_cache, tables = _paged(ctx_lens, PROD_BLOCK, hkv, gen, head_dim=PROD_HEAD_DIM, dtype=dtype)
+    cu = torch.tensor([0, 70, 110], dtype=torch.int32, device=DEV)
+    st = torch.tensor(starts, dtype=torch.int32, device=DEV)
+    q = torch.randn(110, hkv * group, PROD_HEAD_DIM, generator=gen).to(DEV, dtype)
+    scale = PROD_HEAD_DIM ** -0.5
+    got = paged_attention.prefill_attention(q, k_cache, v_cache, tables, cu, st, scale, 70)
+    exp = ref.prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, cu, st, scale)
+    torch.testing.assert_close(got.float(), exp, rtol=TOL[dtype]["out"][0], atol=TOL[dtype]["out"][1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_decode_production_shape_long_batch(bf16_dot, dtype):
+    """8 sequences up to 16k, GQA 8, the default plan: the longest cut into the most splits (64, the
+    merge's widest tile), the shortest not split."""
+    ctx_lens = [16384, 1, 2500, 17, 9000, 640, 64, 1025]
+    assert tuning.plan_decode_splits(ctx_lens, 2).tolist() == [64, 1, 10, 1, 36, 3, 1, 5]
+    _prod_decode(dtype, 8, None, ctx_lens, seed=5)

@@ -1,0 +1,328 @@
+"""Ahead-of-time compilation of every kernel for a GPU target, on a machine without a GPU.
+
+The interpreter (TRITON_INTERPRET=1) forgives what the compiler does not (tl.dot shapes and dtypes,
+layouts, shared memory, registers), so the kernels are also compiled for real targets here and their
+resources read back. A launch is compiled exactly as a real one would be: the public launcher
+(paged_attention.decode_attention, ...) runs on small CPU tensors of the production dtype and
+shapes while its kernels are swapped for recorders, and each recorded launch goes through Triton's
+own JIT binder for the target, which infers what a launch infers (16-byte pointer alignment, integer
+arguments divisible by 16 such as the cache strides) before ``triton.compile``. Without those
+attributes the bf16 decode kernel reads K/V with 2-byte scalar loads instead of 16-byte vectors.
+
+Registers and spills come from ptxas -v on the compiled PTX (a CompiledKernel only learns them when
+loaded on a device); shared memory, warps and stages from the kernel's metadata.
+
+Compiles run in a spawned worker process (``compile_spec``): the interpreter leaves triton.language
+patched after running a kernel that calls another @triton.jit function (triton 3.9's
+InterpretedFunction.__call__ patches without restoring), and a process that ran the interpreter tests
+can then no longer compile.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbench.kernels import tuning
+
+TARGETS = (80, 90, 100)  # sm_80 (A100), sm_90 (H100/H200), sm_100 (B200: the bundled ptxas-blackwell)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_KERNEL_FILES = ("paged_attention", "cache_ops")
+
+
+@functools.lru_cache(maxsize=1)
+def compiler_modules() -> dict:
+    """Fresh copies of the kernel modules whose @triton.jit functions compile (triton.jit picks the
+    interpreter or the compiler when it decorates, so the session's kvbench.kernels modules may be
+    the interpreter's)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        mods = {}
+        for name in _KERNEL_FILES:
+            spec = importlib.util.spec_from_file_location(f"kvbench.kernels._aot_{name}",
+                                                          os.path.join(here, f"{name}.py"))
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod  # triton resolves a kernel's globals through its module
+            spec.loader.exec_module(mod)
+            mods[name] = mod
+        return mods
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str  # the @triton.jit function's name
+    fn: object  # the JITFunction
+    grid: tuple
+    args: tuple
+    kwargs: dict = field(hash=False)
+
+
+class _Recorder:
+    """Stands in for a JITFunction: ``kernel[grid](*args, **kwargs)`` is noted, not run."""
+
+    def __init__(self, fn, log: list):
+        self.fn, self.log = fn, log
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.log.append(Launch(self.fn.__name__, self.fn, grid, args, kwargs))
+
+
+@contextlib.contextmanager
+def recording(arch: int):
+    """Within: the compiler-mode modules' kernels are recorders, CPU tensors stand for ``arch``.
+    Yields (modules, launches list)."""
+    from triton.runtime.jit import JITFunction
+
+    mods = compiler_modules()
+    log: list[Launch] = []
+    saved = []
+    for mod in mods.values():
+        for name, obj in list(vars(mod).items()):
+            if isinstance(obj, JITFunction) and name.endswith("_kernel"):
+                saved.append((mod, name, obj))
+                setattr(mod, name, _Recorder(obj, log))
+    tuning.set_aot_arch(arch)
+    try:
+        yield mods, log
+    finally:
+        tuning.set_aot_arch(None)
+        for mod, name, obj in saved:
+            setattr(mod, name, obj)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the engine launches
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One specialisation of one launcher. ``op``: decode (split plan for a batch of long contexts:
+    split + merge kernels), decode1 (one split: the split kernel alone), prefill, weights, write_kv,
+    copy_blocks. ``table_width``: block-table columns (its stride's divisibility by 16 is specialised)."""
+
+    op: str
+    dtype: str = "bf16"
+    head_dim: int = 128
+    group: int = 4
+    block_size: int = 16
+    kept: bool = False
+    num_kv_heads: int = 8
+    table_width: int = 37
+
+    def label(self) -> str:
+        return (f"{self.op} {self.dtype} D{self.head_dim} G{self.group} bs{self.block_size}"
+                + (" kept" if self.kept else ""))
+
+
+def _call(spec: Spec, mods: dict) -> None:
+    """Run the spec's public launcher on small CPU tensors of the production dtype and strides."""
+    pa, ops = mods["paged_attention"], mods["cache_ops"]
+    dt, d, hkv, bs = DTYPES[spec.dtype], spec.head_dim, spec.num_kv_heads, spec.block_size
+    hq = hkv * spec.group
+    s = 4
+    k = torch.zeros(2, bs, hkv, d, dtype=dt)  # [NB, BS, Hkv, D]: strides do not depend on NB
+    v = torch.zeros_like(k)
+    tables = torch.zeros(s, spec.table_width, dtype=torch.int32)
+    ctx = 4096 if spec.op == "decode" else 300
+    lens = torch.full((s,), ctx, dtype=torch.int32)
+    kept = torch.ones(s, ctx, dtype=torch.int8) if spec.kept else None
+    scale = d ** -0.5
+    if spec.op in ("decode", "decode1"):
+        q = torch.zeros(s, hq, d, dtype=dt)
+        pa.decode_attention(q, k, v, tables, lens, scale, ctx, num_splits=1 if spec.op == "decode1" else None,
+                            kept=kept)
+    elif spec.op == "weights":
+        q = torch.zeros(s, hq, d, dtype=dt)
+        pa.attention_weights(q, k, tables, lens, torch.zeros(s, hq), scale, ctx - 3, kept)
+    elif spec.op == "prefill":
+        q = torch.zeros(3 * s, hq, d, dtype=dt)
+        cu = torch.arange(0, 3 * s + 1, 3, dtype=torch.int32)
+        pa.prefill_attention(q, k, v, tables, cu, torch.zeros(s, dtype=torch.int32), scale, 3, kept)
+    elif spec.op == "write_kv":
+        new = torch.zeros(5, hkv, d, dtype=dt)
+        ops.write_kv(k, v, new, new, torch.zeros(5, dtype=torch.int64))
+    elif spec.op == "copy_blocks":
+        pool = torch.zeros(4, 2, bs, hkv, d, dtype=dt)  # [2L, NB, BS, Hkv, D]
+        ops.copy_blocks(pool, torch.zeros(1, 2, dtype=torch.int64))
+    else:
+        raise ValueError(f"unknown op {spec.op!r}")
+
+
+def launches(spec: Spec, arch: int) -> list[Launch]:
+    """The kernel launches the spec's launcher makes on ``arch`` (num_warps/num_stages from its table)."""
+    with recording(arch) as (mods, log):
+        _call(spec, mods)
+    return log
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling and reading resources
+
+
+@dataclass(frozen=True)
+class Compiled:
+    kernel: str
+    arch: int
+    regs: int
+    spill_bytes: int  # spill stores + spill loads (ptxas -v)
+    stack_bytes: int
+    smem_bytes: int
+    num_warps: int
+    num_stages: int
+    loads: tuple  # ((kind, bytes per access), count) over the PTX's global loads, sorted
+    ptx: str = field(repr=False, compare=False)
+    ttir: str = field(repr=False, compare=False)  # Triton IR: loads still carry their tensor shapes
+
+    @property
+    def load_counts(self) -> Counter:
+        return Counter(dict(self.loads))
+
+
+_LD = re.compile(r"\bld\.global(?:\.[a-z0-9_]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
+_CP_ASYNC = re.compile(r"\bcp\.async\.c[ag]\.shared\.global(?:\.[a-zA-Z0-9_]+)*"
+                       r"\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-f]+|\d+)")
+
+
+def global_loads(ptx: str) -> Counter:
+    """Global loads in PTX by (kind, bytes per thread access): ld.global (.v2/.v4 vectors) and cp.async
+    (global -> shared, the pipelined loads of a multi-stage loop)."""
+    out = Counter()
+    for vec, bits in _LD.findall(ptx):
+        out[("ld.global", int(vec or 1) * int(bits) // 8)] += 1
+    for size in _CP_ASYNC.findall(ptx):
+        out[("cp.async", int(size, 0))] += 1
+    return out
+
+
+def _ptxas_info(ptx: str, arch: int) -> dict:
+    """Registers, spills and stack frame of the PTX's kernel, from the ptxas Triton uses for ``arch``."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w", encoding="utf-8") as fh:
+            fh.write(ptx)
+        res = subprocess.run([get_ptxas(arch).path, "-v", "--regAllocOptLevel=2",
+                              f"--gpu-name={sm_arch_from_capability(arch)}", src, "-o", os.path.join(tmp, "k.o")],
+                             capture_output=True, text=True, check=True)
+    log = res.stderr + res.stdout
+
+    def num(pattern: str) -> int:
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else 0
+
+    return {"regs": num(r"Used (\d+) registers"), "stack": num(r"(\d+) bytes stack frame"),
+            "spills": num(r"(\d+) bytes spill stores") + num(r"(\d+) bytes spill loads")}
+
+
+def compile_launch(launch: Launch, arch: int, with_attrs: bool = True) -> Compiled:
+    """Compile a recorded launch for ``arch`` as Triton's JIT would at that launch (``with_attrs=False``
+    drops the inferred alignment/divisibility attributes, for comparison)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = launch.fn
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    # The JIT's own binder and argument packing (JITFunction.run, triton 3.9): same signature,
+    # constexprs and attributes as a launch with these arguments.
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs if with_attrs else {}),
+                            target=target, options=options.__dict__)
+    ptx = kernel.asm["ptx"]
+    info = _ptxas_info(ptx, arch)
+    md = kernel.metadata
+    return Compiled(launch.kernel, arch, info["regs"], info["spills"], info["stack"], md.shared, md.num_warps,
+                    md.num_stages, tuple(sorted(global_loads(ptx).items())), ptx, kernel.asm["ttir"])
+
+
+@functools.cache
+def compile_spec_in_process(spec: Spec, arch: int, with_attrs: bool = True) -> tuple[Compiled, ...]:
+    """Every kernel the spec's launcher launches, compiled for ``arch`` in this process (which must not
+    have run the interpreter: see the module docstring); cached."""
+    return tuple(compile_launch(launch, arch, with_attrs) for launch in launches(spec, arch))
+
+
+def _compiler_mode() -> None:
+    """Worker initializer: triton's own @triton.jit helpers (tl.cdiv, ...) must be imported in compiler
+    mode, and a TRITON_INTERPRET=1 inherited from the parent would make them interpreter functions."""
+    os.environ["TRITON_INTERPRET"] = "0"
+    if "triton" in sys.modules:
+        raise RuntimeError("triton was imported before the compile worker could turn the interpreter off")
+
+
+def spawn_pool(workers: int = 1) -> ProcessPoolExecutor:
+    """Fresh worker processes in compiler mode (spawned, not forked: a fork would inherit a patched
+    triton.language and the parent's interpreter-mode triton)."""
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_compiler_mode)
+
+
+@functools.cache
+def _worker() -> ProcessPoolExecutor:
+    return spawn_pool(1)
+
+
+@functools.cache
+def compile_spec(spec: Spec, arch: int, with_attrs: bool = True) -> tuple[Compiled, ...]:
+    """compile_spec_in_process in a clean worker process (cached per session)."""
+    return _worker().submit(compile_spec_in_process, spec, arch, with_attrs).result()
+
+
+def smem_limit(arch: int) -> int:
+    return tuning.SMEM_LIMIT[arch]
+
+
+# ---------------------------------------------------------------------------------------------
+# The grids the tests and benchmarks/kernel_resources.py compile
+
+ATTENTION_OPS = ("decode", "decode1", "prefill", "weights")
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def full_grid() -> list[Spec]:
+    """Every specialisation the engine can launch at the shipped presets: bf16/fp16, head dim 64/128,
+    GQA groups 1/4/8, power-of-two block sizes 1-128, with and without a kept mask, for every
+    attention launcher; the cache kernels per dtype and head dim. (A block size that is not a power
+    of two, or over 128, compiles the same code paths: representative_grid has one of each.)"""
+    out = [Spec(op, dt, d, g, bs, kept) for op in ATTENTION_OPS for dt in DTYPES for d in (64, 128)
+           for g in (1, 4, 8) for bs in BLOCK_SIZES for kept in (False, True)]
+    out += [Spec(op, dt, d, 4, 16) for op in ("write_kv", "copy_blocks") for dt in DTYPES for d in (64, 128)]
+    return out
+
+
+def representative_grid() -> list[Spec]:
+    """A sample of full_grid that touches every code path once (the default test run): each launcher
+    at the production shape (bf16, head dim 128, Llama-3 GQA 4), the tile-in-one-block path (block
+    128, and 48: not a power of two), one block per position (block 1), fp16, head dim 64, GQA 1 and
+    8, the kept mask, a block table whose stride is divisible by 16."""
+    return [
+        Spec("decode"), Spec("decode1"), Spec("prefill"), Spec("weights", kept=True),
+        Spec("decode", group=8, block_size=128), Spec("decode1", dtype="fp16", head_dim=64, group=1, block_size=1),
+        Spec("decode1", group=8, block_size=48, kept=True, table_width=64),
+        Spec("prefill", dtype="fp16", head_dim=64, group=8, block_size=128, kept=True),
+        Spec("prefill", group=1, block_size=1), Spec("weights", dtype="fp16", group=8, block_size=128),
+        Spec("write_kv"), Spec("copy_blocks"),
+    ]
