@@ -2,9 +2,12 @@
 
 Each step: copy-on-write block copies, one forward over the step's prefill chunks and decodes
 (modeling.py), greedy sampling, and the step's measured duration (CUDA events on GPU, perf_counter on
-CPU), which advances the engine clock. With ``collect_attention`` it also returns, per decoding
-sequence, the attention weight on each cached position, recomputed from the decode's log-sum-exp in a
-second pass (what H2O accumulates).
+CPU), which advances the engine clock. On a GPU, decode-only steps replay a CUDA graph captured for
+their batch-size bucket (DecodeGraphs), so kernel launch overhead is not charged to TPOT as it would
+not be in vLLM. With ``collect_attention`` it also records each decode's query and log-sum-exp, and
+(``attention_scores``) returns, per decoding sequence, the attention weight on each cached position,
+recomputed in a second pass (what H2O accumulates): inside the step's time when the eviction policy
+consumes it ("policy"), after the clock stops when it is only a measurement ("measure").
 
 Token eviction: before the forward it carries out the batch's KV traffic (kvbench.scheduler.batch
 StepBatch: offload to host, slot moves, recall, release), timing the host<->device part as the
@@ -23,13 +26,15 @@ import torch
 
 from kvbench import kernels
 from kvbench.errors import InputError
-from kvbench.eviction.evictor import CPU_POOL_FACTOR
+from kvbench.eviction.evictor import CPU_POOL_FACTOR, EVICTION_POLICIES
 from kvbench.eviction.host_kv import PARTIAL_DIMS, HostKV
 from kvbench.executors.attention_mass import MassMeter
-from kvbench.executors.modeling import (AttentionMetadata, ForwardInputs, build_inputs, build_model,
-                                        decode_attention_stats, default_dtype, make_kv_pool)
+from kvbench.executors.modeling import (AttentionMetadata, ForwardInputs, PagedLlama, build_inputs, build_model,
+                                        decode_attention_stats, decode_attention_totals, default_dtype,
+                                        make_kv_pool)
 from kvbench.executors.presets import ModelSpec
 from kvbench.executors.speculation import speculate
+from kvbench.kernels.tuning import device_sms, graph_max_splits
 from kvbench.scheduler.batch import StepBatch, StepResult
 
 # KV pool on CPU when none is asked: zeros are committed memory, so stay modest (1M slots of `tiny`).
@@ -80,17 +85,140 @@ class _Timer:
             self.seconds = time.perf_counter() - self.t0
 
 
+# ---------------------------------------------------------------------------------------------
+# Decode under CUDA graphs
+
+# Batch sizes a decode graph is captured for (vLLM's capture sizes up to 256): a step replays the
+# smallest bucket that holds its decodes, the rest of the rows padding.
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+MIN_GRAPH_TABLE_WIDTH = 64  # block-table columns of a first capture; doubled when a step needs more
+
+
+def cuda_capture(fn, mem_pool):
+    """Capture ``fn()`` into a CUDA graph after one warm-up run on a side stream (which compiles the
+    Triton kernels and sets up cuBLAS) -> (replay, the captured call's output tensor)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mem_pool):
+        out = fn()
+    return graph.replay, out
+
+
+def eager_capture(fn, mem_pool):
+    """cuda_capture's stand-in off the GPU (tests): a "replay" recomputes ``fn()`` into the same output."""
+    out = fn()
+
+    def replay():
+        with torch.inference_mode():  # the forward's output is an inference tensor
+            out.copy_(fn())
+    return replay, out
+
+
+class _DecodeGraph:
+    """One captured decode forward over static inputs of ``bucket`` rows and ``width`` table columns.
+    Padding rows write nowhere (slot -1) and attend to one position of block 0 with one split."""
+
+    def __init__(self, net: PagedLlama, pool: torch.Tensor, bucket: int, width: int, max_splits: int,
+                 capture, mem_pool):
+        dev, i32, i64 = pool.device, torch.int32, torch.int64
+        self.bucket, self.width, self.max_splits = bucket, width, max_splits
+        self.input_ids = torch.zeros(bucket, dtype=i64, device=dev)  # [B]
+        self.positions = torch.zeros(bucket, dtype=i64, device=dev)  # [B]
+        self.slots = torch.full((bucket,), -1, dtype=i64, device=dev)  # [B]
+        self.tables = torch.zeros(bucket, width, dtype=i32, device=dev)  # [B, W]
+        self.seq_lens = torch.ones(bucket, dtype=i32, device=dev)  # [B]
+        self.splits = torch.ones(bucket, dtype=i32, device=dev)  # [B]
+        empty = torch.zeros(0, dtype=i32, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=self.slots, num_prefill_tokens=0, prefill_cu_seqlens=torch.zeros(1, dtype=i32, device=dev),
+            prefill_starts=empty, prefill_block_tables=torch.zeros(0, 1, dtype=i32, device=dev), max_prefill_len=0,
+            decode_block_tables=self.tables, decode_seq_lens=self.seq_lens, max_decode_len=width * pool.shape[2],
+            sample_indices=torch.arange(bucket, device=dev), decode_num_splits=self.splits,
+            max_decode_splits=max_splits)
+        inputs = ForwardInputs(self.input_ids, self.positions, meta)
+        self.replay, self.out = capture(lambda: net.hidden(inputs, pool), mem_pool)  # out: [B, hidden]
+
+    def run(self, inputs: ForwardInputs) -> torch.Tensor:
+        """A decode-only step's inputs (D <= bucket rows) -> final hidden states [D, hidden]."""
+        meta, d = inputs.meta, inputs.input_ids.shape[0]
+        self.input_ids[:d].copy_(inputs.input_ids)
+        self.positions[:d].copy_(inputs.positions)
+        self.slots[:d].copy_(meta.slot_mapping)
+        self.tables[:d, :meta.decode_block_tables.shape[1]].copy_(meta.decode_block_tables)
+        self.seq_lens[:d].copy_(meta.decode_seq_lens)
+        self.splits[:d].copy_(meta.decode_num_splits.clamp(max=self.max_splits))
+        if d < self.bucket:  # rows a larger step filled before: padding again
+            self.input_ids[d:] = 0
+            self.positions[d:] = 0
+            self.slots[d:] = -1
+            self.seq_lens[d:] = 1
+            self.splits[d:] = 1
+        self.replay()
+        return self.out[:d]
+
+
+class DecodeGraphs:
+    """Decode-only steps replayed from CUDA graphs, one per (batch-size bucket, block size), captured on
+    a bucket's first step before the step's clock starts (vLLM captures them at start-up; lazily, only
+    the buckets a trace reaches are paid for). The graphs share one memory pool: they never run at once.
+    Steps with prefill chunks, kept masks (token eviction) or recorded attention run eagerly."""
+
+    def __init__(self, net: PagedLlama, capture=cuda_capture, mem_pool=None):
+        self.net, self.capture, self.mem_pool = net, capture, mem_pool
+        self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
+
+    @staticmethod
+    def bucket(n: int) -> int | None:
+        return next((b for b in GRAPH_BUCKETS if b >= n), None)
+
+    def wants(self, batch: StepBatch) -> bool:
+        n = len(batch.decode_seq_ids)
+        return (n > 0 and not batch.prefill_seq_ids and self.bucket(n) is not None
+                and not any(batch.kept_masks.get(s) is not None for s in batch.decode_seq_ids))
+
+    def prepare(self, batch: StepBatch, pool: torch.Tensor) -> _DecodeGraph:
+        """The graph for ``batch`` (decode-only, wants() true), captured now if it is missing or its
+        block table is too narrow."""
+        bucket = self.bucket(len(batch.decode_seq_ids))
+        width = max(len(batch.block_tables[s]) for s in batch.decode_seq_ids)
+        key = (bucket, batch.block_size)
+        g = self.graphs.get(key)
+        if g is None or g.width < width:
+            self.graphs.pop(key, None)  # free the narrower graph's buffers first
+            spec = self.net.spec
+            g = _DecodeGraph(self.net, pool, bucket, max(MIN_GRAPH_TABLE_WIDTH, 1 << (width - 1).bit_length()),
+                             graph_max_splits(bucket, spec.num_kv_heads, device_sms(pool.device)),
+                             self.capture, self.mem_pool)
+            self.graphs[key] = g
+        return g
+
+
 class ModelExecutor:
     name = "model"
     needs_tokens = True
 
     def __init__(self, model: str | ModelSpec = "tiny", device: str = "auto", seed: int = 0,
-                 attention: str = "auto", collect_attention: bool = False):
+                 attention: str = "auto", collect_attention: bool = False, attention_scores: str | None = None,
+                 cuda_graphs: bool | None = None):
+        """``attention_scores`` (with collect_attention): "policy" (the eviction policy consumes the
+        scores: computed inside the step's time), "measure" (after the clock stops; the default) or
+        "off". ``cuda_graphs``: decode steps under CUDA graphs; default on a GPU with the Triton
+        kernels."""
         self.device = resolve_device(device)
         self.dtype = default_dtype(self.device)
         self.net = build_model(model, self.device, seed, attention, self.dtype)
         self.spec: ModelSpec = self.net.spec
         self.collect_attention = collect_attention
+        self.attention_scores = attention_scores or ("measure" if collect_attention else "off")
+        if self.attention_scores not in ("policy", "measure", "off"):
+            raise ValueError(f"attention_scores {self.attention_scores!r}: policy, measure or off")
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and kernels.use_triton(attention, self.device)
+        self.graphs = DecodeGraphs(self.net, mem_pool=torch.cuda.graph_pool_handle()) if cuda_graphs else None
         self.host = HostKV()
         if self.device.type == "cpu" and self.spec.hidden_size <= SMALL_MODEL_HIDDEN:
             torch.set_num_threads(1)
@@ -118,6 +246,8 @@ class ModelExecutor:
 
     def bind_pool(self, num_blocks: int, block_size: int) -> None:
         self.pool = None  # free the old pool before allocating the new one
+        if self.graphs is not None:
+            self.graphs.graphs.clear()  # captured over the old pool
         self.pool = make_kv_pool(self.spec, num_blocks, block_size, self.device, self.dtype)
         self.block_size = block_size
 
@@ -137,15 +267,23 @@ class ModelExecutor:
         pool = self._pool_for(batch.block_size)
         if batch.offload and not batch.offload_is_transfer:  # measurement shadow: not the step's work
             self.host.offload(pool, batch.offload)
+        graph = None
+        if self.graphs is not None and not self.collect_attention and self.graphs.wants(batch):
+            graph = self.graphs.prepare(batch, pool)  # a capture, if any, is not the step's work
+        attention = None
         with _Timer(self.device) as timer:
             pcie_s = self._kv_traffic(pool, batch)
             if batch.copies:
                 pairs = torch.tensor(batch.copies, dtype=torch.int64, device=self.device)  # [P, 2]
                 kernels.copy_blocks(pool, pairs, backend=self.net.model.layers[0].self_attn.backend)
             inputs = self.inputs_for(batch)
-            logits = self.net(inputs, pool)  # [N, vocab]
+            # logits: [N, vocab]
+            logits = self.net.logits(graph.run(inputs)) if graph is not None else self.net(inputs, pool)
             tokens = logits.argmax(-1).tolist()
-            attention = self._attention(inputs.meta, pool, batch.decode_seq_ids) if self.collect_attention else None
+            if self.attention_scores == "policy":
+                attention = self._attention(inputs.meta, pool, batch.decode_seq_ids)
+        if self.attention_scores == "measure":
+            attention = self._attention(inputs.meta, pool, batch.decode_seq_ids)
         order = [s for s, last in zip(batch.prefill_seq_ids, batch.prefill_last) if last] + list(batch.decode_seq_ids)
         if self.logits_log is not None:  # selfcheck: every sampled row, per sequence, in order
             for sid, row in zip(order, logits.float().cpu().numpy()):
@@ -203,7 +341,7 @@ class ModelExecutor:
             decode_tokens=batch.decode_tokens, decode_positions=batch.decode_positions,
             decode_tables=[tables[s] for s in batch.decode_seq_ids], decode_slots=batch.decode_slots,
             prefill_kept=[kept.get(s) for s in batch.prefill_seq_ids],
-            decode_kept=[kept.get(s) for s in batch.decode_seq_ids])
+            decode_kept=[kept.get(s) for s in batch.decode_seq_ids], num_kv_heads=self.spec.num_kv_heads)
         if self.collect_attention:
             inputs.meta.decode_records = []
         return inputs
@@ -213,8 +351,7 @@ class ModelExecutor:
         heads, averaged over layers (so each step adds num_heads of mass per sequence)."""
         if not seq_ids:
             return {}
-        w = decode_attention_stats(self.net, pool, meta)  # [L, D, Hkv, max_len]
-        total = w.sum(2).mean(0).cpu().numpy()  # [D, max_len]
+        total = decode_attention_totals(self.net, pool, meta).cpu().numpy()  # [D, max_len]
         lens = meta.decode_seq_lens.tolist()
         return {sid: total[i, :lens[i]] for i, sid in enumerate(seq_ids)}
 
@@ -224,10 +361,14 @@ class ModelExecutor:
         if self._last is None or self._last[0].decode_records is None:
             raise RuntimeError("no decode attention recorded: set collect_attention before execute()")
         meta, pool, ids = self._last
-        w = decode_attention_stats(self.net, pool, meta)  # [L, D, Hkv, max_len]
         lens = meta.decode_seq_lens.tolist()
         want = set(ids if seq_ids is None else seq_ids)
-        return {sid: w[:, i, :, :lens[i]].cpu().numpy() for i, sid in enumerate(ids) if sid in want}
+        out = {}
+        for i, sid in enumerate(ids):  # one row at a time, so memory stays one row's
+            if sid in want:
+                w = decode_attention_stats(self.net, pool, meta, slice(i, i + 1))  # [L, 1, Hkv, max_len]
+                out[sid] = w[:, 0, :, :lens[i]].cpu().numpy()
+        return out
 
 
 def make_model_executor(cfg, model: ModelSpec) -> ModelExecutor:
@@ -239,7 +380,11 @@ def make_model_executor(cfg, model: ModelSpec) -> ModelExecutor:
         if kv_dtype != want:
             raise InputError(f"the model executor keeps KV in the dtype it computes in ({want} on this "
                              f"device); {kv_dtype} KV is modelled by --executor sim", field="--kv-dtype")
-    ex = ModelExecutor(source, cfg.device, cfg.seed, cfg.attention, collect_attention=cfg.eviction != "none")
+    # Scores are the policy's work only for a policy that accumulates them (H2O, InfiniGen); streaming
+    # only needs the recorded lse for the attention mass kept.
+    scored = cfg.eviction != "none" and EVICTION_POLICIES[cfg.eviction].scored
+    ex = ModelExecutor(source, cfg.device, cfg.seed, cfg.attention, collect_attention=cfg.eviction != "none",
+                       attention_scores="policy" if scored else "off")
     if cfg.eviction == "infinigen":  # the CPU pool's partial keys: PARTIAL_DIMS of K for each pooled token
         ex.partial_key_share = CPU_POOL_FACTOR * PARTIAL_DIMS * 0.5
     return ex

@@ -26,6 +26,7 @@ from torch import nn
 from kvbench import kernels
 from kvbench.errors import InputError
 from kvbench.executors.presets import ModelSpec, get_model
+from kvbench.kernels.tuning import device_sms, plan_decode_splits
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,11 @@ class AttentionMetadata:
     sample_indices: torch.Tensor  # int64 [N], rows whose logits the forward returns
     prefill_kept: torch.Tensor | None = None  # int8 [C, >= max ctx], 1 = token kept
     decode_kept: torch.Tensor | None = None  # int8 [D, >= max_decode_len]
+    # Split-KV plan of the decodes (kvbench.kernels.tuning.plan_decode_splits), made once per step on
+    # the host: splits per sequence int32 [D] and their maximum (the kernel's grid). None: the kernel
+    # plans from decode_seq_lens itself (a host read per layer).
+    decode_num_splits: torch.Tensor | None = None
+    max_decode_splits: int | None = None
     # When set, each layer appends (q [D, Hq, D_h], lse f32 [D, Hq]) of its decode rows here.
     decode_records: list | None = None
 
@@ -100,13 +106,14 @@ def build_inputs(block_size: int, device: torch.device | str,
                  decode_tokens: Sequence[int] = (), decode_positions: Sequence[int] = (),
                  decode_tables: Sequence[Sequence[int]] = (), decode_slots: Sequence[int] = (),
                  prefill_kept: Sequence[np.ndarray | None] = (), decode_kept: Sequence[np.ndarray | None] = (),
-                 logits_for_all_tokens: bool = False) -> ForwardInputs:
+                 logits_for_all_tokens: bool = False, num_kv_heads: int = 0) -> ForwardInputs:
     """Flatten one step's prefill chunks and decodes (parallel lists, as in StepBatch).
 
     Logits come back for the last token of each chunk with ``prefill_sample`` set, then for every
     decode, in that order (or for every row with ``logits_for_all_tokens``). ``decode_slots`` (token
     eviction): the slot index each decode writes, attending to that many slots plus its own; empty
-    means slot = position.
+    means slot = position. ``num_kv_heads`` > 0: plan the decodes' split-KV once here (per step) rather
+    than in every layer's kernel call.
     """
     ids, pos, slots, sample = [], [], [], []
     row = 0
@@ -149,6 +156,9 @@ def build_inputs(block_size: int, device: torch.device | str,
         prefill_kept=_kept_tensor(prefill_kept, prefill_ctx, device),
         decode_kept=_kept_tensor(decode_kept, decode_ctx, device),
     )
+    if num_kv_heads and decode_ctx:
+        plan = plan_decode_splits(decode_ctx, num_kv_heads, device_sms(device))
+        meta.decode_num_splits, meta.max_decode_splits = t(plan, torch.int32), int(plan.max())
     return ForwardInputs(t(np.concatenate(ids), torch.int64), t(np.concatenate(pos), torch.int64), meta)
 
 
@@ -236,7 +246,8 @@ class PagedAttention(nn.Module):
             q_dec = q[p:].contiguous()
             out, lse = kernels.decode_attention(
                 q_dec, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-                meta.max_decode_len, kept=meta.decode_kept, backend=self.backend)
+                meta.max_decode_len, num_splits=meta.decode_num_splits, kept=meta.decode_kept,
+                backend=self.backend, max_splits=meta.max_decode_splits)
             if meta.decode_records is not None:
                 meta.decode_records.append((q_dec, lse))
             parts.append(out)
@@ -302,29 +313,75 @@ class PagedLlama(nn.Module):
     def forward(self, inputs: ForwardInputs, kv_pool: torch.Tensor) -> torch.Tensor:
         """inputs: T flattened tokens; kv_pool: [2L, NB, BS, Hkv, D] -> float32 logits [N, vocab]
         for the rows in inputs.meta.sample_indices."""
+        return self.logits(self.hidden(inputs, kv_pool))
+
+    @torch.inference_mode()
+    def hidden(self, inputs: ForwardInputs, kv_pool: torch.Tensor) -> torch.Tensor:
+        """The final-norm hidden states of the sampled rows, [N, hidden]: the part a CUDA graph
+        captures (its output is small; the vocabulary-wide logits are computed after it)."""
         h = self.model.embed_tokens(inputs.input_ids)  # [T, hidden]
         cos, sin = self.rope(inputs.positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, kv_pool[2 * i], kv_pool[2 * i + 1], inputs.meta)
-        h = self.model.norm(h[inputs.meta.sample_indices])  # [N, hidden]
+        return self.model.norm(h[inputs.meta.sample_indices])
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head(h).float()
 
 
-def decode_attention_stats(model: PagedLlama, kv_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """Attention weight of each decode query on each cached position, per layer and KV group, recomputed
-    from the lse the forward recorded (meta.decode_records) without a full attention matrix in the forward.
+# Most bytes of attention weights the statistics pass holds at once ([rows, Hkv, max_len] float32 of one
+# layer): all layers of a 256-sequence, 8k-context Llama-3-8B step at once would be 2 GB.
+STATS_CHUNK_BYTES = 64 << 20
 
-    -> float32 [L, D, Hkv, max_decode_len]: each entry sums the probabilities of the group's query heads.
-    """
+
+def _layer_weights(model: PagedLlama, kv_pool: torch.Tensor, meta: AttentionMetadata, layer: int,
+                   rows: slice) -> torch.Tensor:
+    """Layer ``layer``'s decode attention weights of decode rows ``rows`` -> float32 [R, Hkv, max_decode_len]."""
+    q, lse = meta.decode_records[layer]
+    attn = model.model.layers[layer].self_attn
+    kept = None if meta.decode_kept is None else meta.decode_kept[rows]
+    return kernels.attention_weights(q[rows], kv_pool[2 * layer], meta.decode_block_tables[rows],
+                                     meta.decode_seq_lens[rows], lse[rows], attn.scale, meta.max_decode_len,
+                                     kept, backend=attn.backend)
+
+
+def _check_records(meta: AttentionMetadata) -> None:
     if not meta.decode_records:
         raise ValueError("the forward did not record decode lse: set meta.decode_records = [] before it")
-    layers = []
-    for i, (q, lse) in enumerate(meta.decode_records):
-        attn = model.model.layers[i].self_attn
-        layers.append(kernels.attention_weights(q, kv_pool[2 * i], meta.decode_block_tables, meta.decode_seq_lens,
-                                                lse, attn.scale, meta.max_decode_len, meta.decode_kept,
-                                                backend=attn.backend))
-    return torch.stack(layers)
+
+
+def decode_attention_stats(model: PagedLlama, kv_pool: torch.Tensor, meta: AttentionMetadata,
+                           rows: slice = slice(None)) -> torch.Tensor:
+    """Attention weight of each decode query (rows ``rows`` of the step's decodes) on each cached position,
+    per layer and KV group, recomputed from the lse the forward recorded (meta.decode_records) without a
+    full attention matrix in the forward.
+
+    -> float32 [L, R, Hkv, max_decode_len]: each entry sums the probabilities of the group's query heads.
+    Memory grows with L x R: for many rows use decode_attention_totals.
+    """
+    _check_records(meta)
+    return torch.stack([_layer_weights(model, kv_pool, meta, i, rows) for i in range(len(meta.decode_records))])
+
+
+def decode_attention_totals(model: PagedLlama, kv_pool: torch.Tensor, meta: AttentionMetadata,
+                            chunk_bytes: int = STATS_CHUNK_BYTES) -> torch.Tensor:
+    """Each decode's attention weight per cached position summed over all query heads and averaged over
+    layers (what H2O accumulates) -> float32 [D, max_decode_len].
+
+    Layer by layer over chunks of rows, so at most ``chunk_bytes`` of per-group weights exist at once
+    (one row's worth when a single row is larger)."""
+    _check_records(meta)
+    n, width = meta.decode_seq_lens.shape[0], meta.max_decode_len
+    hkv = kv_pool.shape[3]
+    total = torch.zeros(n, width, dtype=torch.float32, device=kv_pool.device)
+    step = max(1, chunk_bytes // max(1, hkv * width * 4))
+    for lo in range(0, n, step):
+        rows = slice(lo, min(n, lo + step))
+        for i in range(len(meta.decode_records)):
+            total[rows] += _layer_weights(model, kv_pool, meta, i, rows).sum(1)
+    return total / len(meta.decode_records)
 
 
 # ---------------------------------------------------------------------------------------------
