@@ -219,9 +219,16 @@ def test_default_pool_is_the_gpu_memory_left_after_weights_and_activations():
 
 
 def test_weights_that_do_not_fit_name_the_fix():
-    with pytest.raises(InputError, match=r"--tp 2"):
+    """The fix named is the smallest --tp whose pool also holds one sequence of the model's context (as
+    vLLM requires): Llama-3-70B (320 KiB of KV per token, 131,072 tokens: 42.9 GB) on H100s needs 4, as
+    at 2 each GPU keeps 72 - 70.6 (weights) - 1.1 (activations) = 0.3 GB; on L40Ss 8, as at 4 each
+    keeps 43.2 - 35.3 - 0.8 = 7.1 GB, under the 10.7 GB a quarter of that sequence takes."""
+    with pytest.raises(InputError, match=r"--tp 2\b"):
         make_sim(MODELS["llama-3-70b"], GPUS["h200"])  # 141 GB of weights on a 141 GB GPU
-    with pytest.raises(InputError, match=r"--tp 4"):
+    with pytest.raises(InputError, match=r"--tp 4\b"):
+        make_sim(MODELS["llama-3-70b"], GPUS["h100"])
+    make_sim(MODELS["llama-3-70b"], GPUS["h100"], tp=2)  # fits, with a pool too small to be of use
+    with pytest.raises(InputError, match=r"--tp 8\b"):
         make_sim(MODELS["llama-3-70b"], GPUS["l40s"], tp=2)
     ex = make_sim(MODELS["llama-3-8b"], GPUS["h100"])
     with pytest.raises(InputError, match="--kv-mem"):

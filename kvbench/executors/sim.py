@@ -360,8 +360,10 @@ class SimExecutor:
 
     def _does_not_fit(self) -> str:
         g, need = self.gpu, self.weights_per_gpu + self.activations_per_gpu
-        fix = _smallest_tp(self.model, self.shape.dtypes, g, self.tp, self._act_args)
+        fix, whole = _smallest_tp(self.model, self.shape.dtypes, g, self.tp, self._act_args)
         where = f"--tp {fix}" if fix else "a bigger GPU (--gpu)"
+        if whole:
+            where += f" (the smallest with room for a {self.model.max_model_len:,}-token sequence's KV)"
         return (f"{self.model.name} needs {need / 1e9:.1f} GB per GPU for weights "
                 f"({self.weights_per_gpu / 1e9:.1f} GB) and activations at --tp {self.tp}, more than the "
                 f"{self.usable_per_gpu / 1e9:.1f} GB usable of one {g.name} ({g.mem_bytes / 1e9:g} GB x "
@@ -408,16 +410,24 @@ class SimExecutor:
         return StepResult(duration_s=self.step_time(batch), pcie_s=self.pcie_time(batch))
 
 
-def _smallest_tp(model: ModelSpec, dtypes: tuple[str, str], gpu: GPUSpec, above: int, act: tuple) -> int | None:
-    """The smallest --tp above ``above`` (up to 64) whose weights and activations fit, if any."""
+def _smallest_tp(model: ModelSpec, dtypes: tuple[str, str], gpu: GPUSpec, above: int,
+                 act: tuple) -> tuple[int | None, bool]:
+    """The smallest --tp above ``above`` (up to 64) whose GPUs hold the weights, the activations and
+    the KV of one sequence of the model's whole context (vLLM refuses less: check_enough_kv_cache_memory
+    in vllm/v1/core/kv_cache_utils.py); failing that, the smallest that holds the weights and
+    activations; None if none does. The second value: it holds that sequence."""
+    fits = None
     for n in range(above + 1, 65):
         try:
             s = StepCost(model, n, *dtypes)
         except InputError:
             continue
-        if s.weight_bytes() + s.activation_bytes(*act) < gpu.mem_bytes * GPU_MEMORY_UTILIZATION:
-            return n
-    return None
+        free = gpu.mem_bytes * GPU_MEMORY_UTILIZATION - s.weight_bytes() - s.activation_bytes(*act)
+        if free >= model.max_model_len * s.kv_tok:
+            return n, True
+        if free > 0 and fits is None:
+            fits = n
+    return fits, False
 
 
 def make_sim(model: ModelSpec, gpu: GPUSpec, calibration: str | None = None, kv_dtype: str = "auto",
