@@ -245,6 +245,9 @@ class Replay:
                 elif rep is None:
                     break
                 sched = rep.sched
+                pool = getattr(rep.kv, "pool", None)
+                if pool is not None:  # the time cache policies are told (learned: seconds since a use)
+                    pool.clock = rep.clock
                 plan = sched.schedule(rep.clock)
                 if not plan.seqs:
                     raise RunError("the scheduler could not make progress: no running sequence "
@@ -296,7 +299,7 @@ class Replay:
             return
         keys, prompt_len = self._keys_of(r)
         if self._ideal is not None:  # the ceiling of the requests this run admits
-            self._ideal.add(keys, prompt_len)
+            self._ideal.add(keys, prompt_len, self._keys_of.shareable_blocks(r))
         replicas = self.replicas
         if len(replicas) == 1:
             rep, expected = replicas[0], None

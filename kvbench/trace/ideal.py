@@ -69,28 +69,50 @@ class PrefixKeys:
         """(uint64 keys of every whole block of the cached sequence, prompt length)."""
         return _sequence_keys(req, self.block_size, self.streams, self._memo)
 
+    def shareable_blocks(self, req: Request) -> int | None:
+        """How many leading blocks another request could share: the blocks before the first one holding
+        a token of a ``unique`` segment (its stream is the request's own, and every key after it is
+        chained to it); None when the request has no unique segment."""
+        pos = 0
+        for seg in req.prompt:
+            if seg.kind == "unique" and seg.length > 0:
+                return pos // self.block_size
+            pos += seg.length
+        return None
+
 
 class IdealCounter:
-    """The infinite cache of the ideal hit rate, fed one request at a time in trace order."""
+    """The infinite cache of the ideal hit rate, fed one request at a time in trace order.
+
+    It keeps the keys a later request could hit. Keys from a request's first block holding a token of
+    its own (``unique`` segment; ``shareable`` in ``add``) on can never hit: they are counted, not
+    kept, so the memory grows with the shared content of a trace, not with its length (a trace of 10^6
+    requests with unique prompts would otherwise hold ~10^8 keys)."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.seen: set[int] = set()
+        self.private_blocks = 0  # distinct blocks never kept (they cannot hit)
         self.hit_tokens = 0
         self.prompt_tokens = 0
 
-    def add(self, keys: np.ndarray, prompt_len: int) -> int:
-        """Look a request up, then cache it; returns its hit tokens."""
+    def add(self, keys: np.ndarray, prompt_len: int, shareable: int | None = None) -> int:
+        """Look a request up, then cache it; returns its hit tokens. ``shareable``: how many leading
+        blocks another request could share (PrefixKeys.shareable_blocks); None: all."""
         m = _seen_prefix(keys, self.seen)
         h = min(m, lookup_blocks(prompt_len, self.block_size)) * self.block_size
         self.hit_tokens += h
         self.prompt_tokens += prompt_len
         # keys[:m] are in the set already (see _seen_prefix), so only the rest can be new.
-        self.seen.update(keys[m:].tolist())
+        if shareable is None or shareable >= len(keys):
+            self.seen.update(keys[m:].tolist())
+        else:
+            self.seen.update(keys[m:shareable].tolist())
+            self.private_blocks += len(keys) - max(m, shareable)
         return h
 
     def result(self) -> IdealHits:
-        return IdealHits(self.hit_tokens, self.prompt_tokens, len(self.seen))
+        return IdealHits(self.hit_tokens, self.prompt_tokens, len(self.seen) + self.private_blocks)
 
 
 def ideal_hits(requests: Iterable[Request], block_size: int,
@@ -104,7 +126,7 @@ def ideal_hits(requests: Iterable[Request], block_size: int,
     keys_of = PrefixKeys(block_size, streams)
     counter = IdealCounter(block_size)
     for req in requests:
-        h = counter.add(*keys_of(req))
+        h = counter.add(*keys_of(req), keys_of.shareable_blocks(req))
         if on_request is not None:
             on_request(req, h)
     return counter.result()
