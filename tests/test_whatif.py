@@ -98,7 +98,7 @@ def _pagedkv_hits(reqs, bs, budget_blocks, policy, bt, prefix_mode="hash"):
             continue
         seq = SeqKV(tokens=tokens, next_use=None if future is None else future[s:e])
         hits = kv.lookup(seq, r.prompt_len)
-        kv.pool.clock = i
+        kv.pool.clock = r.t  # the time simulate tells the policies: the request's arrival
         # whole blocks only (hash: no decode, no partial tail); radix holds the partial one too
         new_tokens = (e - s - len(hits)) * bs if prefix_mode == "hash" else len(tokens) - len(hits) * bs
         assert kv.allocate(seq, new_tokens, hits)
@@ -160,7 +160,15 @@ def test_cli_table_json_and_out_directory(tmp_path):
     df = pd.read_parquet(tmp_path / "w" / "whatif.parquet")
     assert list(df.columns[:5]) == COLUMNS
     assert {"block_size", "model", "kv_bytes_per_token", "warmup", "trace"} <= set(df.columns)
-    assert len(df) == 12 and set(df.policy) == set(CACHE_POLICIES)
+    assert len(df) == 3 * len(CACHE_POLICIES) and set(df.policy) == set(CACHE_POLICIES)
+    assert "share of the lru -> belady gap closed" in r.stdout
+    gap = df.set_index(["budget_blocks", "policy"]).gap_closed
+    small = df.budget_blocks.min()
+    assert gap[(small, "lru")] == 0 and gap[(small, "belady")] == 1
+    lru, opt = (df[(df.budget_blocks == small) & (df.policy == p)].hit_tokens.item() for p in ("lru", "belady"))
+    arc = df[(df.budget_blocks == small) & (df.policy == "arc")].hit_tokens.item()
+    assert gap[(small, "arc")] == pytest.approx((arc - lru) / (opt - lru))
+    assert pd.isna(gap[(df.budget_blocks.max(), "arc")])  # every block fits: no gap to close
     assert (df.budget_blocks == df.budget_bytes // (131072 * 16)).all()
     assert (df.hit_rate <= df.ceiling + 1e-12).all()
     assert (tmp_path / "w" / "whatif.png").stat().st_size > 10_000
@@ -187,3 +195,66 @@ def test_cli_bad_input_is_one_line_exit_2(args, field):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and field in lines[0] and "Traceback" not in r.stderr, r.stderr
     assert r.stdout == ""
+
+
+# ------------------------------------------------------------------------------ learned policy
+
+def test_learned_policy_uses_nothing_after_now(mooncake):
+    """Shuffle the future of a trace (the requests after request k, arrivals kept in order): the
+    learned policy evicts the same blocks, in the same order, up to request k. belady, which reads
+    the future, does not: the test can tell."""
+    import dataclasses
+    import random
+
+    from kvbench.memory.learned import LearnedPolicy
+    from kvbench.memory.policies import make_policy
+    from kvbench.whatif.fit import fit
+
+    reqs, bs, k = mooncake[:600], 64, 300
+    model = fit(reqs, bs, warmup=0.5, samples_per_request=8)
+    later = random.Random(3).sample(reqs[k:], len(reqs) - k)
+    shuffled = reqs[:k] + [dataclasses.replace(r, t=t) for r, t in zip(later, sorted(r.t for r in later))]
+
+    def victims(requests, name):
+        bt = prepare(requests, bs)
+        budget = max(int(bt.distinct_blocks * 0.1), int(np.diff(bt.starts).max()))
+        n = max(bt.distinct_blocks, 1)
+        pol = LearnedPolicy(n, budget, model) if name == "learned" else make_policy(name, n, budget)
+        out, pop = [], pol.pop_many
+        pol.pop_many = lambda m: out.append(pop(m)) or out[-1]
+        upto = []
+        simulate(bt, budget, pol, on_request=lambda i, h: upto.append(sum(map(len, out))) if i == k - 1 else None)
+        return [b for vs in out for b in vs][:upto[0]]
+
+    assert len(victims(reqs, "learned")) > 100
+    assert victims(reqs, "learned") == victims(shuffled, "learned")
+    assert victims(reqs, "belady") != victims(shuffled, "belady")
+
+
+def _fit_cli(*args):
+    return subprocess.run([sys.executable, "-m", "kvbench", "trace", "fit-policy", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_fit_policy_then_whatif_and_replay_with_it(tmp_path):
+    """fit-policy writes a model that whatif (--policies learned:FILE) and the pool
+    (--cache-policy learned:FILE) take; a file that is no model is refused in one line."""
+    trace = str(REPO / "traces/chat.jsonl")
+    out = tmp_path / "chat-policy.json"
+    r = _fit_cli(trace, "--warmup", "0.5", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    m = json.loads(out.read_text())
+    assert m["kind"] == "kvbench-learned-policy" and m["fit"]["train_requests"] == 125
+    assert m["window_s"] > 0 and len(m["coef"]) == len(m["features"]) == 7
+    r = _kvbench(trace, "--budget-blocks", "300,1000", "--policies", f"lru,learned:{out},belady", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    assert {x["policy"] for x in rows} == {"lru", f"learned:{out}", "belady"}
+    assert all(x["hit_rate"] <= x["ceiling"] for x in rows)
+    kv = PagedKV(64, 16, cache_policy=f"learned:{out}")
+    assert kv.pool.policy.model.window_s == m["window_s"]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    for args in (["--policies", f"lru,learned:{bad}"], ["--policies", "lru:x"]):
+        r = _kvbench(trace, *args)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--policies" in r.stderr, r.stderr

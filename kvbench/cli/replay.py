@@ -43,7 +43,8 @@ REPLAY_OPTIONS: list[Opt] = [
     Opt("slab_reserve", click.Choice(C.SLAB_RESERVES), "slab size: max_model_len, or the request's own prompt+output"),
     Opt("prefix_cache", "flag", "reuse cached prompt blocks across requests"),
     Opt("prefix_mode", click.Choice(C.PREFIX_MODES), "block-hash chain (vLLM) or token radix tree (SGLang)"),
-    Opt("cache_policy", click.Choice(C.CACHE_POLICIES), "which unused cached block to reclaim first"),
+    Opt("cache_policy", str, f"which unused cached block to reclaim first: {', '.join(C.CACHE_POLICIES)}, "
+        "or learned:FILE (a model from kvbench trace fit-policy)"),
     Opt("radix_eviction", click.Choice(C.RADIX_EVICTIONS), "radix: evict whole LRU leaf nodes (SGLang), or leaf blocks by --cache-policy"),
     Opt("eviction", click.Choice(C.EVICTIONS), "token-level KV eviction inside a sequence"),
     Opt("kv_budget", Finite(min=0, max=MAX_REQUEST_TOKENS, min_open=True), "per-sequence KV budget: a fraction of the sequence (< 1), or tokens (a whole number >= 1)"),

@@ -268,7 +268,8 @@ Examples:
 @click.option("--budgets", help=f"KV memory sizes, comma-separated  [default: {DEFAULT_BUDGETS}]")
 @click.option("--budget-blocks", help="KV budgets in blocks instead of bytes, comma-separated")
 @click.option("--policies", default=None,
-              help="cache policies to compare, comma-separated [default: lru,fifo,lfu,belady; radix: lru]")
+              help="cache policies to compare, comma-separated, learned:FILE for a model from fit-policy "
+                   "[default: every policy; radix: lru]")
 @click.option("--prefix-mode", type=click.Choice(["hash", "radix"]), default="hash", show_default=True,
               help="vLLM's block-hash cache, or SGLang's radix tree (whole leaf nodes evicted, lru)")
 @click.option("--warmup", type=Finite(min=0, max=1, max_open=True), default=0.5,
@@ -283,8 +284,10 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     """Prefix hit rate against KV cache size and cache policy, straight from a trace.
 
     Prompts are replayed one after another in trace order (no concurrency, no decode) through a
-    prefix cache of each budget, evicting with each policy (the replay's own lru, fifo, lfu and
-    belady); the hit rate counts the requests after the warm-up, beside the infinite-cache ceiling.
+    prefix cache of each budget, evicting with each policy (the replay's own: lru, fifo, lfu, lru2,
+    arc, s3fifo, prefix, learned, and belady, the offline optimum); the hit rate counts the requests
+    after the warm-up, beside the infinite-cache ceiling, and each policy's cell shows the share of
+    the lru -> belady gap it closes.
     Budgets in bytes become blocks through the model's KV bytes per token
     (layers x KV heads x head dim x 2 x dtype bytes).
     """
@@ -293,7 +296,7 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     from kvbench.engine.config import parse_size
     from kvbench.errors import InputError
     from kvbench.executors.presets import get_model
-    from kvbench.memory.policies import CACHE_POLICIES
+    from kvbench.memory.policies import CACHE_POLICIES, check_policy
     from kvbench.trace.format import load_trace
     from kvbench.whatif import curve as wi
 
@@ -302,14 +305,15 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     block_bytes = per_token * block_size
     if out:  # before the work: a path that cannot hold the results is refused now
         make_out_dir(out)
-    chosen = _split(policies or ("lru" if prefix_mode == "radix" else "lru,fifo,lfu,belady"))
+    chosen = _split(policies) if policies else ["lru"] if prefix_mode == "radix" else list(CACHE_POLICIES)
     if prefix_mode == "radix" and chosen != ["lru"]:
         raise InputError("radix mode evicts whole leaf nodes by recency (SGLang's lru): give --policies lru",
                          field="--policies")
     for p in chosen:
-        if p not in CACHE_POLICIES:
-            raise InputError(f"unknown cache policy {p!r} (choose from {', '.join(CACHE_POLICIES)})",
-                             field="--policies")
+        try:
+            check_policy(p, load=True)
+        except ValueError as e:
+            raise InputError(str(e), field="--policies") from None
     if not chosen:
         raise InputError("no policy given", field="--policies")
     if budgets is not None and budget_blocks is not None:
@@ -343,9 +347,64 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
         click.echo(dumps(result.to_dict()))
         return
     width = None if sys.stdout.isatty() else 110
-    Console(file=sys.stdout, width=width).print(wi.table(result))
+    console = Console(file=sys.stdout, width=width)
+    console.print(wi.table(result))
+    gaps = wi.gap_table(result)
+    if gaps is not None:
+        console.print(gaps)
     too_large = {(r["budget_bytes"], r["budget"]): r["too_large_requests"] for r in result.rows
                  if r["too_large_requests"]}
     for (_, label), n in sorted(too_large.items()):
         _note(f"at {label}, {n} counted requests have more whole blocks than the budget: they could "
               "not run, and count as misses")
+
+
+# ------------------------------------------------------------------------------------ fit-policy
+
+@trace.command("fit-policy", context_settings=_SETTINGS, epilog="""
+\b
+Examples:
+  kvbench trace fit-policy mooncake.jsonl --block-size 512 --warmup 0.5 -o mooncake-policy.json
+  kvbench trace whatif mooncake.jsonl --block-size 512 --warmup 0.5 \\
+      --policies lru,arc,learned:mooncake-policy.json,belady
+  kvbench replay mooncake.jsonl --executor sim --cache-policy learned:mooncake-policy.json
+""")
+@click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
+@click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False),
+              help="where to write the policy (JSON)")
+@click.option("--block-size", type=Count(1, MAX_BLOCK_SIZE), default=16, show_default=True,
+              help="tokens per KV block")
+@click.option("--warmup", type=Finite(min=0, max=1, max_open=True), default=0.5, show_default=True,
+              help="fraction of requests to train on (the part a what-if with this --warmup only warms "
+                   "the cache with); 0 trains on the whole trace")
+@click.option("--window-s", type=Finite(min=0, max=1e9, min_open=True), default=None,
+              help="reuse within this many seconds is the label [default: the median reuse gap]")
+@click.option("--samples", type=Count(1, 1024), default=16, show_default=True,
+              help="cached blocks drawn after each training request")
+@click.option("--seed", type=Count(0, 2**32 - 1), default=0, show_default=True)
+def fit_policy(trace_path, out, block_size, warmup, window_s, samples, seed):
+    """Fit the learned cache policy on the first part of a trace.
+
+    A logistic model of "this cached block is looked up again within W seconds", over features the
+    policy knows online (chain depth, hits, prompt length, continuations, time between uses, time
+    since last use); use it with --cache-policy learned:FILE (replay) or --policies learned:FILE
+    (whatif).
+    """
+    from kvbench.trace.format import load_trace
+    from kvbench.whatif.fit import fit
+
+    reqs = load_trace(trace_path)
+    try:
+        model = fit(reqs, block_size, warmup=warmup, window_s=window_s, samples_per_request=samples,
+                    seed=seed, trace=trace_path)
+    except ValueError as e:
+        raise InputError(str(e), file=trace_path) from None
+    try:
+        model.save(out)
+    except OSError as e:
+        raise InputError(f"cannot write it ({e.strerror or e})", file=out, field="--out") from None
+    f = model.fit
+    _note(f"trained on {f['train_requests']:,} of {f['of_requests']:,} requests, {f['rows']:,} rows, "
+          f"{f['positive_share']:.1%} reused within {model.window_s:g} s; held-out AUC "
+          f"{f.get('heldout_auc', float('nan')):.3f}")
+    _note(f"wrote {out}")

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields
 from kvbench import eviction, executors, memory, scheduler
 from kvbench.engine import routing
 from kvbench.errors import InputError
+from kvbench.memory.policies import check_policy
 from kvbench.trace.format import MAX_REQUEST_TOKENS
 
 # Choices that pick an implementation come from the registries that hold it.
@@ -98,11 +99,15 @@ class ReplayConfig:
                 raise InputError(f"unknown value {v!r} (choose from {', '.join(allowed)})",
                                  field="--" + name.replace("_", "-"))
         for name, allowed in (("layout", LAYOUTS), ("slab_reserve", SLAB_RESERVES),
-                              ("prefix_mode", PREFIX_MODES), ("cache_policy", CACHE_POLICIES),
+                              ("prefix_mode", PREFIX_MODES),
                               ("eviction", EVICTIONS), ("executor", EXECUTORS), ("device", DEVICES),
                               ("kv_dtype", KV_DTYPES), ("admission", ADMISSIONS),
                               ("radix_eviction", RADIX_EVICTIONS), ("router", ROUTERS)):
             choice(name, allowed)
+        try:  # a registry name, or learned:FILE (its file read now: a bad one fails before the run)
+            check_policy(self.cache_policy, load=True)
+        except ValueError as e:
+            raise InputError(str(e), field="--cache-policy") from None
         if (self.layout == "paged" and self.prefix_cache and self.prefix_mode == "radix"
                 and self.radix_eviction == "node" and self.cache_policy != "lru"):
             raise InputError(f"--radix-eviction node evicts whole nodes by recency, as SGLang does; "

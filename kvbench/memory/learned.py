@@ -107,6 +107,11 @@ class LearnedPolicy(_ReleaseKeyed):
     name = "learned"
     takes_arg = True  # learned:policy.json
 
+    @staticmethod
+    def check_arg(path: str) -> None:
+        """ValueError in one line unless ``path`` holds a learned policy."""
+        LearnedModel.load(path)
+
     def __init__(self, num_blocks: int, capacity: int | None = None, model=None):
         super().__init__(num_blocks, capacity)
         if model is None:

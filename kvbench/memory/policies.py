@@ -802,9 +802,9 @@ def split_policy(spec: str) -> tuple[str, str | None]:
     return name, (arg if sep else None)
 
 
-def check_policy(spec: str) -> str:
+def check_policy(spec: str, load: bool = False) -> str:
     """``spec`` if it names a policy (``name``, or ``name:ARG`` for one that takes an argument),
-    else ValueError in one line. Reads no file."""
+    else ValueError in one line. ``load``: also read the argument (learned: the model file)."""
     base, arg = split_policy(spec)
     cls = CACHE_POLICIES.get(base)
     if cls is None:
@@ -813,6 +813,8 @@ def check_policy(spec: str) -> str:
     if arg is not None and (not getattr(cls, "takes_arg", False) or not arg):
         raise ValueError(f"cache policy {base!r} takes no argument (got {spec!r})" if arg
                          else f"{spec!r}: give the file after the colon")
+    if load and arg is not None:
+        cls.check_arg(arg)
     return spec
 
 

@@ -18,6 +18,11 @@ time, it gives SGLang 0.5.23's own RadixCache's hits (benchmarks/sglang_referenc
 the block-granular ideal: without partial-block matching, that is all a radix cache of whole pages can
 reach.
 
+Every cache policy of the registry runs here as in a replay (``learned:FILE`` too, a model fitted
+by ``kvbench trace fit-policy``, kvbench.whatif.fit); policies are told the request's arrival as the
+time, and read keys and parents through DenseView. Each row carries the share of the lru -> belady
+gap the policy closes at its budget (``gap_closed``).
+
 Shared with the replay, not copied: the block keys (kvbench.trace.ideal.PrefixKeys), the lookup rule
 (lookup_blocks), the ceiling (IdealCounter), belady's future (kvbench.memory.future.next_uses_from_keys)
 and every eviction decision: the kvbench.memory.policies classes, driven through their batch calls in
@@ -48,7 +53,7 @@ from typing import Sequence
 import numpy as np
 
 from kvbench.memory.future import next_uses_from_keys
-from kvbench.memory.policies import CACHE_POLICIES, make_policy
+from kvbench.memory.policies import CachePolicy, CacheView, check_policy, make_policy, split_policy
 from kvbench.memory.radix import RadixNodes
 from kvbench.trace.format import Request
 from kvbench.trace.ideal import IdealCounter, PrefixKeys, lookup_blocks
@@ -67,7 +72,9 @@ class BlockTrace:
     order of first appearance); ``lookups[i]``: how many leading ones it may hit; ``next_use``
     (aligned with ``ids``, only for belady): the next request that looks each block up;
     ``partial[i]``: its sequence ends inside a block (radix mode reserves that block too, as SGLang
-    allocates the partial last page, and frees it at the end).
+    allocates the partial last page, and frees it at the end). ``arrival_s[i]``: its arrival, the
+    time policies are told; ``parent[d]``: the id before block d in every request that holds it
+    (-1 for a first block), since keys are chained.
     """
 
     block_size: int
@@ -80,6 +87,8 @@ class BlockTrace:
     ceiling_hit_tokens: int  # infinite cache, same window
     next_use: np.ndarray | None = None  # int64 [total blocks]
     partial: np.ndarray | None = None  # bool [requests]
+    arrival_s: np.ndarray | None = None  # float64 [requests]
+    parent: np.ndarray | None = None  # int64 [distinct blocks]
 
     @property
     def requests(self) -> int:
@@ -119,7 +128,7 @@ def prepare(requests: Sequence[Request], block_size: int, warmup: float = 0.0, *
     keys_of = PrefixKeys(block_size, streams)
     ideal = IdealCounter(block_size)
     start = window_start(len(requests), warmup)
-    keys, prompt_lens, lookups, partial = [], [], [], []
+    keys, prompt_lens, lookups, partial, arrival = [], [], [], [], []
     ceiling = 0
     for i, r in enumerate(requests):
         k, prompt_len = keys_of(r)
@@ -131,13 +140,21 @@ def prepare(requests: Sequence[Request], block_size: int, warmup: float = 0.0, *
         answer = r.output_len - 1 if r.output is not None and r.output_len > 1 else 0
         partial.append((prompt_len + answer) % block_size != 0)
         lookups.append(min(lookup_blocks(prompt_len, block_size), len(k)))
+        arrival.append(r.t)
     starts = np.zeros(len(keys) + 1, dtype=np.int64)
     np.cumsum([len(k) for k in keys], out=starts[1:])
     flat = np.concatenate(keys) if keys else np.zeros(0, dtype=np.uint64)
     ids, distinct = pd.factorize(flat)
-    bt = BlockTrace(block_size, ids.astype(np.int64, copy=False), starts,
+    ids = ids.astype(np.int64, copy=False)
+    parent = np.full(len(distinct), -1, dtype=np.int64)
+    if len(ids):
+        before = np.concatenate(([-1], ids[:-1]))
+        before[starts[:-1][np.diff(starts) > 0]] = -1  # a request's first block has no parent
+        parent[ids] = before
+    bt = BlockTrace(block_size, ids, starts,
                     np.asarray(lookups, dtype=np.int64), np.asarray(prompt_lens, dtype=np.int64),
-                    len(distinct), start, ceiling, partial=np.asarray(partial, dtype=bool))
+                    len(distinct), start, ceiling, partial=np.asarray(partial, dtype=bool),
+                    arrival_s=np.asarray(arrival, dtype=np.float64), parent=parent)
     if future:
         bt.next_use = _next_uses(bt.ids, starts, bt.lookups)
     return bt
@@ -165,26 +182,48 @@ class Point:
 PREFIX_MODES = ("hash", "radix")
 
 
-def simulate(bt: BlockTrace, budget_blocks: int, policy: str,
+class DenseView(CacheView):
+    """What a policy reads in the what-if: a block is named by its prefix key's dense id, so its key
+    is its id, and its parent is the id before it if that one is cached (``cached``, shared with
+    simulate): the answers PoolView gives for a pool's physical blocks."""
+
+    def __init__(self, bt: BlockTrace, cached: np.ndarray):
+        self._parent = bt.parent.tolist()
+        self._cached = cached
+        self.block_size = bt.block_size
+
+    def key_of(self, block: int) -> int:
+        return block
+
+    def parent_of(self, block: int) -> int:
+        p = self._parent[block]
+        return p if p >= 0 and self._cached[p] else -1
+
+
+def simulate(bt: BlockTrace, budget_blocks: int, policy: str | CachePolicy,
              on_request=None, prefix_mode: str = "hash") -> Point:
-    """Replay ``bt`` through a cache of ``budget_blocks`` blocks evicting by ``policy`` (radix: by
-    node, least recently used: ``policy`` must be lru).
+    """Replay ``bt`` through a cache of ``budget_blocks`` blocks evicting by ``policy`` (a
+    ``--cache-policy`` value, or a policy built for ``bt.distinct_blocks`` ids; radix: by node,
+    least recently used: ``policy`` must be lru).
 
     ``on_request(i, hit_blocks)``, if given, is called for every request (tests compare it with a
     PagedKV replay).
     """
     if budget_blocks < 1:
         raise ValueError("budget_blocks must be >= 1")
-    check_mode(prefix_mode, [policy])
+    label = policy if isinstance(policy, str) else policy.name
+    check_mode(prefix_mode, [label])
     if prefix_mode == "radix":
         return _simulate_radix(bt, budget_blocks, on_request)
     t0 = time.perf_counter()
-    pol = make_policy(policy, max(bt.distinct_blocks, 1))
-    future = bt.future(budget_blocks) if policy == "belady" else None
+    pol = make_policy(policy, max(bt.distinct_blocks, 1), budget_blocks) if isinstance(policy, str) else policy
     cached = np.zeros(bt.distinct_blocks, dtype=bool)
+    pol.bind(DenseView(bt, cached))
+    future = bt.future(budget_blocks) if pol.name == "belady" else None
     n_cached = hit_blocks = evicted = too_large = 0
     ids, first = bt.ids, bt.window_start
     starts, lookups = bt.starts.tolist(), bt.lookups.tolist()
+    arrival = bt.arrival_s.tolist() if bt.arrival_s is not None else [float(i) for i in range(bt.requests)]
     for i in range(bt.requests):
         s, e = starts[i], starts[i + 1]
         n = e - s
@@ -193,6 +232,7 @@ def simulate(bt: BlockTrace, budget_blocks: int, policy: str,
             if on_request is not None:
                 on_request(i, 0)
             continue
+        now = arrival[i]
         blocks = ids[s:e]
         # lookup: the longest cached run of the first lookups[i] blocks
         look = cached[blocks[:lookups[i]]]
@@ -201,7 +241,7 @@ def simulate(bt: BlockTrace, budget_blocks: int, policy: str,
         if h:  # allocate: take the hits (PagedKV.allocate -> incref, touch)
             hl = hits.tolist()
             pol.reuse_many(hl)
-            pol.on_use_many(hl, i, None if future is None else future[s:s + h].tolist())
+            pol.on_use_many(hl, now, None if future is None else future[s:s + h].tolist())
         short = n - h - (budget_blocks - n_cached)
         if short > 0:  # ... then blocks for the rest, evicting cached ones (alloc_into)
             victims = pol.pop_many(short)
@@ -209,16 +249,17 @@ def simulate(bt: BlockTrace, budget_blocks: int, policy: str,
             n_cached -= short
             evicted += short
         # commit: store the blocks whose key is not cached (register_run; a key still cached past
-        # the first miss keeps its block, and the request's copy is dropped at free)
+        # the first miss keeps its block, and the request's copy is dropped at free). The pool
+        # indexes a run's keys before it tells the policy, so parents read as cached.
         rest = blocks[h:]
         fresh = ~cached[rest]
         if future is not None and not fresh.all():
-            pol.on_recompute_many(rest[~fresh].tolist(), i, future[s + h:e][~fresh].tolist())
+            pol.on_recompute_many(rest[~fresh].tolist(), now, future[s + h:e][~fresh].tolist())
         new = rest if fresh.all() else rest[fresh]
         if len(new):
-            nu = None if future is None else future[s + h:e][fresh].tolist()
-            pol.on_insert_many(new.tolist(), i, nu)
             cached[new] = True
+            nu = None if future is None else future[s + h:e][fresh].tolist()
+            pol.on_insert_many(new.tolist(), now, nu)
             n_cached += len(new)
         # free: release the stored blocks, tail first
         pol.release_many(np.concatenate((hits, new))[::-1].tolist())
@@ -226,7 +267,7 @@ def simulate(bt: BlockTrace, budget_blocks: int, policy: str,
             hit_blocks += h
         if on_request is not None:
             on_request(i, h)
-    return Point(budget_blocks, policy, hit_blocks * bt.block_size, evicted, too_large,
+    return Point(budget_blocks, label, hit_blocks * bt.block_size, evicted, too_large,
                  time.perf_counter() - t0)
 
 
@@ -377,8 +418,7 @@ def whatif(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str
            policies: Sequence[str], warmup: float = 0.5, jobs: int = 1,
            streams: TokenStreams | None = None, prefix_mode: str = "hash") -> WhatIf:
     for p in policies:
-        if p not in CACHE_POLICIES:
-            raise ValueError(f"unknown cache policy {p!r} (choose from {', '.join(CACHE_POLICIES)})")
+        check_policy(p)
     check_mode(prefix_mode, policies)
     bt = prepare(requests, block_size, warmup, future="belady" in policies, streams=streams)
     points = run_points(bt, [b.blocks for b in budgets], policies, jobs, prefix_mode)
@@ -391,10 +431,27 @@ def whatif(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str
                          "budget": b.label,
                          "hit_rate": pt.hit_tokens / prompt if prompt else 0.0,
                          "ceiling": bt.ceiling, "hit_tokens": pt.hit_tokens,
+                         "gap_closed": gap_closed(points, b.blocks, p),
                          "evicted_blocks": pt.evicted_blocks, "too_large_requests": pt.too_large})
     return WhatIf(trace, model, kv_dtype, kv_bytes_per_token, block_size, warmup, bt.requests,
                   bt.requests - bt.window_start, prompt, bt.distinct_blocks, bt.ceiling,
                   bt.ceiling_hit_tokens, rows, prefix_mode)
+
+
+def gap_closed(points: dict[tuple[int, str], Point], budget_blocks: int, policy: str) -> float | None:
+    """The share of the lru -> belady gap ``policy`` closes at a budget: (hits - lru's) / (belady's -
+    lru's); 0 for lru, 1 for belady, negative below lru. None without both, or with no gap."""
+    lru, opt = points.get((budget_blocks, "lru")), points.get((budget_blocks, "belady"))
+    if lru is None or opt is None or opt.hit_tokens <= lru.hit_tokens:
+        return None
+    return (points[(budget_blocks, policy)].hit_tokens - lru.hit_tokens) / (opt.hit_tokens - lru.hit_tokens)
+
+
+def column_names(policies: Sequence[str]) -> dict[str, str]:
+    """A short header per policy: the registry name (``learned`` for ``learned:FILE``), or the
+    whole value when two values share a name."""
+    base = {p: split_policy(p)[0] for p in policies}
+    return {p: b if list(base.values()).count(b) == 1 else p for p, b in base.items()}
 
 
 # --------------------------------------------------------------------------------- outputs
@@ -437,10 +494,10 @@ def plot(w: WhatIf, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     policies = list(dict.fromkeys(r["policy"] for r in w.rows))
-    for p in policies:
+    for p, name in column_names(policies).items():
         rows = sorted((r for r in w.rows if r["policy"] == p), key=lambda r: r["budget_bytes"])
         ax.plot([r["budget_bytes"] / 2**30 for r in rows], [r["hit_rate"] for r in rows],
-                marker="o", label=p)
+                marker="o", label=name)
     ax.axhline(w.ceiling, color="black", linestyle="--", label=f"ceiling (infinite cache) {w.ceiling:.3f}")
     ax.set_xscale("log", base=2)
     sizes = sorted({(r["budget_bytes"], r["budget"]) for r in w.rows})
@@ -472,9 +529,9 @@ def table(w: WhatIf):
                       f"{w.requests:,} requests counted (warm-up {w.warmup:g})")
     t.add_column("budget", justify="right")
     t.add_column("blocks", justify="right")
-    for p in policies:
-        t.add_column(p, justify="right")
-    t.add_column("ceiling", justify="right", style="dim")
+    for p, name in column_names(policies).items():
+        t.add_column(name, justify="right")
+    t.add_column("ceiling", justify="right", style="dim", min_width=7)
     by_budget: dict[int, dict] = {}
     for r in w.rows:
         cells = by_budget.setdefault(r["budget_bytes"], {"blocks": r["budget_blocks"], "label": r["budget"]})
@@ -487,4 +544,29 @@ def table(w: WhatIf):
             row.append(f"[bold]{v:.4f}[/bold]" if v == best else f"{v:.4f}")
         row.append(f"{w.ceiling:.4f}")
         t.add_row(*row)
+    return t
+
+
+def gap_table(w: WhatIf):
+    """A rich Table of the share of the lru -> belady gap each other policy closes, one row per
+    budget (a budget with no gap, where belady does no better than lru, shows a dash); None
+    without lru and belady among the policies."""
+    from rich.table import Table
+
+    policies = [p for p in dict.fromkeys(r["policy"] for r in w.rows) if p not in ("lru", "belady")]
+    if not policies or not any(r.get("gap_closed") is not None for r in w.rows):
+        return None
+    t = Table(title="share of the lru -> belady gap closed",
+              caption="(hit rate - lru's) / (belady's - lru's) at each budget: 0% is lru, 100% belady")
+    t.add_column("budget", justify="right")
+    for name in column_names(policies).values():
+        t.add_column(name, justify="right")
+    by_budget: dict[int, dict] = {}
+    for r in w.rows:
+        by_budget.setdefault(r["budget_bytes"], {"label": r["budget"]})[r["policy"]] = r.get("gap_closed")
+    for _, cells in sorted(by_budget.items()):
+        gaps = [cells[p] for p in policies]
+        best = max((g for g in gaps if g is not None), default=None)
+        t.add_row(cells["label"], *("-" if g is None else f"[bold]{g:.0%}[/bold]" if g == best else f"{g:.0%}"
+                                    for g in gaps))
     return t
