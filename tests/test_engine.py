@@ -211,3 +211,22 @@ def test_cli_replay_json(tmp_path):
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     assert s["completed"] == 20 and s["run_dir"] == str(tmp_path / "j")
+
+
+@pytest.mark.parametrize("trace,kw", [("chat.jsonl", {}), ("best_of_n.jsonl", {}),
+                                      ("agent.jsonl", {"prefix_mode": "radix"}), ("rag.jsonl", {"cache_policy": "fifo"})])
+def test_a_pool_larger_than_the_trace_holds_only_what_the_trace_can_use(tmp_path, monkeypatch, trace, kw):
+    """The sim's default pool of a small model is millions of blocks; a run that can never fill it
+    materialises only the blocks it can take, with the same results as the whole pool."""
+    cfg = sim(model="tiny", limit=60, time_scale=0.05, **kw)
+    rp = Replay(str(TRACES / trace), cfg, str(tmp_path / "bounded"))
+    assert rp.physical_blocks is not None and rp.physical_blocks * 100 < rp.num_blocks
+    assert rp.kv.pool.physical == rp.physical_blocks and len(rp.kv.pool.refcnt) == rp.physical_blocks
+    a = rp.run()
+    monkeypatch.setattr(Replay, "_physical_blocks", lambda self: None)
+    whole = Replay(str(TRACES / trace), cfg, str(tmp_path / "whole"))
+    assert len(whole.kv.pool.refcnt) == whole.num_blocks
+    b = whole.run()
+    assert {k: v for k, v in a.items() if k != "wall_s"} == {k: v for k, v in b.items() if k != "wall_s"}
+    for f in ("requests.parquet", "steps.parquet"):
+        pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "bounded" / f), pd.read_parquet(tmp_path / "whole" / f))

@@ -120,6 +120,7 @@ class Replay:
         self.streams = TokenStreams()
         executor = make_executor(cfg, self.model)
         self.num_blocks = pool_blocks(cfg, executor, self.model)  # per replica
+        self.physical_blocks = self._physical_blocks()
         self.replicas = [self._replica(i, executor if i == 0 else make_executor(cfg, self.model))
                          for i in range(cfg.replicas)]
         # the single engine's parts (replica 0), as tests and selfcheck read them
@@ -145,8 +146,9 @@ class Replay:
         paged = cfg.layout == "paged"
         kv = make_kv(cfg.layout, self.num_blocks, cfg.block_size,
                      prefix_cache=cfg.prefix_cache and paged, cache_policy=cfg.cache_policy,
-                     prefix_mode=cfg.prefix_mode, radix_eviction=cfg.radix_eviction)
-        executor.bind_pool(self.num_blocks, cfg.block_size)
+                     prefix_mode=cfg.prefix_mode, radix_eviction=cfg.radix_eviction,
+                     physical=self.physical_blocks)
+        executor.bind_pool(self.physical_blocks or self.num_blocks, cfg.block_size)
         evictor = make_evictor(cfg.eviction, kv, kv_budget=cfg.kv_budget,
                                sink_tokens=cfg.sink_tokens, seed=cfg.seed,
                                kv_bytes_per_token=executor.kv_bytes_per_token(),
@@ -155,6 +157,20 @@ class Replay:
                                               cfg.admission, cfg.watermark),
                           needs_tokens=executor.needs_tokens, streams=self.streams, evictor=evictor)
         return _Replica(i, kv, executor, evictor, sched, _Totals(peak=0), lat=[])
+
+    def _physical_blocks(self) -> int | None:
+        """The most blocks this run can ever take, when the pool is larger: a pool that holds every
+        block of every admitted request at once (each sample's prompt and output, a copied partial
+        block and a spare each) never preempts or evicts, so the rest of it need not exist (the
+        sim's default pool of a small model is millions of blocks). None: the whole pool. Paged
+        layout without token eviction only (eviction compacts into blocks of its own)."""
+        cfg = self.cfg
+        if cfg.layout != "paged" or cfg.eviction != "none":
+            return None
+        bs = cfg.block_size
+        bound = sum(r.n * (-(-(r.prompt_len + r.output_len) // bs) + 2)
+                    for r in self.requests if self._reject_reason(r) is None)
+        return bound if bound < self.num_blocks else None
 
     # -- checks before the run ----------------------------------------------------------------
     def _reject_reason(self, r: Request) -> str | None:

@@ -10,14 +10,16 @@ LAYOUTS = {"paged": PagedKV, "slab": SlabKV}
 
 
 def make_kv(layout: str, num_blocks: int, block_size: int, *, prefix_cache: bool = True,
-            cache_policy: str = "lru", prefix_mode: str = "hash", radix_eviction: str = "node"):
-    """The KV manager for a layout name (``--layout``)."""
+            cache_policy: str = "lru", prefix_mode: str = "hash", radix_eviction: str = "node",
+            physical: int | None = None):
+    """The KV manager for a layout name (``--layout``). ``physical``: the most blocks the run can
+    use, when known (a paged pool holds state for no more; see BlockPool)."""
     try:
         cls = LAYOUTS[layout]
     except KeyError:
         raise ValueError(f"unknown layout {layout!r} (choose from {', '.join(LAYOUTS)})") from None
     return cls(num_blocks, block_size, prefix_cache=prefix_cache, cache_policy=cache_policy,
-               prefix_mode=prefix_mode, radix_eviction=radix_eviction)
+               prefix_mode=prefix_mode, radix_eviction=radix_eviction, physical=physical)
 
 
 __all__ = ["CACHE_POLICIES", "LAYOUTS", "RADIX_EVICTIONS", "BlockPool", "PagedKV", "SeqKV", "SlabKV", "make_kv",

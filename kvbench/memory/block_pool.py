@@ -31,13 +31,20 @@ from kvbench.memory.policies import NEVER, CachePolicy, PoolView, make_policy
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, *, enable_cache: bool = True,
-                 policy: str | CachePolicy = "lru"):
+                 policy: str | CachePolicy = "lru", physical: int | None = None):
+        """``physical``: blocks to hold state for, when the caller knows the run can never use more
+        than that many (a pool larger than the whole trace): the other ``num_blocks - physical``
+        count as free but cost no memory. Ids are < physical."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
+        physical = num_blocks if physical is None else min(num_blocks, physical)
+        self.physical = physical
+        self._virtual_free = num_blocks - physical  # free blocks never materialised
         self.block_size = block_size
         self.enable_cache = enable_cache
-        self.policy = make_policy(policy, num_blocks) if isinstance(policy, str) else policy
+        num_blocks = physical  # per-block state below
+        self.policy = make_policy(policy, physical, self.num_blocks) if isinstance(policy, str) else policy
         self.policy.bind(PoolView(self))  # keys and parents, read at insert and evict
         self.refcnt = [0] * num_blocks
         self.fill = [0] * num_blocks  # tokens whose KV is written in the block
@@ -70,14 +77,14 @@ class BlockPool:
         self.nodes = None  # node eviction: the RadixNodes policy (None until enable_node_eviction)
 
     def enable_leaf_eviction(self) -> None:
-        n = self.num_blocks
+        n = self.physical
         self.kids, self.kid_of, self.held = [0] * n, [-1] * n, [False] * n
 
     def enable_node_eviction(self) -> None:
         """Evict whole LRU leaf nodes (SGLang's RadixCache.evict) instead of the policy's blocks."""
         from kvbench.memory.radix import RadixNodes
 
-        self.policy = self.nodes = RadixNodes(self.num_blocks, self.refcnt)
+        self.policy = self.nodes = RadixNodes(self.physical, self.refcnt)
 
     def split_after(self, b: int) -> None:
         """Node eviction: a match ends at cached block ``b``: make it the tail of its node."""
@@ -87,7 +94,7 @@ class BlockPool:
     # -- state ------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self._virtual_free
 
     @property
     def num_cached(self) -> int:
@@ -96,7 +103,7 @@ class BlockPool:
     @property
     def num_available(self) -> int:
         """Blocks that can be handed out now: free plus cached ones (held ones after their leaves)."""
-        return len(self._free) + len(self.policy) + self.num_held
+        return len(self._free) + self._virtual_free + len(self.policy) + self.num_held
 
     @property
     def slots_allocated(self) -> int:
@@ -124,6 +131,9 @@ class BlockPool:
             table.extend(got)
             self.num_used += take
         need = n - take
+        if need and self._virtual_free:
+            raise RuntimeError(f"the pool's {self.physical:,} materialised blocks were all taken: the bound "
+                               "given as `physical` was too small")
         while need:  # evict cached blocks for the rest
             index, key, fill, refcnt, on_evict = self.index, self.key, self.fill, self.refcnt, self.on_evict
             k = need if self.kids is None else 1  # leaves-only: each victim may make its parent next
@@ -323,22 +333,22 @@ class BlockPool:
     # -- checks -----------------------------------------------------------------------------
     def recount(self) -> dict:
         """Recompute the counters from scratch (for tests; O(num_blocks))."""
-        used = [b for b in range(self.num_blocks) if self.refcnt[b] > 0]
-        cached = [b for b in range(self.num_blocks) if self.refcnt[b] == 0 and self.key[b] is not None]
+        used = [b for b in range(self.physical) if self.refcnt[b] > 0]
+        cached = [b for b in range(self.physical) if self.refcnt[b] == 0 and self.key[b] is not None]
         out = {"num_used": len(used), "tokens_live": sum(self.fill[b] for b in used),
                "num_cached": len(cached), "num_free": self.num_blocks - len(used) - len(cached)}
         if self.kids is not None:  # leaves-only: children counted right, held = cached with a child
-            kids = [0] * self.num_blocks
-            for b in range(self.num_blocks):
+            kids = [0] * self.physical
+            for b in range(self.physical):
                 p = self.kid_of[b]
                 if p >= 0:
                     kids[p] += 1
                     assert self.key[b] is not None and self.key[p] == self.parent[b], "a stale child edge"
             assert kids == self.kids, "child counts drifted"
             held = [b for b in cached if kids[b]]
-            assert held == [b for b in range(self.num_blocks) if self.held[b]], "held set drifted"
+            assert held == [b for b in range(self.physical) if self.held[b]], "held set drifted"
             assert len(held) == self.num_held and len(self.policy) == len(cached) - len(held)
             out["num_held"] = len(held)
         if self.nodes is not None:  # node eviction: the tree, its nodes and the LRU queue
-            self.nodes.check([b for b in range(self.num_blocks) if self.key[b] is not None])
+            self.nodes.check([b for b in range(self.physical) if self.key[b] is not None])
         return out

@@ -79,12 +79,14 @@ class PagedKV:
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_cache: bool = True,
                  cache_policy: str = "lru", prefix_mode: str = "hash", radix_eviction: str = "node",
-                 radix_partial: bool = True):
+                 radix_partial: bool = True, physical: int | None = None):
         """``radix_eviction`` (radix mode): ``node`` evicts whole LRU leaf nodes, as SGLang does;
         ``block`` evicts leaf blocks by ``cache_policy``. ``radix_partial`` (radix mode): also
         serve a prefix that ends inside a cached block (a copy) and keep finished partial tails;
-        without it radix mode matches whole blocks only, as SGLang with page size = block size."""
-        self.pool = BlockPool(num_blocks, block_size, enable_cache=prefix_cache, policy=cache_policy)
+        without it radix mode matches whole blocks only, as SGLang with page size = block size.
+        ``physical``: see BlockPool."""
+        self.pool = BlockPool(num_blocks, block_size, enable_cache=prefix_cache, policy=cache_policy,
+                              physical=physical)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.prefix_cache = prefix_cache

@@ -332,7 +332,7 @@ class RadixIdealCounter:
         self._distinct = done.distinct_blocks
         self.count = self.hit_tokens = self.prompt_tokens = 0
 
-    def add(self, keys: np.ndarray, prompt_len: int) -> int:
+    def add(self, keys: np.ndarray, prompt_len: int, shareable: int | None = None) -> int:
         """The next request was admitted (its block keys are not needed); returns its hit tokens."""
         h, n = self._hits[self.count]
         if n != prompt_len:
