@@ -33,7 +33,8 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--routers", default=",".join(ROUTERS))
+    ap.add_argument("--routers", default=",".join(ROUTERS) + ",prefix:64",
+                    help="routers to run; prefix:K is the prefix router hashing the first K blocks")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         trace = a.trace
@@ -45,10 +46,11 @@ def main() -> None:
         print("| replicas | router | hit rate | TTFT p50 (s) | TTFT p99 (s) | output tok/s | requests max/mean "
               "| busy max/mean | Jain (busy) | wall (s) |")
         print("|---|---|---|---|---|---|---|---|---|---|")
-        for n, router in runs:
+        for n, spec in runs:
+            router, _, k = spec.partition(":")
             cfg = ReplayConfig(executor="sim", model=a.model, gpu=a.gpu, replicas=n, router=router,
-                               time_scale=a.time_scale, limit=a.limit)
-            rp = Replay(trace, cfg, os.path.join(tmp, f"{n}-{router}"))
+                               router_prefix_blocks=int(k or 4), time_scale=a.time_scale, limit=a.limit)
+            rp = Replay(trace, cfg, os.path.join(tmp, f"{n}-{spec.replace(':', '-')}"))
             t0 = time.perf_counter()
             s = rp.run()
             wall = time.perf_counter() - t0
@@ -56,7 +58,7 @@ def main() -> None:
             def g(key, fmt):
                 v = s.get(key)
                 return "-" if v is None else fmt.format(v)
-            print(f"| {n} | {router if n > 1 else '-'} | {s['prefix_hit_rate']:.4f} | {s['ttft_ms_p50'] / 1e3:.2f} "
+            print(f"| {n} | {spec if n > 1 else '-'} | {s['prefix_hit_rate']:.4f} | {s['ttft_ms_p50'] / 1e3:.2f} "
                   f"| {s['ttft_ms_p99'] / 1e3:.2f} | {s['output_tok_per_s']:,.0f} "
                   f"| {g('balance_requests_max_over_mean', '{:.2f}')} | {g('balance_busy_max_over_mean', '{:.2f}')} "
                   f"| {g('jain_busy', '{:.3f}')} | {wall:.1f} |", flush=True)
