@@ -14,6 +14,7 @@
 #  - agent and chat, tiny model on the CPU, first 8 requests: token eviction with the attention mass
 #    each policy keeps measured (groups of their own: another model, executor and request count).
 #  - chat: the cache what-if curve (hit rate against KV budget and policy).
+#  - chat at 20x on 1, 2 and 4 replicas, three routers: the routing chart.
 # The run directories (about 20 MB of parquet) go to runs/example, which git ignores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +38,9 @@ kvbench sweep traces/chat.jsonl --executor model --device cpu --limit 8 \
     --eviction none,streaming,h2o,infinigen --kv-budget 0.2 -j "$JOBS" --out "$RUNS/chat-eviction-model"
 kvbench trace whatif traces/chat.jsonl --block-size 16 --model llama-3-8b \
     --budgets 256MiB,512MiB,1GiB,2GiB,4GiB --out "$RUNS/chat-whatif"
+# routing: the chat trace at 20x its rate on 1, 2 and 4 replicas of 2 GiB each, three routers
+kvbench sweep traces/chat.jsonl "${SIM[@]}" --max-model-len 8192 --kv-mem 2GiB --time-scale 0.05 \
+    --replicas 1,2,4 --router round-robin,least-loaded,kv-aware -j "$JOBS" --out "$RUNS/chat-routing"
 kvbench report "$RUNS/chat" "$RUNS/agent" "$RUNS/agent-eviction" "$RUNS/agent-eviction-model" \
-    "$RUNS/chat-eviction-model" "$RUNS/chat-whatif" --out "$OUT" \
+    "$RUNS/chat-eviction-model" "$RUNS/chat-whatif" "$RUNS/chat-routing" --out "$OUT" \
     --title "kvbench example: paged vs slab, block size, prefix caching (sim, Llama-3-8B, H200)"
