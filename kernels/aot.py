@@ -302,13 +302,18 @@ ATTENTION_OPS = ("decode", "decode1", "prefill", "weights")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+# GQA groups (query heads per KV head): 1 (multi-head models loaded from a folder), and the presets'
+# (kvbench/executors/presets.py): tiny 2, Llama-3-8B / Mistral 4, Qwen2.5-7B 7, Llama-3-70B / Qwen3 8.
+GROUPS = (1, 2, 4, 7, 8)
+
+
 def full_grid() -> list[Spec]:
     """Every specialisation the engine can launch at the shipped presets: bf16/fp16, head dim 64/128,
-    GQA groups 1/4/8, power-of-two block sizes 1-128, with and without a kept mask, for every
+    every preset's GQA group, power-of-two block sizes 1-128, with and without a kept mask, for every
     attention launcher; the cache kernels per dtype and head dim. (A block size that is not a power
     of two, or over 128, compiles the same code paths: representative_grid has one of each.)"""
     out = [Spec(op, dt, d, g, bs, kept) for op in ATTENTION_OPS for dt in DTYPES for d in (64, 128)
-           for g in (1, 4, 8) for bs in BLOCK_SIZES for kept in (False, True)]
+           for g in GROUPS for bs in BLOCK_SIZES for kept in (False, True)]
     out += [Spec(op, dt, d, 4, 16) for op in ("write_kv", "copy_blocks") for dt in DTYPES for d in (64, 128)]
     return out
 
@@ -317,8 +322,12 @@ def representative_grid() -> list[Spec]:
     """A sample of full_grid that touches every code path once (the default test run): each launcher
     at the production shape (bf16, head dim 128, Llama-3 GQA 4), the tile-in-one-block path (block
     128, and 48: not a power of two), one block per position (block 1), fp16, head dim 64, GQA 1 and
-    8, the kept mask, a block table whose stride is divisible by 16."""
+    8, the kept mask, a block table whose stride is divisible by 16; the GQA groups of the other
+    presets: tiny's (head dim 64, GQA 2: what selfcheck launches first on a GPU) and Qwen2.5-7B's 7,
+    a group that is not a power of two."""
     return [
+        Spec("decode", head_dim=64, group=2), Spec("prefill", head_dim=64, group=2),
+        Spec("decode", group=7, kept=True), Spec("prefill", group=7),
         Spec("decode"), Spec("decode1"), Spec("prefill"), Spec("weights", kept=True),
         Spec("decode", group=8, block_size=128), Spec("decode1", dtype="fp16", head_dim=64, group=1, block_size=1),
         Spec("decode1", group=8, block_size=48, kept=True, table_width=64),
