@@ -92,12 +92,16 @@ class LearnedModel:
         return self.intercept + sum(c * (v - m) / s for c, v, m, s in zip(self.coef, x, self.mean, self.scale))
 
 
-# Fitted on the first half of the Mooncake conversation trace (block 512); see kvbench.whatif.fit.
+# Fitted on the first half of the Mooncake conversation trace, block 512 (kvbench.whatif.fit):
+#   kvbench trace fit-policy mooncake.jsonl --block-size 512 --warmup 0.5 -o policy.json
 DEFAULT_MODEL = {
-    "kind": KIND, "version": 1, "window_s": 300.0, "block_size": 512,
-    "features": list(FEATURES),
-    "mean": [0.0] * len(FEATURES), "scale": [1.0] * len(FEATURES),
-    "coef": [0.0] * (len(FEATURES) - 1) + [-1.0], "intercept": 0.0, "fit": {"note": "placeholder"},
+    "kind": KIND, "version": 1, "window_s": 132.0, "block_size": 512, "features": list(FEATURES),
+    "mean": [9.216585, 0.199007, 10.122286, 0.669509, 1.128117, 1.040452, 455.358481],
+    "scale": [1.235948, 0.417643, 0.942391, 0.138326, 2.196102, 2.023801, 416.933792],
+    "coef": [-0.125702, 0.375177, 0.058579, -0.030811, -0.046726, 0.008458, -1.766183],
+    "intercept": -3.446688,
+    "fit": {"trace": "mooncake_conversation.jsonl", "train_requests": 6015, "of_requests": 12031, "warmup": 0.5,
+            "rows": 96240, "positive_share": 0.0721, "seed": 0, "heldout_auc": 0.8874},
 }
 
 

@@ -105,6 +105,7 @@ def build_report(paths: list[str], out_dir: str, title: str = "kvbench report", 
                                 "given cache budget; the dash-dot line is the ceiling (infinite cache)."))
         else:
             body.append("<p>This table has no budget_bytes and hit_rate columns to chart.</p>")
+        body.append(_gap_table(w.table))
     page = ("<!DOCTYPE html><html lang=en><head><meta charset=utf-8>"
             "<meta name=viewport content='width=device-width, initial-scale=1'>"
             f"<title>{_e(title)}</title><style>{CSS}</style></head><body>"
@@ -112,6 +113,26 @@ def build_report(paths: list[str], out_dir: str, title: str = "kvbench report", 
     with open(report.index, "w", encoding="utf-8") as fh:
         fh.write(page)
     return report
+
+
+def _gap_table(df) -> str:
+    """What-if: the share of the lru -> belady gap each other policy closes, per budget ('' when
+    the table has no gap_closed column or no gap)."""
+    import pandas as pd
+
+    if "gap_closed" not in df.columns or df["gap_closed"].isna().all():
+        return ""
+    others = [p for p in dict.fromkeys(df["policy"]) if p not in ("lru", "belady")]
+    heads = "".join(f"<th>{_e(x)}</th>" for x in ["budget", *others])
+    rows = []
+    for _, g in df.sort_values("budget_bytes").groupby("budget_bytes", sort=True):
+        gap = dict(zip(g["policy"], g["gap_closed"]))
+        label = g["budget"].iloc[0] if "budget" in g.columns else f"{g['budget_bytes'].iloc[0] / 2**30:g} GiB"
+        cells = "".join("<td>-</td>" if pd.isna(gap.get(p)) else f"<td>{gap[p]:.0%}</td>" for p in others)
+        rows.append(f"<tr><td>{_e(label)}</td>{cells}</tr>")
+    return ("<p>Share of the gap between lru and belady (the offline optimum) each policy closes: "
+            "(hit rate &minus; lru's) / (belady's &minus; lru's).</p>"
+            f"<div class=scroll><table><tr>{heads}</tr>{''.join(rows)}</table></div>")
 
 
 def _e(text) -> str:

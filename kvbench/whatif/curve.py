@@ -47,13 +47,19 @@ import json
 import multiprocessing
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
 
 import numpy as np
 
 from kvbench.memory.future import next_uses_from_keys
-from kvbench.memory.policies import CachePolicy, CacheView, check_policy, make_policy, split_policy
+from kvbench.memory.policies import (
+    CachePolicy,
+    CacheView,
+    check_policy,
+    make_policy,
+    split_policy,
+)
 from kvbench.memory.radix import RadixNodes
 from kvbench.trace.format import Request
 from kvbench.trace.ideal import IdealCounter, PrefixKeys, lookup_blocks
@@ -184,20 +190,19 @@ PREFIX_MODES = ("hash", "radix")
 
 class DenseView(CacheView):
     """What a policy reads in the what-if: a block is named by its prefix key's dense id, so its key
-    is its id, and its parent is the id before it if that one is cached (``cached``, shared with
-    simulate): the answers PoolView gives for a pool's physical blocks."""
+    is its id, and its parent is the id before it: the answers PoolView gives for a pool's physical
+    blocks. A parent is always cached when its child is inserted (the request hit it, or inserts it
+    first), and policies read parents only then."""
 
-    def __init__(self, bt: BlockTrace, cached: np.ndarray):
+    def __init__(self, bt: BlockTrace):
         self._parent = bt.parent.tolist()
-        self._cached = cached
         self.block_size = bt.block_size
 
     def key_of(self, block: int) -> int:
         return block
 
     def parent_of(self, block: int) -> int:
-        p = self._parent[block]
-        return p if p >= 0 and self._cached[p] else -1
+        return self._parent[block]
 
 
 def simulate(bt: BlockTrace, budget_blocks: int, policy: str | CachePolicy,
@@ -218,7 +223,7 @@ def simulate(bt: BlockTrace, budget_blocks: int, policy: str | CachePolicy,
     t0 = time.perf_counter()
     pol = make_policy(policy, max(bt.distinct_blocks, 1), budget_blocks) if isinstance(policy, str) else policy
     cached = np.zeros(bt.distinct_blocks, dtype=bool)
-    pol.bind(DenseView(bt, cached))
+    pol.bind(DenseView(bt))
     future = bt.future(budget_blocks) if pol.name == "belady" else None
     n_cached = hit_blocks = evicted = too_large = 0
     ids, first = bt.ids, bt.window_start
@@ -527,7 +532,7 @@ def table(w: WhatIf):
               caption=f"block {w.block_size} tokens; {w.model} {w.kv_dtype}: "
                       f"{w.kv_bytes_per_token:,} B of KV per token; last {w.window_requests:,} of "
                       f"{w.requests:,} requests counted (warm-up {w.warmup:g})")
-    t.add_column("budget", justify="right")
+    t.add_column("budget", justify="right", min_width=7)
     t.add_column("blocks", justify="right")
     for p, name in column_names(policies).items():
         t.add_column(name, justify="right")

@@ -18,7 +18,7 @@ to its next lookup in the training part.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
