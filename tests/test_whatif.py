@@ -268,3 +268,27 @@ def test_fit_policy_then_whatif_and_replay_with_it(tmp_path):
     for args in (["--policies", f"lru,learned:{bad}"], ["--policies", "lru:x"]):
         r = _kvbench(trace, *args)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--policies" in r.stderr, r.stderr
+
+
+def test_replay_tells_the_learned_policy_engine_time(tmp_path):
+    """--cache-policy learned:FILE in a replay: the config reads the file (a bad one is an input
+    error), and the pool's policy sees the engine's clock in seconds, not a constant."""
+    from kvbench.engine.config import ReplayConfig
+    from kvbench.engine.replay import Replay
+    from kvbench.errors import InputError
+    from kvbench.memory.learned import DEFAULT_MODEL
+
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps(DEFAULT_MODEL))
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    with pytest.raises(InputError, match="--cache-policy"):
+        ReplayConfig(cache_policy=f"learned:{bad}").validate()
+    cfg = ReplayConfig(executor="sim", model="llama-3-8b", max_model_len=8192, kv_mem="512MiB", limit=60,
+                       cache_policy=f"learned:{policy}").validate()
+    rp = Replay(str(REPO / "traces/chat.jsonl"), cfg, str(tmp_path / "run"))
+    summary = rp.run()
+    pol = rp.replicas[0].kv.pool.policy
+    assert summary["cache_evictions"] > 0
+    seen = [pol._insert_s[b] for b in range(pol.num_blocks) if rp.replicas[0].kv.pool.key[b] is not None]
+    assert len(set(seen)) > 5 and max(seen) > 1.0  # insert times from the engine clock
