@@ -103,6 +103,11 @@ def calibrate(device, model, seed, quick, repeats, out, as_json):
         cells = [f"{row[s]:6.1%} ({row['points_' + s]:2d})" if row[s] is not None else "     -      "
                  for s in ("train", "heldout")]
         click.echo(f"  {kind:8s}                       {cells[0]}   {cells[1]}")
+    spread = result["fit"]["timing_spread"]
+    if repeats > 1:
+        click.echo(f"  timing spread over the {repeats} repeats (median step, (p75 - p25) / median): {spread:.1%}"
+                   + ("  -- the machine's speed moved; errors this size are noise, not the model"
+                      if spread > 0.05 else ""))
     click.echo(f"wrote {out}", err=True)
 
 

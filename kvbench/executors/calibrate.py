@@ -12,7 +12,9 @@ coordinate search over log grids, and a least-squares step with every operation'
 the overhead solved exactly for each trial. A third of the points of each kind is held out (see
 grid); the file reports the mean |predicted / measured - 1| per kind on the points fitted and on
 those held out, and records the device, dtype, model shape and kvbench version it was measured with
-(a replay warns when they differ from its own).
+(a replay warns when they differ from its own). It also reports the timing spread, how much the
+repeats of a step scattered: on a shared CPU the machine's speed moves by tens of percent, and errors
+of that size are its noise, not the cost model's.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class Point:
     measured_s: float
     heldout: bool = False
     samples: bool = True  # the chunk ends its prompt (decode-only steps: True)
+    spread: float = 0.0  # (p75 - p25) / median of the repeats: how much the machine's speed moved
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,9 +149,11 @@ def measure(executor, spec: ModelSpec, quick: bool = False, repeats: int = 5, bl
     def warm(batch) -> float:  # the second of two runs: a replay's steps find the weights in cache
         executor.execute(batch)
         return executor.execute(batch).duration_s
-    times = np.array([[warm(batch) for batch in batches] for _ in range(repeats)])
-    return [Point(s.kind, s.prefix, s.chunk, s.batch, s.context, cost.work(b), float(t), s.heldout, s.samples)
-            for s, b, t in zip(shapes, batches, np.median(times, axis=0))]
+    times = np.array([[warm(batch) for batch in batches] for _ in range(repeats)])  # [repeats, steps]
+    med = np.median(times, axis=0)
+    spread = (np.percentile(times, 75, axis=0) - np.percentile(times, 25, axis=0)) / med
+    return [Point(s.kind, s.prefix, s.chunk, s.batch, s.context, cost.work(b), float(t), s.heldout, s.samples,
+                  float(sp)) for s, b, t, sp in zip(shapes, batches, med, spread)]
 
 
 # -- the fit --------------------------------------------------------------------------------------
@@ -289,11 +294,15 @@ def calibrate(executor, spec: ModelSpec, quick: bool = False, seed: int = 0, rep
                 # the whole grid at once, as earlier files reported it
                 "mape_train": per_kind["all"]["train"], "mape_heldout": per_kind["all"]["heldout"],
                 "points_train": per_kind["all"]["points_train"],
-                "points_heldout": per_kind["all"]["points_heldout"]},
+                "points_heldout": per_kind["all"]["points_heldout"],
+                # the median step's (p75 - p25) / median over the repeats: errors of this size are the
+                # machine's noise (other load, clock changes), not the cost model's
+                "timing_spread": float(np.median([p.spread for p in points]))},
         "seconds": time.perf_counter() - t0,
         "points": [{"kind": p.kind, "prefix": p.prefix, "chunk": p.chunk, "batch": p.batch,
                     "context": p.context, "samples": p.samples, "measured_s": p.measured_s,
-                    "predicted_s": p.work.time(model), "heldout": p.heldout} for p in points],
+                    "predicted_s": p.work.time(model), "heldout": p.heldout, "spread": p.spread}
+                   for p in points],
     }
 
 
