@@ -135,6 +135,7 @@ class LearnedPolicy(_ReleaseKeyed):
         c, s = model.coef, model.scale
         self._w = [ci / si for ci, si in zip(c[:-1], s[:-1])]
         self._w_last = -c[-1] / s[-1]
+        self._bs = model.block_size  # a view's block size once bound
 
     def on_insert_many(self, blocks, now: float, next_uses=None) -> None:
         depth, kids, parent_of, entry = self._depth, self._kids, self.view.parent_of, self._entry
@@ -149,7 +150,8 @@ class LearnedPolicy(_ReleaseKeyed):
                     self._requeue(p)
             else:
                 depth[b] = 0
-            deepest = max(deepest, depth[b])
+            if depth[b] > deepest:
+                deepest = depth[b]
             hits[b] = kids[b] = 0
             ins[b] = last[b] = prev[b] = now
         run = self._run
@@ -165,13 +167,22 @@ class LearnedPolicy(_ReleaseKeyed):
 
     def features(self, b: int, now: float) -> list[float]:
         """FEATURES of cached block ``b`` at time ``now`` (raw values, as the model reads them)."""
-        bs = self.view.block_size or self.model.block_size
-        log = math.log1p
+        bs, log = self._bs, math.log1p
         last = self._last_s[b]
         return [log(self._depth[b] * bs), log(self._hits[b]), log(self._run[b] * bs), log(self._kids[b]),
                 log(max(last - self._insert_s[b], 0.0)), log(max(last - self._prev_s[b], 0.0)),
                 max(now - last, 0.0)]
 
+    def bind(self, view) -> None:
+        super().bind(view)
+        self._bs = view.block_size or self.model.block_size
+
     def _key(self, b: int) -> float:
-        x = self.features(b, self._last_s[b])  # age 0: its term is the last use's, below
-        return sum(w * v for w, v in zip(self._w, x)) + self._w_last * self._last_s[b]
+        """The logit but its age term, less the age's weight x the last use: ``features`` at age 0
+        weighted (written out: the hot path of every release)."""
+        log, bs, w = math.log1p, self._bs, self._w
+        last = self._last_s[b]
+        span, gap = last - self._insert_s[b], last - self._prev_s[b]
+        return (w[0] * log(self._depth[b] * bs) + w[1] * log(self._hits[b]) + w[2] * log(self._run[b] * bs)
+                + w[3] * log(self._kids[b]) + w[4] * log(span if span > 0 else 0.0)
+                + w[5] * log(gap if gap > 0 else 0.0) + self._w_last * last)

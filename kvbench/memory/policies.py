@@ -458,11 +458,18 @@ class _ReleaseKeyed(CachePolicy):
         heapq.heappush(self._heap, (self._key(b), self._seq, b))
 
     def release_many(self, blocks) -> None:
+        heap, entry, key, seq = self._heap, self._entry, self._key, self._seq
+        ended = None if type(self)._ended is _ReleaseKeyed._ended else self._ended
+        push = heapq.heappush
         n = 0
-        for b in blocks:
-            self._ended(b, self._seq + 1)
-            self._push(b)
+        for b in blocks:  # _push, inlined: the hot path
+            seq += 1
+            if ended is not None:
+                ended(b, seq)
+            entry[b] = seq
+            push(heap, (key(b), seq, b))
             n += 1
+        self._seq = seq
         self._n += n
 
     def hold(self, block: int) -> None:
