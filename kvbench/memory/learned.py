@@ -150,7 +150,7 @@ class LearnedPolicy(_ReleaseKeyed):
                     self._requeue(p)
             else:
                 depth[b] = 0
-            if depth[b] > deepest:
+            if depth[b] > deepest:  # noqa: PLR1730  (max() is slower here)
                 deepest = depth[b]
             hits[b] = kids[b] = 0
             ins[b] = last[b] = prev[b] = now
