@@ -188,7 +188,7 @@ def test_calibrated_sim_matches_the_model_executor_on_chat_cpu(tmp_path):
     The CPU is timed by the wall clock, so other processes' load changes its speed between the
     calibration and the replay. Each attempt measures the calibration grid before and after the model
     replay and fits the sim to the mean of the two (a slow drift cancels); an attempt whose grid took
-    more than 5% longer or shorter after than before says nothing (the machine changed speed). On a
+    more than 10% longer or shorter after than before says nothing (the machine changed speed). On a
     shared machine steady attempts still scatter by about +-15%, so up to four attempts are made:
     the test passes on the first steady one within 10%, fails when steady ones were made and none
     was, and skips, saying so, when none was steady."""
@@ -197,7 +197,7 @@ def test_calibrated_sim_matches_the_model_executor_on_chat_cpu(tmp_path):
 
     def grid_times():
         ex = ModelExecutor("tiny", "cpu", 0)
-        return measure(ex, ex.spec, quick=True, repeats=15)
+        return measure(ex, ex.spec, quick=True, repeats=30)  # kvbench calibrate --quick's default
 
     trace = str(ROOT / "traces" / "chat_cpu.jsonl")
     unsteady, steady = [], []
@@ -218,7 +218,7 @@ def test_calibrated_sim_matches_the_model_executor_on_chat_cpu(tmp_path):
         report = (f"TTFT p50 model {mt:.2f} ms, sim {st:.2f} ms; TPOT p50 model {mp:.2f} ms, sim {sp:.2f} ms; "
                   f"the calibration grid took {drift - 1:+.1%} longer after the replay than before")
         print(f"attempt {attempt + 1}: {report}")  # shown with pytest -s
-        if abs(drift - 1) > 0.05:
+        if abs(drift - 1) > 0.10:
             unsteady.append(report)
             continue
         if abs(st / mt - 1) <= 0.10 and abs(sp / mp - 1) <= 0.10:

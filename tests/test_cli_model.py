@@ -36,7 +36,7 @@ def test_selfcheck_cpu_passes_with_every_engine_path_exercised():
 
 def test_calibrate_writes_coefficients_the_sim_uses(tmp_path):
     cal = tmp_path / "cal.json"
-    r = _cli("calibrate", "--device", "cpu", "--quick", "-o", str(cal))
+    r = _cli("calibrate", "--device", "cpu", "--quick", "--repeats", "2", "-o", str(cal))
     assert r.returncode == 0, r.stderr
     c = json.loads(cal.read_text())
     co = c["coefficients"]

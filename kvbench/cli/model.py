@@ -70,8 +70,9 @@ Examples:
 @click.option("--model", default="tiny", show_default=True, help="preset or local HF model folder")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--quick", is_flag=True, help="the CPU grid: single-sequence steps, seconds on a CPU")
-@click.option("--repeats", type=click.IntRange(1, 100), default=5, show_default=True,
-              help="timed runs per step (the median is kept)")
+@click.option("--repeats", type=click.IntRange(1, 100), default=None,
+              help="timed runs per step, the median kept [default: 30 with --quick, spread over ~20 s so a "
+                   "shared CPU's changes of speed average out as they do over a replay; 5 otherwise]")
 @click.option("-o", "--out", "out", type=click.Path(dir_okay=False), required=True,
               help="calibration file to write (JSON)")
 @click.option("--json", "as_json", is_flag=True, help="print the result as one JSON object")
@@ -85,6 +86,7 @@ def calibrate(device, model, seed, quick, repeats, out, as_json):
     from kvbench.executors.model import ModelExecutor
     from kvbench.executors.presets import get_model
 
+    repeats = repeats or (30 if quick else 5)
     ex = ModelExecutor(model, device, seed)
     spec = ex.spec if hasattr(ex, "spec") else get_model(model)
     result = run(ex, spec, quick=quick, seed=seed, repeats=repeats)
