@@ -41,16 +41,19 @@ def main() -> None:
         if a.convert_from:
             trace = os.path.join(tmp, "trace.jsonl")
             convert(a.convert_from, a.trace, trace)
-        runs = [(1, "round-robin")] + [(a.replicas, r) for r in a.routers.split(",")]
+        # one replica at the trace's rate, one at 1/N of it (the load each of N replicas sees: the
+        # same work per engine step, the reference for the cost of N engines on one clock), then N
+        runs = [(1, "round-robin", 1.0), (1, "round-robin", float(a.replicas))] + \
+            [(a.replicas, r, 1.0) for r in a.routers.split(",")]
         print(f"trace {Path(a.trace).name}, {a.model} on {a.gpu}, time scale {a.time_scale}")
         print("| replicas | router | hit rate | TTFT p50 (s) | TTFT p99 (s) | output tok/s | requests max/mean "
-              "| busy max/mean | Jain (busy) | wall (s) |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for n, spec in runs:
+              "| busy max/mean | Jain (busy) | engine steps | wall (s) | µs per step |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for n, spec, slower in runs:
             router, _, k = spec.partition(":")
             cfg = ReplayConfig(executor="sim", model=a.model, gpu=a.gpu, replicas=n, router=router,
-                               router_prefix_blocks=int(k or 4), time_scale=a.time_scale, limit=a.limit)
-            rp = Replay(trace, cfg, os.path.join(tmp, f"{n}-{spec.replace(':', '-')}"))
+                               router_prefix_blocks=int(k or 4), time_scale=a.time_scale * slower, limit=a.limit)
+            rp = Replay(trace, cfg, os.path.join(tmp, f"{n}-{spec.replace(':', '-')}-{slower:g}"))
             t0 = time.perf_counter()
             s = rp.run()
             wall = time.perf_counter() - t0
@@ -58,10 +61,11 @@ def main() -> None:
             def g(key, fmt):
                 v = s.get(key)
                 return "-" if v is None else fmt.format(v)
-            print(f"| {n} | {spec if n > 1 else '-'} | {s['prefix_hit_rate']:.4f} | {s['ttft_ms_p50'] / 1e3:.2f} "
+            label = spec if n > 1 else ("-" if slower == 1 else f"- (arrivals 1/{slower:g})")
+            print(f"| {n} | {label} | {s['prefix_hit_rate']:.4f} | {s['ttft_ms_p50'] / 1e3:.2f} "
                   f"| {s['ttft_ms_p99'] / 1e3:.2f} | {s['output_tok_per_s']:,.0f} "
                   f"| {g('balance_requests_max_over_mean', '{:.2f}')} | {g('balance_busy_max_over_mean', '{:.2f}')} "
-                  f"| {g('jain_busy', '{:.3f}')} | {wall:.1f} |", flush=True)
+                  f"| {g('jain_busy', '{:.3f}')} | {s['steps']:,} | {wall:.1f} | {wall / s['steps'] * 1e6:.0f} |", flush=True)
         print(f"ideal hit rate (one infinite cache): {s['ideal_hit_rate']:.4f}; "
               f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MB")
 
