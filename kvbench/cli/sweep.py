@@ -148,10 +148,11 @@ def sweep(trace, jobs, out, backend, ray_address, cpus_per_task, max_retries, as
         click.echo(f"kvbench sweep: {note}", err=True)
     configs = expand(grid)  # checks every configuration before anything runs
     total = len(configs)
-    load_trace(trace, limit=max(grid["limit"]) if "limit" in grid else None)  # bad trace: exit 2 now
+    # a bad trace exits 2 now; so does a request no configuration's pool could hold
+    requests = load_trace(trace, limit=None if None in grid.get("limit", [None]) else max(grid["limit"]))
     if backend == "ray":
         import_ray()
-    preflight(configs)
+    preflight(configs, requests, trace)
     out = out or default_sweep_dir(trace, grid)
     make_sweep_dir(out)
     click.echo(f"kvbench sweep: {total} configuration{'s' * (total != 1)} -> {out}", err=True)

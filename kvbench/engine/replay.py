@@ -94,6 +94,46 @@ class _Replica:
         return len(sched.waiting) + len(sched.running), free + cached, used + waiting_blocks
 
 
+def slab_reserve_tokens(requests: list[Request], cfg: ReplayConfig, max_len: int) -> int:
+    """The slab baseline's reservation per sequence (``--slab-reserve max``): --max-model-len when
+    given, else the longest request this run admits (prompt + output) rounded up to a block, so a
+    slab is as long as the trace needs, not the model's whole context."""
+    if cfg.max_model_len is not None:
+        return cfg.max_model_len
+    bs = cfg.block_size
+    longest = max((r.prompt_len + r.output_len for r in requests if r.prompt_len + r.output_len <= max_len),
+                  default=bs)
+    return -(-longest // bs) * bs
+
+
+def check_fits(r: Request, cfg: ReplayConfig, num_blocks: int, slab_reserve: int, trace_path: str) -> None:
+    """A request that cannot fit in the empty pool would stall the replay: say so up front (RunError,
+    a usage error naming the trace line)."""
+    bs = cfg.block_size
+    if cfg.layout == "slab":  # a slab for each sample, reserved at admission
+        reserve = slab_reserve if cfg.slab_reserve == "max" else r.prompt_len + r.output_len
+        need = r.n * -(-reserve // bs)
+    else:
+        need = -(-(r.prompt_len + r.output_len) // bs) + (r.n - 1) * (-(-r.output_len // bs))
+    if need > num_blocks:
+        samples = f" with n={r.n} samples" if r.n > 1 else ""
+        where = f"{trace_path}:{r.line}: " + ("field 'n': " if r.n > 1 else "")
+        raise RunError(
+            f"{where}request {r.id!r}{samples} needs {need:,} KV blocks of {bs} tokens but the pool "
+            f"holds {num_blocks:,}: give more memory (--kv-mem, --num-blocks) "
+            "or lower --max-model-len", usage=True)
+
+
+def check_trace_fits(requests: list[Request], cfg: ReplayConfig, num_blocks: int, max_len: int,
+                     trace_path: str) -> None:
+    """check_fits for every request a run of ``cfg`` admits (the first ``--limit`` of them)."""
+    reqs = requests if cfg.limit is None else requests[:cfg.limit]
+    reserve = slab_reserve_tokens(reqs, cfg, max_len)
+    for r in reqs:
+        if r.prompt_len + r.output_len <= max_len:
+            check_fits(r, cfg, num_blocks, reserve, trace_path)
+
+
 class Replay:
     """One replay of a trace under one configuration, writing a run directory."""
 
@@ -179,30 +219,10 @@ class Replay:
         return None
 
     def _check_fits(self, r: Request) -> None:
-        """A request that cannot fit in the empty pool would stall the replay: say so up front."""
-        bs = self.cfg.block_size
-        if self.cfg.layout == "slab":  # a slab for each sample, reserved at admission
-            need = r.n * -(-self._reserve(r) // bs)
-        else:
-            need = -(-(r.prompt_len + r.output_len) // bs) + (r.n - 1) * (-(-r.output_len // bs))
-        if need > self.num_blocks:
-            samples = f" with n={r.n} samples" if r.n > 1 else ""
-            where = f"{self.trace_path}:{r.line}: " + ("field 'n': " if r.n > 1 else "")
-            raise RunError(
-                f"{where}request {r.id!r}{samples} needs {need:,} KV blocks of {bs} tokens but the pool "
-                f"holds {self.num_blocks:,}: give more memory (--kv-mem, --num-blocks) "
-                "or lower --max-model-len", usage=True)
+        check_fits(r, self.cfg, self.num_blocks, self.slab_reserve_tokens, self.trace_path)
 
     def _slab_reserve_tokens(self) -> int:
-        """The slab baseline's reservation per sequence (``--slab-reserve max``): --max-model-len when
-        given, else the longest request this run admits (prompt + output) rounded up to a block, so a
-        slab is as long as the trace needs, not the model's whole context."""
-        if self.cfg.max_model_len is not None:
-            return self.cfg.max_model_len
-        bs = self.cfg.block_size
-        longest = max((r.prompt_len + r.output_len for r in self.requests if self._reject_reason(r) is None),
-                      default=bs)
-        return -(-longest // bs) * bs
+        return slab_reserve_tokens(self.requests, self.cfg, self.max_len)
 
     def _reserve(self, r: Request) -> int:
         return self.slab_reserve_tokens if self.cfg.slab_reserve == "max" else r.prompt_len + r.output_len

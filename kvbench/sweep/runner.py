@@ -68,29 +68,43 @@ def make_sweep_dir(out_dir: str) -> None:
     SweepStore(out_dir).makedirs()
 
 
-def preflight(configs: list[Config]) -> None:
+def preflight(configs: list[Config], requests=None, trace_path: str = "") -> None:
     """What would make a configuration fail at once (an unknown model or GPU, an unreadable
     calibration, no CUDA device, a KV pool that holds no block or does not fit the GPUs) raises
-    InputError before any run starts, once per distinct value."""
-    from kvbench.engine.replay import pool_blocks
+    InputError before any run starts, once per distinct value. Given the trace's ``requests``, a
+    request larger than every configuration's pool (where its size is known without building a
+    model: --num-blocks, or the sim's) is refused too (a usage RunError); one too large for some
+    configurations only is left to those runs, which fail and are reported while the others run."""
+    from kvbench.engine.replay import check_trace_fits, pool_blocks
     from kvbench.executors import make_executor
     from kvbench.executors.presets import get_model
 
-    seen = set()
+    checked: dict[tuple, RunError | None] = {}
+    outcomes = []
     for c in configs:
         cfg = c.cfg
         key = (cfg.executor, cfg.model, cfg.gpu, cfg.calibration, cfg.kv_dtype, cfg.device, cfg.tp,
-               cfg.kv_mem_bytes, cfg.num_blocks, cfg.block_size)
-        if key in seen:
-            continue
-        seen.add(key)
-        model = get_model(cfg.model)
-        if cfg.executor == "sim":
-            # cheap: reads the GPU preset and the calibration file, sizes the pool
-            pool_blocks(cfg, make_executor(cfg, model), model)
-        elif cfg.device == "cuda":
-            from kvbench.executors.model import resolve_device
-            resolve_device("cuda")
+               cfg.kv_mem_bytes, cfg.num_blocks, cfg.block_size, cfg.layout, cfg.slab_reserve,
+               cfg.max_model_len, cfg.limit)
+        if key not in checked:
+            checked[key] = None
+            model = get_model(cfg.model)
+            num_blocks = cfg.num_blocks
+            if cfg.executor == "sim":
+                # cheap: reads the GPU preset and the calibration file, sizes the pool
+                num_blocks = pool_blocks(cfg, make_executor(cfg, model), model)
+            elif cfg.device == "cuda":
+                from kvbench.executors.model import resolve_device
+                resolve_device("cuda")
+            if requests is not None and num_blocks is not None:
+                try:
+                    check_trace_fits(requests, cfg, num_blocks, cfg.max_model_len or model.max_model_len,
+                                     trace_path)
+                except RunError as e:
+                    checked[key] = e
+        outcomes.append(checked[key])
+    if outcomes and all(e is not None for e in outcomes):  # no configuration can run
+        raise outcomes[0]
 
 
 def finished_summary(store: SweepStore, name: str, settings: dict) -> dict | None:
