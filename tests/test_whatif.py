@@ -96,7 +96,10 @@ def _pagedkv_hits(reqs, bs, budget_blocks, policy, bt, prefix_mode="hash"):
     for i, r in enumerate(reqs):
         s, e = int(bt.starts[i]), int(bt.starts[i + 1])
         tokens = cached_sequence(r, streams.expand(r), streams)
-        if (e - s if prefix_mode == "hash" else -(-len(tokens) // bs)) > budget_blocks:
+        if prefix_mode == "hash":  # a request too large for the pool runs as its first blocks
+            e = min(e, s + budget_blocks)
+            tokens = tokens[:budget_blocks * bs]
+        elif -(-len(tokens) // bs) > budget_blocks:
             out.append(0)
             continue
         seq = SeqKV(tokens=tokens, next_use=None if future is None else future[s:e])

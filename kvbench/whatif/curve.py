@@ -48,7 +48,7 @@ import multiprocessing
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -110,14 +110,13 @@ class BlockTrace:
         return self.ceiling_hit_tokens / p if p else 0.0
 
     def future(self, budget_blocks: int) -> np.ndarray:
-        """Belady's next uses at a budget: requests too large to run there look nothing up (else
-        belady would keep blocks for lookups that never happen)."""
+        """Belady's next uses at a budget: a request too large to run whole there looks up only its
+        first ``budget_blocks`` blocks (else belady would keep blocks for lookups that never happen)."""
         if self.next_use is None:
             raise ValueError("belady needs the BlockTrace built with future=True")
-        sizes = np.diff(self.starts)
-        if not (sizes > budget_blocks).any():
+        if not (self.lookups > budget_blocks).any():
             return self.next_use
-        return _next_uses(self.ids, self.starts, np.where(sizes > budget_blocks, 0, self.lookups))
+        return _next_uses(self.ids, self.starts, np.minimum(self.lookups, budget_blocks))
 
 
 def window_start(requests: int, warmup: float) -> int:
@@ -186,6 +185,9 @@ class Point:
 
 
 PREFIX_MODES = ("hash", "radix")
+# stack policies: one pass (lru_curve) gives their hits at every budget, and simulate refreshes a
+# cached block past the first miss so that the two agree
+STACK_POLICIES = ("lru",)
 
 
 class DenseView(CacheView):
@@ -225,18 +227,17 @@ def simulate(bt: BlockTrace, budget_blocks: int, policy: str | CachePolicy,
     cached = np.zeros(bt.distinct_blocks, dtype=bool)
     pol.bind(DenseView(bt))
     future = bt.future(budget_blocks) if pol.name == "belady" else None
+    refresh = pol.name in STACK_POLICIES
     n_cached = hit_blocks = evicted = too_large = 0
     ids, first = bt.ids, bt.window_start
     starts, lookups = bt.starts.tolist(), bt.lookups.tolist()
     arrival = bt.arrival_s.tolist() if bt.arrival_s is not None else [float(i) for i in range(bt.requests)]
     for i in range(bt.requests):
         s, e = starts[i], starts[i + 1]
-        n = e - s
-        if n > budget_blocks:  # the request cannot run in this much memory
+        if e - s > budget_blocks:  # too large to run whole: it runs as its first budget_blocks blocks
             too_large += i >= first
-            if on_request is not None:
-                on_request(i, 0)
-            continue
+            e = s + budget_blocks
+        n = e - s
         now = arrival[i]
         blocks = ids[s:e]
         # lookup: the longest cached run of the first lookups[i] blocks
@@ -247,33 +248,126 @@ def simulate(bt: BlockTrace, budget_blocks: int, policy: str | CachePolicy,
             hl = hits.tolist()
             pol.reuse_many(hl)
             pol.on_use_many(hl, now, None if future is None else future[s:s + h].tolist())
-        short = n - h - (budget_blocks - n_cached)
-        if short > 0:  # ... then blocks for the rest, evicting cached ones (alloc_into)
+        rest = blocks[h:]
+        if refresh:  # lru: a cached block past the first miss is taken too, and released in its place
+            fresh = ~cached[rest]
+            again = rest[~fresh]
+            if len(again):
+                pol.reuse_many(again.tolist())
+            short = int(fresh.sum()) - (budget_blocks - n_cached)
+        else:  # the pool's rule: a block for each of the rest
+            short = n - h - (budget_blocks - n_cached)
+        if short > 0:  # ... evicting cached ones (alloc_into)
             victims = pol.pop_many(short)
             cached[victims] = False
             n_cached -= short
             evicted += short
-        # commit: store the blocks whose key is not cached (register_run; a key still cached past
-        # the first miss keeps its block, and the request's copy is dropped at free). The pool
-        # indexes a run's keys before it tells the policy, so parents read as cached.
-        rest = blocks[h:]
-        fresh = ~cached[rest]
-        if future is not None and not fresh.all():
-            pol.on_recompute_many(rest[~fresh].tolist(), now, future[s + h:e][~fresh].tolist())
+        if not refresh:
+            # commit: store the blocks whose key is not cached (register_run; a key still cached
+            # past the first miss keeps its block, and the request's copy is dropped at free). The
+            # pool indexes a run's keys before it tells the policy, so parents read as cached.
+            fresh = ~cached[rest]
+            if future is not None and not fresh.all():
+                pol.on_recompute_many(rest[~fresh].tolist(), now, future[s + h:e][~fresh].tolist())
         new = rest if fresh.all() else rest[fresh]
         if len(new):
             cached[new] = True
             nu = None if future is None else future[s + h:e][fresh].tolist()
             pol.on_insert_many(new.tolist(), now, nu)
             n_cached += len(new)
-        # free: release the stored blocks, tail first
-        pol.release_many(np.concatenate((hits, new))[::-1].tolist())
+        # free: release the stored blocks, tail first (lru: all of them)
+        pol.release_many((blocks if refresh else np.concatenate((hits, new)))[::-1].tolist())
         if i >= first:
             hit_blocks += h
         if on_request is not None:
             on_request(i, h)
     return Point(budget_blocks, label, hit_blocks * bt.block_size, evicted, too_large,
                  time.perf_counter() - t0)
+
+
+@dataclass(frozen=True, slots=True)
+class StackCurve:
+    """lru at every budget from one pass (``lru_curve``): ``hits_by_depth[d]``: lookups in the window
+    of a block at stack depth d (0: the most recently released); ``held_by_depth[d]``: blocks of
+    any request found at depth d (a budget above d holds them: they need no new block)."""
+
+    bt: BlockTrace
+    hits_by_depth: np.ndarray  # int64 [distinct blocks + 1]
+    held_by_depth: np.ndarray  # int64 [distinct blocks + 1]
+    wall_s: float
+
+    def point(self, budget_blocks: int) -> Point:
+        """What ``simulate(bt, budget_blocks, "lru")`` returns, read off the histograms."""
+        bt, b = self.bt, budget_blocks
+        sizes = np.diff(bt.starts)
+        hit = int(self.hits_by_depth[:b].sum())
+        # every block a request runs with is either held already or stored; the cache ends full
+        stored = int(np.minimum(sizes, b).sum()) - int(self.held_by_depth[:b].sum())
+        too_large = int((sizes[bt.window_start:] > b).sum())
+        return Point(b, "lru", hit * bt.block_size, stored - min(b, bt.distinct_blocks), too_large,
+                     self.wall_s)
+
+
+def lru_curve(bt: BlockTrace) -> StackCurve:
+    """lru's hits at every budget in one pass (Mattson et al., 1970: LRU is a stack algorithm).
+
+    Why one pass is exact: ``simulate``'s lru releases every block a request runs with, tail first,
+    so each block is released whenever its parent is and just before it: a prefix is always more
+    recent than its continuation, and blocks are ranked by one recency order at every budget. A
+    budget of B blocks then holds exactly the B most recent blocks (a request too large for it runs
+    as its first B blocks, which is what these are after it), so a block is cached at B iff its
+    stack depth is < B, and a request hits at B the leading lookups whose depth is < B (depth grows
+    along a request's blocks).
+
+    The depth of block j of request i, last released by request p, is the number of blocks released
+    since: those whose last release is a request in (p, i), plus the blocks before j that p released
+    after it and nobody released since (ancestors of j, whose last release is p). Per request, numpy
+    does this for all of its blocks; the state is one int per block and one per request.
+    """
+    t0 = time.perf_counter()
+    n_ids = bt.distinct_blocks
+    last = np.full(n_ids, -1, dtype=np.int64)  # request that last released each block
+    released = np.zeros(bt.requests + 1, dtype=np.int64)  # blocks whose last release is request r
+    hits_by_depth = np.zeros(n_ids + 1, dtype=np.int64)
+    held_by_depth = np.zeros(n_ids + 1, dtype=np.int64)
+    hit_runs: list[np.ndarray] = []
+    held_runs: list[np.ndarray] = []
+    pending = 0
+    ids, starts, lookups, first = bt.ids, bt.starts.tolist(), bt.lookups.tolist(), bt.window_start
+    for i in range(bt.requests):
+        blocks = ids[starts[i]:starts[i + 1]]
+        p = last[blocks]  # non-increasing: a block is released whenever its parent is
+        seen = int(np.searchsorted(-p, 1))  # leading blocks released before (p >= 0)
+        if seen:
+            p = p[:seen]
+            lo = int(p[-1])
+            # released[r] summed over r in (p, i): a suffix sum over requests lo+1 .. i-1
+            since = np.zeros(i - lo, dtype=np.int64)
+            np.cumsum(released[i - 1:lo:-1], out=since[1:])
+            first_of_p = np.searchsorted(-p, -p)  # first block p released among these
+            depth = since[i - 1 - p] + (np.arange(seen) - first_of_p)
+            held_runs.append(depth)
+            if i >= first:
+                hit_runs.append(depth[:lookups[i]])
+            run_starts = np.flatnonzero(np.diff(first_of_p)) + 1
+            run_starts = np.concatenate(([0], run_starts))
+            released[p[run_starts]] -= np.diff(np.append(run_starts, seen))
+            pending += seen
+            if pending > 1 << 20:  # fold into the histograms now and then: bounded memory
+                _fold(hits_by_depth, hit_runs)
+                _fold(held_by_depth, held_runs)
+                pending = 0
+        last[blocks] = i
+        released[i] = len(blocks)
+    _fold(hits_by_depth, hit_runs)
+    _fold(held_by_depth, held_runs)
+    return StackCurve(bt, hits_by_depth, held_by_depth, time.perf_counter() - t0)
+
+
+def _fold(hist: np.ndarray, runs: list[np.ndarray]) -> None:
+    if runs:
+        hist += np.bincount(np.concatenate(runs), minlength=len(hist))
+        runs.clear()
 
 
 def check_mode(prefix_mode: str, policies) -> None:
@@ -379,20 +473,34 @@ def _run_point(args: tuple[int, str, str]) -> Point:
 
 def run_points(bt: BlockTrace, budget_blocks: Sequence[int], policies: Sequence[str],
                jobs: int = 1, prefix_mode: str = "hash") -> dict[tuple[int, str], Point]:
-    """Every (budget, policy) point, in ``jobs`` processes (forked: they share ``bt``)."""
+    """Every (budget, policy) point: lru's (hash mode) from one pass at every budget (lru_curve),
+    the others' by simulation, in ``jobs`` processes (forked: they share ``bt``)."""
     global _SHARED
     check_mode(prefix_mode, policies)
-    # lru is the fastest: start the others first so the last point to finish is short
-    points = sorted({(b, p) for b in budget_blocks for p in policies}, key=lambda bp: bp[1] == "lru")
-    if jobs <= 1 or len(points) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return {(b, p): simulate(bt, b, p, prefix_mode=prefix_mode) for b, p in points}
-    _SHARED = bt
+    stack = [p for p in policies if p in STACK_POLICIES] if prefix_mode == "hash" else []
+    points = sorted({(b, p) for b in budget_blocks for p in policies if p not in stack})
+    out: dict[tuple[int, str], Point] = {}
+    pool = None
+    if jobs > 1 and len(points) > 1 and "fork" in multiprocessing.get_all_start_methods():
+        _SHARED = bt
+        pool = multiprocessing.get_context("fork").Pool(min(jobs, len(points)))
+        pending = pool.map_async(_run_point, [(b, p, prefix_mode) for b, p in points], chunksize=1)
     try:
-        with multiprocessing.get_context("fork").Pool(min(jobs, len(points))) as pool:
-            done = pool.map(_run_point, [(b, p, prefix_mode) for b, p in points], chunksize=1)
+        if stack:  # in this process, while the workers simulate
+            curve = lru_curve(bt)
+            share = curve.wall_s / len(set(budget_blocks))
+            for b in budget_blocks:
+                out[(b, "lru")] = replace(curve.point(b), wall_s=share)
+        if pool is None:
+            out.update({(b, p): simulate(bt, b, p, prefix_mode=prefix_mode) for b, p in points})
+        else:
+            out.update({(pt.budget_blocks, pt.policy): pt for pt in pending.get()})
     finally:
-        _SHARED = None
-    return {(pt.budget_blocks, pt.policy): pt for pt in done}
+        if pool is not None:  # every result is in (or an error is on its way up)
+            pool.terminate()
+            pool.join()
+            _SHARED = None
+    return out
 
 
 @dataclass(slots=True)
