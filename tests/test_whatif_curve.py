@@ -1,0 +1,83 @@
+"""The one-pass lru curve (kvbench.whatif.curve.lru_curve) equals the per-budget lru simulation,
+point for point (hit tokens, evicted blocks, requests too large), at every budget of small random
+traces and at budgets from one block to past every distinct block on the shipped traces and the real
+Mooncake trace: requests larger than the budget, blocks past the first miss still cached, named
+answers re-sent."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbench.trace.format import Request, Segment, load_trace
+from kvbench.trace.importers import convert
+from kvbench.whatif.curve import lru_curve, prepare, run_points, simulate
+
+REPO = Path(__file__).resolve().parents[1]
+REAL = REPO.parent / "shared" / "traces" / "real" / "mooncake_conversation.jsonl"
+
+
+def _budgets(bt) -> list[int]:
+    """One block, a few, half and all of the largest request, shares of the distinct blocks, past them."""
+    biggest, d = int(np.diff(bt.starts).max()), bt.distinct_blocks
+    return sorted({b for b in (1, 2, 3, 7, biggest // 2, biggest - 1, biggest, biggest + 1, d // 50, d // 10,
+                               d // 3, d - 1, d, 2 * d) if b >= 1})
+
+
+def _assert_same(bt, budgets, name=""):
+    curve = lru_curve(bt)
+    for b in budgets:
+        assert curve.point(b) == simulate(bt, b, "lru"), (name, b)
+
+
+@pytest.mark.parametrize("name", ["chat", "rag", "agent"])
+def test_one_pass_equals_simulation_on_shipped_traces(name):
+    bt = prepare(load_trace(REPO / "traces" / f"{name}.jsonl"), 16, warmup=0.5, future=False)
+    budgets = _budgets(bt)
+    assert simulate(bt, budgets[0], "lru").too_large > 0  # the rule for requests too large is exercised
+    _assert_same(bt, budgets, name)
+
+
+def test_one_pass_equals_simulation_on_the_real_mooncake_trace(tmp_path):
+    """The whole conversation trace (12,031 requests) at block 512, and its first 2,000 at block 64."""
+    if not REAL.exists():
+        pytest.skip(f"real trace not found at {REAL}")
+    convert("mooncake", REAL, tmp_path / "m.jsonl")
+    reqs = load_trace(tmp_path / "m.jsonl")
+    for reqs, bs in ((reqs, 512), (reqs[:2000], 64)):
+        bt = prepare(reqs, bs, warmup=0.5, future=False)
+        _assert_same(bt, _budgets(bt), f"mooncake/{bs}")
+
+
+def test_run_points_takes_lru_from_the_curve():
+    bt = prepare(load_trace(REPO / "traces/rag.jsonl"), 16, warmup=0.5)
+    budgets = [bt.distinct_blocks // 20, bt.distinct_blocks // 4]
+    for jobs in (1, 2):
+        points = run_points(bt, budgets, ["lru", "fifo"], jobs=jobs)
+        for b in budgets:
+            assert points[(b, "lru")] == simulate(bt, b, "lru")
+            assert points[(b, "fifo")] == simulate(bt, b, "fifo")
+
+
+# a small alphabet of shared prefixes and answers: requests share, repeat and re-send them
+NAMES = ["a", "b", "c"]
+segments = st.lists(st.one_of(
+    st.tuples(st.just("shared"), st.sampled_from(NAMES), st.integers(1, 24)),
+    st.tuples(st.just("unique"), st.none(), st.integers(1, 24))), min_size=1, max_size=3)
+requests = st.lists(st.tuples(segments, st.sampled_from([None, *NAMES]), st.integers(1, 20)),
+                    min_size=1, max_size=14)
+
+
+@settings(max_examples=200, deadline=None)
+@given(reqs=requests, bs=st.sampled_from([1, 2, 4, 8]), warmup=st.sampled_from([0.0, 0.5]))
+def test_one_pass_equals_simulation_at_every_budget_on_random_traces(reqs, bs, warmup):
+    trace = []
+    for i, (segs, answer, out_len) in enumerate(reqs):
+        prompt = tuple(Segment("shared", name=n, length=ln) if kind == "shared" else Segment("unique", length=ln)
+                       for kind, n, ln in segs)
+        trace.append(Request(id=f"r{i}", t=float(i), prompt=prompt, output_len=out_len, output=answer, index=i))
+    bt = prepare(trace, bs, warmup=warmup, future=False)
+    _assert_same(bt, range(1, bt.distinct_blocks + 2))
