@@ -166,6 +166,18 @@ def test_corpus_model_folder_config(worker, tmp_path):
                               "--out", tmp_path / "r-bin"], tmp_path), "config.json")
 
 
+def test_model_executor_refuses_what_its_device_cannot_hold(worker, tmp_path):
+    """Weights and pool that cannot fit the device the model executor would use: one line, exit 2,
+    before anything is allocated (not an out-of-memory kill minutes later)."""
+    for extra, field in ((["--model", "llama-3-70b"], "--model"), (["--kv-mem", "900TiB"], "--kv-mem")):
+        r = worker.run(["replay", TRACE, "--executor", "model", "--device", "cpu", "--limit", "2", *extra,
+                        "--out", tmp_path / field.strip("-")], tmp_path)
+        check_refused(r, field, "do not fit")
+        r = worker.run(["sweep", TRACE, "--executor", "model", "--device", "cpu", "--limit", "2", *extra,
+                        "--out", tmp_path / ("sweep" + field)], tmp_path)
+        check_refused(r, field, "do not fit")
+
+
 def test_corpus_importers(worker, tmp_path):
     cases = [
         ("mooncake", "m.jsonl", '{"timestamp": 1e400, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n',

@@ -94,6 +94,50 @@ class _Replica:
         return len(sched.waiting) + len(sched.running), free + cached, used + waiting_blocks
 
 
+def _available_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_model_memory(cfg: ReplayConfig, model) -> None:
+    """The model executor holds the weights and the KV pool on one device: what cannot fit is refused
+    before a byte is allocated (InputError naming --model or --kv-mem), not met as an out-of-memory
+    crash minutes later. The sim models GPUs it does not hold (its own check_kv_bytes)."""
+    if cfg.executor != "model":
+        return
+    import torch
+
+    from kvbench.executors.model import resolve_device
+    from kvbench.executors.modeling import default_dtype
+
+    dev = resolve_device(cfg.device)
+    dtype = "fp32" if default_dtype(dev) == torch.float32 else "bf16"
+    if dev.type == "cuda":
+        avail, _ = torch.cuda.mem_get_info(dev)
+        where = f"the {avail / 1e9:.1f} GB free on {torch.cuda.get_device_name(dev)}"
+    else:
+        avail = _available_host_bytes()
+        where = f"the {avail / 1e9:.1f} GB of host memory available" if avail is not None else ""
+    if avail is None:
+        return
+    weights = model.weight_bytes(dtype)
+    kv = cfg.kv_mem_bytes or 0
+    if weights + kv > avail:
+        pool = f" and a {kv / 1e9:.1f} GB KV pool (--kv-mem)" if kv else ""
+        raise InputError(f"{model.name}'s weights ({weights / 1e9:.1f} GB in {dtype}){pool} do not fit in {where}: "
+                         "use a smaller model or --kv-mem, another device, or --executor sim",
+                         field="--kv-mem" if kv and weights <= avail else "--model")
+
+
 def slab_reserve_tokens(requests: list[Request], cfg: ReplayConfig, max_len: int) -> int:
     """The slab baseline's reservation per sequence (``--slab-reserve max``): --max-model-len when
     given, else the longest request this run admits (prompt + output) rounded up to a block, so a
@@ -158,6 +202,7 @@ class Replay:
         self.max_len = cfg.max_model_len or self.model.max_model_len
         self.slab_reserve_tokens = self._slab_reserve_tokens()
         self.streams = TokenStreams()
+        check_model_memory(cfg, self.model)
         executor = make_executor(cfg, self.model)
         self.num_blocks = pool_blocks(cfg, executor, self.model)  # per replica
         self.physical_blocks = self._physical_blocks()

@@ -93,9 +93,9 @@ def preflight(configs: list[Config], requests=None, trace_path: str = "") -> Non
             if cfg.executor == "sim":
                 # cheap: reads the GPU preset and the calibration file, sizes the pool
                 num_blocks = pool_blocks(cfg, make_executor(cfg, model), model)
-            elif cfg.device == "cuda":
-                from kvbench.executors.model import resolve_device
-                resolve_device("cuda")
+            else:  # the model executor: weights and pool must fit the device it would use
+                from kvbench.engine.replay import check_model_memory
+                check_model_memory(cfg, model)
             if requests is not None and num_blocks is not None:
                 try:
                     check_trace_fits(requests, cfg, num_blocks, cfg.max_model_len or model.max_model_len,
