@@ -11,6 +11,7 @@ The trace is converted to kvbench's format first (not timed). Budgets are llama-
 from __future__ import annotations
 
 import argparse
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -55,8 +56,11 @@ def main() -> None:
         cells = [points[(b.blocks, p)] for p in policies]
         print(f"{format_bytes(b.bytes):>8} {b.blocks:>9,} "
               + " ".join(f"{c.wall_s:9.1f} {c.hit_tokens / bt.window_prompt_tokens:6.3f}" for c in cells))
-    print(f"  points {t3 - t2:.1f} s wall ({sum(p.wall_s for p in points.values()):.1f} s of work); "
-          f"total {t3 - t0:.1f} s")
+    lru = sum(pt.wall_s for (b, p), pt in points.items() if p == "lru")
+    rss = [resource.getrusage(who).ru_maxrss / 1024 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    print(f"  points {t3 - t2:.1f} s wall ({sum(p.wall_s for p in points.values()):.1f} s of work; lru: one "
+          f"pass for every budget, {lru:.2f} s); total {t3 - t0:.1f} s; peak RSS {rss[0]:.0f} MB "
+          f"(largest worker {rss[1]:.0f} MB)")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,17 @@ run of whole blocks (a miss ends it; never the block holding the last prompt tok
 stores its other whole blocks (the prompt's, and a named answer's computed part, as the ideal hit rate
 counts them), evicting by the policy when the budget is full, then releases all of them tail first:
 the calls PagedKV makes for one request of a replay (lookup, allocate, commit, free). A request with
-more whole blocks than the budget could not run at all: it neither hits nor is stored, and its prompt
-tokens still count. The hit rate is hit tokens / prompt tokens over the requests after the warm-up
-fraction; the requests before it only warm the cache.
+more whole blocks than the budget B runs as its first B blocks (it looks up at most B, and the cache
+then holds its first B): a pool refuses it, so the rule is ours to choose, and this one keeps lru a
+stack algorithm; its prompt tokens all count. The hit rate is hit tokens / prompt tokens over the
+requests after the warm-up fraction; the requests before it only warm the cache.
+
+lru is computed for every budget at once (``lru_curve``, a Mattson stack-distance pass), and
+``simulate`` agrees with it exactly at any one budget (tests/test_whatif_curve.py) because its lru
+releases every block the request runs with, tail first: a block past the first miss whose key is
+still cached is taken and released with the others rather than left where it was (the pool leaves
+it, and computes a private copy). Tail-first release then makes every prefix more recent than its
+continuation, at every budget. The other policies keep the pool's rule.
 
 ``prefix_mode="radix"`` answers the same question for SGLang's radix cache at page size = block size:
 whole blocks matched, as above, and node-granular LRU eviction (kvbench.memory.radix.RadixNodes, the
@@ -32,14 +40,15 @@ block is named by its prefix key, remapped to a dense id 0..D-1, and one bool ar
 cached. The policies break ties by release order, never by block id, so these ids make the same
 decisions as a pool's physical ones; tests/test_whatif.py holds the two to equal hits request by request.
 
-Speed (see benchmarks/bench_whatif.py): every request's keys are computed once, factorised into one
-flat int array of dense ids and shared by all (budget, policy) points (forked workers inherit it);
-belady's next uses come from one backward pass (another only for a budget that some requests
-exceed: they look nothing up there); each point touches the policy once per request per
-kind of call (a batch), and numpy does the per-block lookups; the policies are bucket queues whose
-per-block work is dict operations in C; points run in processes (``jobs``). The whole Mooncake trace
-at block size 16, 6 budgets x 4 policies, takes about 55 s with -j 2 on 2 cores, a third of it the
-preparation (mostly hashing the blocks' tokens).
+Speed (see benchmarks/bench_whatif.py): lru costs one pass whatever the budgets; every request's keys
+are computed once, factorised into one flat int array of dense ids and shared by all (budget, policy)
+points (forked workers inherit it); belady's next uses come from one backward pass (another only
+for a budget below some request's lookups: it looks up only its first B there); each point touches
+the policy once per request per kind of call (a batch), and numpy does the per-block lookups; the
+policies are bucket queues whose per-block work is dict operations in C; points run in processes
+(``jobs``), the lru pass in the parent meanwhile. The whole Mooncake trace at block size 16, 6
+budgets x 4 policies, takes about 55 s with -j 2 on 2 cores, a third of it the preparation (mostly
+hashing the blocks' tokens).
 """
 from __future__ import annotations
 
@@ -67,6 +76,7 @@ from kvbench.trace.tokens import TokenStreams
 
 COLUMNS = ["budget_bytes", "budget_blocks", "policy", "hit_rate", "ceiling"]  # read by kvbench report
 PARQUET = "whatif.parquet"
+PREPARE_STREAM_TOKENS = 2**20  # the token streams' memo while prepare hashes the trace (4 MB)
 PNG = "whatif.png"
 
 
@@ -130,7 +140,9 @@ def prepare(requests: Sequence[Request], block_size: int, warmup: float = 0.0, *
     belady's next uses."""
     import pandas as pd  # factorize: hash-based, keeps first-appearance order
 
-    keys_of = PrefixKeys(block_size, streams)
+    # PrefixKeys hashes a block-aligned named segment once and memoises its keys, so the streams'
+    # own memo would mostly hold tokens never read again (256 MB on Mooncake): keep it small
+    keys_of = PrefixKeys(block_size, streams or TokenStreams(max_cached_tokens=PREPARE_STREAM_TOKENS))
     ideal = IdealCounter(block_size)
     start = window_start(len(requests), warmup)
     keys, prompt_lens, lookups, partial, arrival = [], [], [], [], []
