@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbench.memory.policies import make_policy
 from kvbench.trace.format import Request, Segment, load_trace
 from kvbench.trace.importers import convert
-from kvbench.whatif.curve import lru_curve, prepare, run_points, simulate
+from kvbench.whatif.curve import COMPILED, lru_curve, prepare, run_points, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 REAL = REPO.parent / "shared" / "traces" / "real" / "mooncake_conversation.jsonl"
@@ -29,8 +30,11 @@ def _budgets(bt) -> list[int]:
 
 def _assert_same(bt, budgets, name=""):
     curve = lru_curve(bt)
-    for b in budgets:
+    hits = curve.hit_tokens(np.asarray(budgets))
+    assert (np.diff(hits) >= 0).all(), name  # inclusion: more memory never loses a hit
+    for b, h in zip(budgets, hits):
         assert curve.point(b) == simulate(bt, b, "lru"), (name, b)
+        assert h == curve.point(b).hit_tokens
 
 
 @pytest.mark.parametrize("name", ["chat", "rag", "agent"])
@@ -52,6 +56,25 @@ def test_one_pass_equals_simulation_on_the_real_mooncake_trace(tmp_path):
         _assert_same(bt, _budgets(bt), f"mooncake/{bs}")
 
 
+def _assert_compiled_same(bt, budgets, name=""):
+    """The compiled core (a policy by name) and the policy classes (an object) hit the same blocks,
+    request by request, and evict as many."""
+    for b in budgets:
+        for p in COMPILED:
+            got: list[int] = []
+            want: list[int] = []
+            fast = simulate(bt, b, p, on_request=lambda i, h: got.append(h))
+            slow = simulate(bt, b, make_policy(p, max(bt.distinct_blocks, 1), b),
+                            on_request=lambda i, h: want.append(h))
+            assert (got, fast) == (want, slow), (name, b, p)
+
+
+@pytest.mark.parametrize("name", ["chat", "agent"])
+def test_compiled_core_equals_the_policy_classes_on_shipped_traces(name):
+    bt = prepare(load_trace(REPO / "traces" / f"{name}.jsonl"), 16, warmup=0.5)
+    _assert_compiled_same(bt, _budgets(bt)[::2], name)
+
+
 def test_run_points_takes_lru_from_the_curve():
     bt = prepare(load_trace(REPO / "traces/rag.jsonl"), 16, warmup=0.5)
     budgets = [bt.distinct_blocks // 20, bt.distinct_blocks // 4]
@@ -60,6 +83,26 @@ def test_run_points_takes_lru_from_the_curve():
         for b in budgets:
             assert points[(b, "lru")] == simulate(bt, b, "lru")
             assert points[(b, "fifo")] == simulate(bt, b, "fifo")
+
+
+def test_whatif_carries_the_whole_lru_curve(tmp_path):
+    """whatif's lru_curve runs between the smallest and largest budget through the lru rows."""
+    from kvbench.whatif.curve import budgets_from_blocks, whatif, write_outputs
+
+    reqs = load_trace(REPO / "traces/chat.jsonl")
+    budgets = budgets_from_blocks([100, 400, 3000], 16 * 1024)
+    w = whatif(reqs, trace="chat", model="m", kv_dtype="bf16", kv_bytes_per_token=1024, block_size=16,
+               budgets=budgets, policies=["fifo", "lru"])
+    full = dict(zip(w.lru_curve["budget_bytes"], w.lru_curve["hit_rate"]))
+    assert len(full) > 100 and min(full) == budgets[0].bytes and max(full) == budgets[-1].bytes
+    for r in w.rows:
+        if r["policy"] == "lru":
+            assert full[r["budget_bytes"]] == r["hit_rate"]
+    assert w.lru_curve["hit_rate"] == sorted(w.lru_curve["hit_rate"])
+    assert len(set(w.lru_curve["hit_rate"])) > 3  # a curve, not three steps
+    write_outputs(w, str(tmp_path))
+    assert whatif(reqs, trace="chat", model="m", kv_dtype="bf16", kv_bytes_per_token=1024, block_size=16,
+                  budgets=budgets, policies=["fifo"]).lru_curve is None
 
 
 # a small alphabet of shared prefixes and answers: requests share, repeat and re-send them
@@ -79,5 +122,6 @@ def test_one_pass_equals_simulation_at_every_budget_on_random_traces(reqs, bs, w
         prompt = tuple(Segment("shared", name=n, length=ln) if kind == "shared" else Segment("unique", length=ln)
                        for kind, n, ln in segs)
         trace.append(Request(id=f"r{i}", t=float(i), prompt=prompt, output_len=out_len, output=answer, index=i))
-    bt = prepare(trace, bs, warmup=warmup, future=False)
+    bt = prepare(trace, bs, warmup=warmup)
     _assert_same(bt, range(1, bt.distinct_blocks + 2))
+    _assert_compiled_same(bt, range(1, bt.distinct_blocks + 2, 3))

@@ -33,22 +33,23 @@ gap the policy closes at its budget (``gap_closed``).
 
 Shared with the replay, not copied: the block keys (kvbench.trace.ideal.PrefixKeys), the lookup rule
 (lookup_blocks), the ceiling (IdealCounter), belady's future (kvbench.memory.future.next_uses_from_keys)
-and every eviction decision: the kvbench.memory.policies classes, driven through their batch calls in
-the order PagedKV drives them. What is not shared is the block pool's bookkeeping (free list, refcounts,
+and the eviction decisions: the kvbench.memory.policies classes, driven through their batch calls in
+the order PagedKV drives them; except that fifo, lfu and belady by name run a compiled restatement of
+their classes' rules (``_run_compiled``, numba), held to the classes request by request by
+tests/test_whatif_curve.py (a policy object, e.g. a test's, still drives the class). What is not shared is the block pool's bookkeeping (free list, refcounts,
 token checks): with one request at a time every cached block is evictable between requests, so a
 block is named by its prefix key, remapped to a dense id 0..D-1, and one bool array says what is
 cached. The policies break ties by release order, never by block id, so these ids make the same
 decisions as a pool's physical ones; tests/test_whatif.py holds the two to equal hits request by request.
 
-Speed (see benchmarks/bench_whatif.py): lru costs one pass whatever the budgets; every request's keys
-are computed once, factorised into one flat int array of dense ids and shared by all (budget, policy)
-points (forked workers inherit it); belady's next uses come from one backward pass (another only
-for a budget below some request's lookups: it looks up only its first B there); each point touches
-the policy once per request per kind of call (a batch), and numpy does the per-block lookups; the
-policies are bucket queues whose per-block work is dict operations in C; points run in processes
-(``jobs``), the lru pass in the parent meanwhile. The whole Mooncake trace at block size 16, 6
-budgets x 4 policies, takes about 55 s with -j 2 on 2 cores, a third of it the preparation (mostly
-hashing the blocks' tokens).
+Speed (see benchmarks/bench_whatif.py): lru costs one pass whatever the budgets (lru_curve); fifo,
+lfu and belady are compiled (one heap, O(log n) per block); every request's keys are computed once,
+factorised into one flat int array of dense ids and shared by all (budget, policy) points (forked
+workers inherit it); belady's next uses come from one backward pass (another only for a budget below
+some request's lookups: it looks up only its first B there); the other policies are driven once per
+request per kind of call (a batch); points run in processes (``jobs``), the lru pass in the parent
+meanwhile. On the whole Mooncake trace the preparation (hashing the blocks' tokens, the ceiling,
+belady's future) is now most of the time.
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+import numba
 import numpy as np
 
 from kvbench.memory.future import next_uses_from_keys
@@ -235,6 +237,14 @@ def simulate(bt: BlockTrace, budget_blocks: int, policy: str | CachePolicy,
     if prefix_mode == "radix":
         return _simulate_radix(bt, budget_blocks, on_request)
     t0 = time.perf_counter()
+    if isinstance(policy, str) and policy in COMPILED and bt.requests < 1 << 22:
+        hits, evicted = _simulate_compiled(bt, budget_blocks, policy)
+        if on_request is not None:
+            for i, h in enumerate(hits.tolist()):
+                on_request(i, h)
+        too_large = int((np.diff(bt.starts)[bt.window_start:] > budget_blocks).sum())
+        return Point(budget_blocks, policy, int(hits[bt.window_start:].sum()) * bt.block_size, int(evicted),
+                     too_large, time.perf_counter() - t0)
     pol = make_policy(policy, max(bt.distinct_blocks, 1), budget_blocks) if isinstance(policy, str) else policy
     cached = np.zeros(bt.distinct_blocks, dtype=bool)
     pol.bind(DenseView(bt))
@@ -308,6 +318,11 @@ class StackCurve:
     held_by_depth: np.ndarray  # int64 [distinct blocks + 1]
     wall_s: float
 
+    def hit_tokens(self, budget_blocks: np.ndarray) -> np.ndarray:
+        """lru's hit tokens in the window at each budget (int64 [budgets])."""
+        below = np.concatenate(([0], np.cumsum(self.hits_by_depth)))  # below[b]: depths < b
+        return below[np.minimum(budget_blocks, len(self.hits_by_depth))] * self.bt.block_size
+
     def point(self, budget_blocks: int) -> Point:
         """What ``simulate(bt, budget_blocks, "lru")`` returns, read off the histograms."""
         bt, b = self.bt, budget_blocks
@@ -380,6 +395,159 @@ def _fold(hist: np.ndarray, runs: list[np.ndarray]) -> None:
     if runs:
         hist += np.bincount(np.concatenate(runs), minlength=len(hist))
         runs.clear()
+
+
+# ------------------------------------------------------------------ compiled core: fifo, lfu, belady
+
+# fifo, lfu and belady at one budget, compiled (numba, cached on disk: the first run on a machine
+# compiles for a few seconds). Their rules are the kvbench.memory.policies classes' (the victim is
+# the evictable block with the smallest (key, tick): fifo (0, insert), lfu (uses, last insert or
+# use), belady (furthest next use, then release order)), written as one binary heap of
+# ``key << 40 | stamp`` with lazy deletion: an entry is live while its block is cached and its
+# stamp is the block's latest. tests/test_whatif_curve.py holds it to ``simulate`` driving the
+# classes, request by request, and tests/test_whatif.py both to PagedKV.
+COMPILED = {"fifo": 0, "lfu": 1, "belady": 2}
+
+
+@numba.njit(cache=True)
+def _push(hp, hb, size, prio, b):
+    i = size
+    while i > 0:
+        up = (i - 1) >> 1
+        if hp[up] <= prio:
+            break
+        hp[i], hb[i] = hp[up], hb[up]
+        i = up
+    hp[i], hb[i] = prio, b
+    return size + 1
+
+
+@numba.njit(cache=True)
+def _sift_down(hp, hb, size, i):
+    prio, b = hp[i], hb[i]
+    while True:
+        c = 2 * i + 1
+        if c >= size:
+            break
+        if c + 1 < size and hp[c + 1] < hp[c]:
+            c += 1
+        if hp[c] >= prio:
+            break
+        hp[i], hb[i] = hp[c], hb[c]
+        i = c
+    hp[i], hb[i] = prio, b
+
+
+@numba.njit(cache=True)
+def _run_compiled(kind, ids, starts, lookups, future, budget, n_ids, never):
+    low = (1 << 40) - 1
+    requests = len(lookups)
+    hits = np.zeros(requests, dtype=np.int64)
+    cached = np.zeros(n_ids, dtype=np.bool_)
+    pinned = np.zeros(n_ids, dtype=np.bool_)
+    key = np.zeros(n_ids, dtype=np.int64)  # lfu: uses; belady: next use
+    stamp = np.zeros(n_ids, dtype=np.int64)
+    biggest = 0
+    for i in range(requests):
+        biggest = max(biggest, min(starts[i + 1] - starts[i], budget))
+    cap = 2 * budget + 2 * biggest + 4096
+    hp = np.empty(cap, dtype=np.int64)
+    hb = np.empty(cap, dtype=np.int64)
+    ap = np.empty(biggest + 1, dtype=np.int64)  # pinned entries set aside during a pop
+    ab = np.empty(biggest + 1, dtype=np.int64)
+    size = 0
+    tick = 0
+    n_cached = 0
+    evicted = 0
+    for i in range(requests):
+        if size > 2 * budget + 2048:  # drop dead entries
+            live = 0
+            for k in range(size):
+                b = hb[k]
+                if cached[b] and (hp[k] & low) == stamp[b]:
+                    hp[live], hb[live] = hp[k], hb[k]
+                    live += 1
+            size = live
+            for k in range(size // 2 - 1, -1, -1):
+                _sift_down(hp, hb, size, k)
+        s = starts[i]
+        n = min(starts[i + 1] - s, budget)
+        look = min(lookups[i], n)
+        h = 0
+        while h < look and cached[ids[s + h]]:
+            h += 1
+        hits[i] = h
+        for j in range(h):  # take the hits
+            b = ids[s + j]
+            pinned[b] = True
+            if kind == 1:  # lfu: a use
+                key[b] += 1
+                tick += 1
+                stamp[b] = tick
+                size = _push(hp, hb, size, (key[b] << 40) | tick, b)
+            elif kind == 2:
+                key[b] = future[s + j]
+        short = n - h - (budget - n_cached)
+        aside = 0
+        while short > 0:  # evict
+            prio, b = hp[0], hb[0]
+            size -= 1
+            if size:
+                hp[0], hb[0] = hp[size], hb[size]
+                _sift_down(hp, hb, size, 0)
+            if not cached[b] or (prio & low) != stamp[b]:
+                continue
+            if pinned[b]:
+                if kind != 2:  # fifo, lfu: it keeps its place (belady: queued again at release)
+                    ap[aside], ab[aside] = prio, b
+                    aside += 1
+                continue
+            cached[b] = False
+            n_cached -= 1
+            evicted += 1
+            short -= 1
+        for k in range(aside):
+            size = _push(hp, hb, size, ap[k], ab[k])
+        for j in range(h, n):  # store the rest (a key still cached keeps its block)
+            b = ids[s + j]
+            if cached[b]:
+                if kind == 2:  # belady: its next use moved on; queued again, as released now
+                    key[b] = future[s + j]
+                    tick += 1
+                    stamp[b] = tick
+                    size = _push(hp, hb, size, ((never - key[b]) << 40) | tick, b)
+                continue
+            cached[b] = True
+            pinned[b] = True
+            n_cached += 1
+            if kind == 2:
+                key[b] = future[s + j]
+                continue
+            key[b] = 1
+            tick += 1
+            stamp[b] = tick
+            size = _push(hp, hb, size, (key[b] << 40) | tick if kind == 1 else tick, b)
+        for j in range(n - 1, -1, -1):  # release, tail first
+            b = ids[s + j]
+            if not pinned[b]:
+                continue
+            pinned[b] = False
+            if kind == 2:
+                tick += 1
+                stamp[b] = tick
+                size = _push(hp, hb, size, ((never - key[b]) << 40) | tick, b)
+    return hits, evicted
+
+
+def _simulate_compiled(bt: BlockTrace, budget_blocks: int, policy: str) -> tuple[np.ndarray, int]:
+    """(hit blocks per request, evicted blocks) of ``policy`` at a budget, compiled."""
+    if policy == "belady":
+        # request indices, NEVER as one past the last request: the heap key is (never - next use)
+        future = np.minimum(bt.future(budget_blocks), bt.requests)
+    else:
+        future = np.zeros(0, dtype=np.int64)
+    return _run_compiled(COMPILED[policy], bt.ids, bt.starts, bt.lookups, future, budget_blocks,
+                max(bt.distinct_blocks, 1), bt.requests)
 
 
 def check_mode(prefix_mode: str, policies) -> None:
@@ -484,9 +652,10 @@ def _run_point(args: tuple[int, str, str]) -> Point:
 
 
 def run_points(bt: BlockTrace, budget_blocks: Sequence[int], policies: Sequence[str],
-               jobs: int = 1, prefix_mode: str = "hash") -> dict[tuple[int, str], Point]:
-    """Every (budget, policy) point: lru's (hash mode) from one pass at every budget (lru_curve),
-    the others' by simulation, in ``jobs`` processes (forked: they share ``bt``)."""
+               jobs: int = 1, prefix_mode: str = "hash", on_curve=None) -> dict[tuple[int, str], Point]:
+    """Every (budget, policy) point: lru's (hash mode) from one pass at every budget (lru_curve,
+    handed to ``on_curve`` if given), the others' by simulation, in ``jobs`` processes (forked:
+    they share ``bt``)."""
     global _SHARED
     check_mode(prefix_mode, policies)
     stack = [p for p in policies if p in STACK_POLICIES] if prefix_mode == "hash" else []
@@ -500,6 +669,8 @@ def run_points(bt: BlockTrace, budget_blocks: Sequence[int], policies: Sequence[
     try:
         if stack:  # in this process, while the workers simulate
             curve = lru_curve(bt)
+            if on_curve is not None:
+                on_curve(curve)
             share = curve.wall_s / len(set(budget_blocks))
             for b in budget_blocks:
                 out[(b, "lru")] = replace(curve.point(b), wall_s=share)
@@ -533,6 +704,9 @@ class WhatIf:
     ceiling_hit_tokens: int
     rows: list[dict]
     prefix_mode: str = "hash"
+    # lru at every budget between the smallest and the largest asked for (log-spaced, at most
+    # CURVE_POINTS): {"budget_bytes": [...], "hit_rate": [...]}; None without lru (or in radix mode)
+    lru_curve: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -546,7 +720,8 @@ def whatif(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str
         check_policy(p)
     check_mode(prefix_mode, policies)
     bt = prepare(requests, block_size, warmup, future="belady" in policies, streams=streams)
-    points = run_points(bt, [b.blocks for b in budgets], policies, jobs, prefix_mode)
+    curves: list[StackCurve] = []
+    points = run_points(bt, [b.blocks for b in budgets], policies, jobs, prefix_mode, curves.append)
     prompt = bt.window_prompt_tokens
     rows = []
     for b in budgets:
@@ -560,7 +735,22 @@ def whatif(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str
                          "evicted_blocks": pt.evicted_blocks, "too_large_requests": pt.too_large})
     return WhatIf(trace, model, kv_dtype, kv_bytes_per_token, block_size, warmup, bt.requests,
                   bt.requests - bt.window_start, prompt, bt.distinct_blocks, bt.ceiling,
-                  bt.ceiling_hit_tokens, rows, prefix_mode)
+                  bt.ceiling_hit_tokens, rows, prefix_mode,
+                  _full_curve(curves[0], budgets, kv_bytes_per_token * block_size) if curves else None)
+
+
+CURVE_POINTS = 200
+
+
+def _full_curve(curve: StackCurve, budgets: Sequence[Budget], block_bytes: int) -> dict:
+    lo = max(1, min(b.blocks for b in budgets))
+    hi = max(lo, max(b.blocks for b in budgets))
+    blocks = np.unique(np.concatenate((np.geomspace(lo, hi, CURVE_POINTS).round().astype(np.int64),
+                                       [max(1, b.blocks) for b in budgets])))
+    hits = curve.hit_tokens(blocks)
+    prompt = curve.bt.window_prompt_tokens
+    return {"budget_bytes": (blocks * block_bytes).tolist(),
+            "hit_rate": (hits / prompt if prompt else hits * 0.0).tolist()}
 
 
 def gap_closed(points: dict[tuple[int, str], Point], budget_blocks: int, policy: str) -> float | None:
@@ -623,6 +813,9 @@ def plot(w: WhatIf, path: str) -> None:
         rows = sorted((r for r in w.rows if r["policy"] == p), key=lambda r: r["budget_bytes"])
         ax.plot([r["budget_bytes"] / 2**30 for r in rows], [r["hit_rate"] for r in rows],
                 marker="o", label=name)
+    if w.lru_curve is not None:  # lru between the points: one pass gives every budget
+        ax.plot([b / 2**30 for b in w.lru_curve["budget_bytes"]], w.lru_curve["hit_rate"], color="gray",
+                linewidth=0.8, label="lru, every budget")
     ax.axhline(w.ceiling, color="black", linestyle="--", label=f"ceiling (infinite cache) {w.ceiling:.3f}")
     ax.set_xscale("log", base=2)
     sizes = sorted({(r["budget_bytes"], r["budget"]) for r in w.rows})
