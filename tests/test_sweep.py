@@ -114,11 +114,20 @@ def _mtimes(run_dir: Path) -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
 
 
+@pytest.fixture(scope="module")
+def long_chat(tmp_path_factory) -> str:
+    """1,000 chat requests: runs long enough (~1 s each) that Ctrl-C lands midway through a sweep
+    even on a busy machine, not after its grid."""
+    path = tmp_path_factory.mktemp("long") / "chat1000.jsonl"
+    subprocess.run([sys.executable, "-m", "kvbench", "trace", "gen", "chat", "--requests", "1000", "--seed", "1",
+                    "-o", str(path)], check=True, capture_output=True, cwd=REPO)
+    return str(path)
+
+
 @pytest.mark.parametrize("jobs", ["1", "2"])  # in process, and worker processes
-def test_interrupted_sweep_resumes_without_redoing_finished_runs(tmp_path, jobs):
+def test_interrupted_sweep_resumes_without_redoing_finished_runs(tmp_path, jobs, long_chat):
     out = tmp_path / "sweep"
-    # the whole trace: runs long enough (~1 s each) that Ctrl-C lands midway, not after the grid
-    cmd = [sys.executable, "-m", "kvbench", "sweep", TRACE, *GRID, "--out", str(out)]
+    cmd = [sys.executable, "-m", "kvbench", "sweep", long_chat, *GRID, "--out", str(out)]
     proc = subprocess.Popen(cmd + ["-j", jobs], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     deadline = time.monotonic() + 60
     while len(_done(out)) < 2 and proc.poll() is None and time.monotonic() < deadline:
