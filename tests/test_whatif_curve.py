@@ -75,6 +75,21 @@ def test_compiled_core_equals_the_policy_classes_on_shipped_traces(name):
     _assert_compiled_same(bt, _budgets(bt)[::2], name)
 
 
+def test_compiled_future_equals_next_uses_from_keys():
+    """belady's next uses over dense ids (compiled) are kvbench.memory.future's over keys, at the
+    trace's lookups and at a budget below some request's."""
+    from kvbench.memory.future import next_uses_from_keys
+
+    for name in ("chat", "agent"):
+        bt = prepare(load_trace(REPO / "traces" / f"{name}.jsonl"), 16)
+        keys = [bt.ids[bt.starts[i]:bt.starts[i + 1]].tolist() for i in range(bt.requests)]
+        for lookups in (bt.lookups, np.minimum(bt.lookups, 50)):
+            want = np.concatenate(next_uses_from_keys(keys, lookups.tolist()))
+            got = bt.next_use if lookups is bt.lookups else bt.future(50)
+            assert np.array_equal(got, want), name
+        assert not np.array_equal(bt.future(50), bt.next_use)
+
+
 def test_run_points_takes_lru_from_the_curve():
     bt = prepare(load_trace(REPO / "traces/rag.jsonl"), 16, warmup=0.5)
     budgets = [bt.distinct_blocks // 20, bt.distinct_blocks // 4]

@@ -32,13 +32,14 @@ time, and read keys and parents through DenseView. Each row carries the share of
 gap the policy closes at its budget (``gap_closed``).
 
 Shared with the replay, not copied: the block keys (kvbench.trace.ideal.PrefixKeys), the lookup rule
-(lookup_blocks), the ceiling (IdealCounter), belady's future (kvbench.memory.future.next_uses_from_keys)
-and the eviction decisions: the kvbench.memory.policies classes, driven through their batch calls in
-the order PagedKV drives them; except that fifo, lfu and belady by name run a compiled restatement of
-their classes' rules (``_run_compiled``, numba), held to the classes request by request by
-tests/test_whatif_curve.py (a policy object, e.g. a test's, still drives the class). What is not shared is the block pool's bookkeeping (free list, refcounts,
-token checks): with one request at a time every cached block is evictable between requests, so a
-block is named by its prefix key, remapped to a dense id 0..D-1, and one bool array says what is
+(lookup_blocks), the ceiling (IdealCounter) and the eviction decisions: the kvbench.memory.policies
+classes, driven through their batch calls in the order PagedKV drives them. Two restatements are
+compiled (numba) for speed, and tests/test_whatif_curve.py holds each to its original: fifo, lfu and
+belady by name (``_run_compiled``; a policy object, e.g. a test's, still drives the class), request
+by request, and belady's future over dense ids (``_next_uses``; kvbench.memory.future's over keys).
+What is not shared is the block pool's bookkeeping (free list, refcounts, token checks): with one
+request at a time every cached block is evictable between requests, so a block is named by its
+prefix key, remapped to a dense id 0..D-1, and one bool array says what is
 cached. The policies break ties by release order, never by block id, so these ids make the same
 decisions as a pool's physical ones; tests/test_whatif.py holds the two to equal hits request by request.
 
@@ -63,8 +64,8 @@ from dataclasses import asdict, dataclass, field, replace
 import numba
 import numpy as np
 
-from kvbench.memory.future import next_uses_from_keys
 from kvbench.memory.policies import (
+    NEVER,
     CachePolicy,
     CacheView,
     check_policy,
@@ -180,10 +181,24 @@ def prepare(requests: Sequence[Request], block_size: int, warmup: float = 0.0, *
 
 
 def _next_uses(ids: np.ndarray, starts: np.ndarray, lookups: np.ndarray) -> np.ndarray:
-    """kvbench.memory.future's backward pass over dense ids, flattened like ``ids``."""
-    per_request = [ids[starts[i]:starts[i + 1]].tolist() for i in range(len(lookups))]
-    nu = next_uses_from_keys(per_request, lookups.tolist())
-    return np.concatenate(nu) if nu else np.zeros(0, dtype=np.int64)
+    """kvbench.memory.future.next_uses_from_keys's backward pass, over dense ids and compiled (its
+    dict of keys and per-request lists cost ~1 GB and 3 s on Mooncake at block 16), flattened like
+    ``ids``; tests/test_whatif_curve.py holds the two equal."""
+    n_ids = int(ids.max()) + 1 if len(ids) else 1
+    return _next_uses_compiled(ids, starts, lookups, n_ids, NEVER)
+
+
+@numba.njit(cache=True)
+def _next_uses_compiled(ids, starts, lookups, n_ids, never):
+    nxt = np.full(n_ids, never, dtype=np.int64)  # the next request that looks each block up
+    out = np.empty(len(ids), dtype=np.int64)
+    for i in range(len(lookups) - 1, -1, -1):
+        s, e = starts[i], starts[i + 1]
+        for k in range(s, e):
+            out[k] = nxt[ids[k]]
+        for k in range(s, s + lookups[i]):
+            nxt[ids[k]] = i
+    return out
 
 
 # --------------------------------------------------------------------------------- one point
