@@ -152,7 +152,7 @@ def prepare(requests: Sequence[Request], block_size: int, warmup: float = 0.0, *
     ceiling = 0
     for i, r in enumerate(requests):
         k, prompt_len = keys_of(r)
-        h = ideal.add(k, prompt_len)
+        h = ideal.add(k, prompt_len, keys_of.shareable_blocks(r))  # keeps only keys that can hit
         if i >= start:
             ceiling += h
         keys.append(k)
