@@ -287,6 +287,7 @@ class Replay:
         # trace is unsorted, and then it gets a pass of its own.
         in_order = all(reqs[i].index < reqs[i + 1].index for i in range(len(reqs) - 1))
         self._keys_of = PrefixKeys(bs, self.streams)
+        self._keys_of.count_once(r for r in reqs if self._reject_reason(r) is None)
         # Radix runs use a token-granular ideal (spec §4): a radix tree can hit inside a block.
         admitted = sorted((r for r in reqs if self._reject_reason(r) is None), key=lambda r: r.index)
         if cfg.prefix_mode == "radix":

@@ -64,18 +64,35 @@ class PrefixKeys:
         self.block_size = block_size
         self.streams = streams or TokenStreams()
         self._memo: dict[tuple[int, str, int], np.ndarray] = {}
+        self.once: frozenset[str] = frozenset()  # shared streams only one request uses (see count_once)
 
     def __call__(self, req: Request) -> tuple[np.ndarray, int]:
         """(uint64 keys of every whole block of the cached sequence, prompt length)."""
-        return _sequence_keys(req, self.block_size, self.streams, self._memo)
+        return _sequence_keys(req, self.block_size, self.streams, self._memo, self.once)
+
+    def count_once(self, requests: Iterable[Request]) -> None:
+        """Note the shared streams that only one of ``requests`` uses (in a prompt, or as the answer
+        it names): like a unique segment, such a stream's blocks can never be hit by another request,
+        so shareable_blocks stops before them and their keys are not memoised. On the Mooncake trace
+        most 512-token hash ids are used once."""
+        seen: set[str] = set()
+        twice: set[str] = set()
+        for r in requests:
+            names = {seg.name for seg in r.prompt if seg.kind == "shared"}
+            if r.output is not None:
+                names.add(r.output)
+            twice |= names & seen
+            seen |= names
+        self.once = frozenset(seen - twice)
 
     def shareable_blocks(self, req: Request) -> int | None:
         """How many leading blocks another request could share: the blocks before the first one holding
-        a token of a ``unique`` segment (its stream is the request's own, and every key after it is
-        chained to it); None when the request has no unique segment."""
+        a token of the request's own — a ``unique`` segment, or a shared stream no other request uses
+        (count_once) — since every key after it is chained to it; None when there is none."""
         pos = 0
+        once = self.once
         for seg in req.prompt:
-            if seg.kind == "unique" and seg.length > 0:
+            if seg.length > 0 and (seg.kind == "unique" or (seg.kind == "shared" and seg.name in once)):
                 return pos // self.block_size
             pos += seg.length
         return None
@@ -167,7 +184,7 @@ _NO_TOKENS = np.zeros(0, dtype=np.int32)
 
 
 def _sequence_keys(req: Request, block_size: int, streams: TokenStreams,
-                   memo: dict) -> tuple[np.ndarray, int]:
+                   memo: dict, once: frozenset = frozenset()) -> tuple[np.ndarray, int]:
     """Block keys of a request's cached sequence (identical to ``block_keys(cached_sequence(...))``)
     and its prompt length in tokens.
 
@@ -187,7 +204,8 @@ def _sequence_keys(req: Request, block_size: int, streams: TokenStreams,
             if ks is None:
                 toks = streams.stream(name, n_full * block_size) if n_full else _NO_TOKENS
                 ks = np.array(block_keys(toks, block_size, n_full, parent), dtype=np.uint64)
-                memo[(parent, name, length)] = ks
+                if name not in once:  # a stream one request uses is never looked up again
+                    memo[(parent, name, length)] = ks
             rest = length - n_full * block_size
             carry = streams.stream(name, rest, start=n_full * block_size) if rest else _NO_TOKENS
         else:

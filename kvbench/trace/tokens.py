@@ -60,7 +60,7 @@ class TokenStreams:
     and regenerated on demand, identically).
     """
 
-    def __init__(self, max_cached_tokens: int = 64 * 2**20, tokenizer=None):
+    def __init__(self, max_cached_tokens: int = 16 * 2**20, tokenizer=None):
         self._prefixes: OrderedDict[str, np.ndarray] = OrderedDict()
         self._cached_tokens = 0
         self._budget = max_cached_tokens
