@@ -34,7 +34,8 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--routers", default=",".join(ROUTERS) + ",prefix:64",
-                    help="routers to run; prefix:K is the prefix router hashing the first K blocks")
+                    help="routers to run; prefix:K hashes the first K blocks, kv-aware:W weighs the blocks "
+                         "to prefill W times the active blocks")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         trace = a.trace
@@ -51,8 +52,10 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for n, spec, slower in runs:
             router, _, k = spec.partition(":")
+            arg = {"router_prefix_blocks": int(k)} if router == "prefix" and k else \
+                {"router_cache_weight": float(k)} if router == "kv-aware" and k else {}
             cfg = ReplayConfig(executor="sim", model=a.model, gpu=a.gpu, replicas=n, router=router,
-                               router_prefix_blocks=int(k or 4), time_scale=a.time_scale * slower, limit=a.limit)
+                               time_scale=a.time_scale * slower, limit=a.limit, **arg)
             rp = Replay(trace, cfg, os.path.join(tmp, f"{n}-{spec.replace(':', '-')}-{slower:g}"))
             t0 = time.perf_counter()
             s = rp.run()
