@@ -146,6 +146,7 @@ def prepare(requests: Sequence[Request], block_size: int, warmup: float = 0.0, *
     # PrefixKeys hashes a block-aligned named segment once and memoises its keys, so the streams'
     # own memo would mostly hold tokens never read again (256 MB on Mooncake): keep it small
     keys_of = PrefixKeys(block_size, streams or TokenStreams(max_cached_tokens=PREPARE_STREAM_TOKENS))
+    keys_of.count_once(requests)  # streams one request uses: neither kept by the ceiling nor memoised
     ideal = IdealCounter(block_size)
     start = window_start(len(requests), warmup)
     keys, prompt_lens, lookups, partial, arrival = [], [], [], [], []
