@@ -355,8 +355,8 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     too_large = {(r["budget_bytes"], r["budget"]): r["too_large_requests"] for r in result.rows
                  if r["too_large_requests"]}
     for (_, label), n in sorted(too_large.items()):
-        _note(f"at {label}, {n} counted requests have more whole blocks than the budget: they could "
-              "not run, and count as misses")
+        _note(f"at {label}, {n} counted requests have more whole blocks than the budget: each ran as "
+              "its first blocks that fit (an engine with this pool would refuse it)")
 
 
 # ------------------------------------------------------------------------------------ fit-policy
