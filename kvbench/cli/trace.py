@@ -257,6 +257,7 @@ Examples:
   kvbench trace whatif mooncake.jsonl --block-size 512 --warmup 0.5 --model llama-3.1-8b \\
       --kv-dtype bf16 --budgets {DEFAULT_BUDGETS} -j 2 --out runs/whatif
   kvbench trace whatif traces/rag.jsonl --budget-blocks 1000,5000,20000 --policies lru,belady --json
+  kvbench trace whatif traces/chat.jsonl --budgets 1GiB,4GiB --replicas 4 --router prefix
 """)
 @click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
 @click.option("--block-size", type=Count(1, MAX_BLOCK_SIZE), default=16, show_default=True,
@@ -276,11 +277,19 @@ Examples:
               show_default=True, help="fraction of requests that only warm the cache (not counted)")
 @click.option("-j", "--jobs", type=Count(1, 256), default=1, show_default=True,
               help="processes, one (budget, policy) point each")
+@click.option("--replicas", type=Count(1, 1024), default=1, show_default=True,
+              help="replicas, each with a cache of the budget; requests routed by --router")
+@click.option("--router", type=click.Choice(["round-robin", "least-loaded", "session", "prefix", "kv-aware"]),
+              default="round-robin", show_default=True,
+              help="with --replicas: which replica a request goes to (one request at a time: no load; "
+                   "kv-aware's index learns from routing and never forgets)")
+@click.option("--router-prefix-blocks", type=Count(1), default=4, show_default=True,
+              help="prefix router: leading blocks hashed")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of a table")
 @click.option("--out", type=click.Path(file_okay=False),
               help="also write whatif.parquet, whatif.png and whatif.json into this directory")
 def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, policies, prefix_mode, warmup,
-           jobs, as_json, out):
+           jobs, replicas, router, router_prefix_blocks, as_json, out):
     """Prefix hit rate against KV cache size and cache policy, straight from a trace.
 
     Prompts are replayed one after another in trace order (no concurrency, no decode) through a
@@ -339,7 +348,8 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     reqs = load_trace(trace_path)
     result = wi.whatif(reqs, trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
                        kv_bytes_per_token=per_token, block_size=block_size, budgets=plan,
-                       policies=chosen, warmup=warmup, jobs=jobs, prefix_mode=prefix_mode)
+                       policies=chosen, warmup=warmup, jobs=jobs, prefix_mode=prefix_mode,
+                       replicas=replicas, router=router, router_prefix_blocks=router_prefix_blocks)
     if out:
         for path in wi.write_outputs(result, out):
             _note(f"wrote {path}")
@@ -352,6 +362,10 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     gaps = wi.gap_table(result)
     if gaps is not None:
         console.print(gaps)
+    if result.replicas > 1:
+        _note(f"{result.replicas} replicas with a cache of the budget each, router {result.router}: requests "
+              f"per replica {', '.join(f'{n:,}' for n in result.replica_requests)}; ceiling with one infinite "
+              f"cache per replica {result.replicas_ceiling:.4f} (one shared: {result.ceiling:.4f})")
     too_large = {(r["budget_bytes"], r["budget"]): r["too_large_requests"] for r in result.rows
                  if r["too_large_requests"]}
     for (_, label), n in sorted(too_large.items()):

@@ -723,6 +723,10 @@ class WhatIf:
     # lru at every budget between the smallest and the largest asked for (log-spaced, at most
     # CURVE_POINTS): {"budget_bytes": [...], "hit_rate": [...]}; None without lru (or in radix mode)
     lru_curve: dict | None = None
+    replicas: int = 1  # caches of the budget each, requests routed by router (kvbench.whatif.replicas)
+    router: str | None = None
+    replica_requests: list[int] | None = None  # requests each replica was sent
+    replicas_ceiling: float | None = None  # one infinite cache per replica: the routed ceiling
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -731,13 +735,37 @@ class WhatIf:
 def whatif(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str,
            kv_bytes_per_token: int, block_size: int, budgets: Sequence[Budget],
            policies: Sequence[str], warmup: float = 0.5, jobs: int = 1,
-           streams: TokenStreams | None = None, prefix_mode: str = "hash") -> WhatIf:
+           streams: TokenStreams | None = None, prefix_mode: str = "hash", replicas: int = 1,
+           router: str = "round-robin", router_prefix_blocks: int = 4) -> WhatIf:
+    """The table: every (budget, policy) point, one cache per budget, or with ``replicas`` > 1 one cache
+    of the budget per replica and the requests routed by ``router`` (kvbench.whatif.replicas)."""
     for p in policies:
         check_policy(p)
     check_mode(prefix_mode, policies)
-    bt = prepare(requests, block_size, warmup, future="belady" in policies, streams=streams)
+    future = "belady" in policies
+    bt = prepare(requests, block_size, warmup, future=future, streams=streams)
     curves: list[StackCurve] = []
-    points = run_points(bt, [b.blocks for b in budgets], policies, jobs, prefix_mode, curves.append)
+    blocks = [b.blocks for b in budgets]
+    cluster = {}
+    if replicas > 1:
+        from kvbench.whatif import replicas as rep
+
+        where = rep.route(bt, requests, replicas, router, router_prefix_blocks)
+        subs = rep.split(bt, where, replicas, future)
+        parts, part_curves = [], []
+        for sub in subs:
+            got: list[StackCurve] = []
+            parts.append(run_points(sub, blocks, policies, jobs, prefix_mode, got.append))
+            part_curves.append(got[0] if got else None)
+        points = rep.combine(parts, blocks, policies)
+        if part_curves and all(c is not None for c in part_curves):
+            curves.append(_SummedCurve(part_curves, bt))
+        p_all = bt.window_prompt_tokens
+        cluster = {"replicas": replicas, "router": router,
+                   "replica_requests": np.bincount(where, minlength=replicas).tolist(),
+                   "replicas_ceiling": sum(s.ceiling_hit_tokens for s in subs) / p_all if p_all else 0.0}
+    else:
+        points = run_points(bt, blocks, policies, jobs, prefix_mode, curves.append)
     prompt = bt.window_prompt_tokens
     rows = []
     for b in budgets:
@@ -752,7 +780,19 @@ def whatif(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str
     return WhatIf(trace, model, kv_dtype, kv_bytes_per_token, block_size, warmup, bt.requests,
                   bt.requests - bt.window_start, prompt, bt.distinct_blocks, bt.ceiling,
                   bt.ceiling_hit_tokens, rows, prefix_mode,
-                  _full_curve(curves[0], budgets, kv_bytes_per_token * block_size) if curves else None)
+                  _full_curve(curves[0], budgets, kv_bytes_per_token * block_size) if curves else None,
+                  **cluster)
+
+
+@dataclass(slots=True)
+class _SummedCurve:
+    """The replicas' LRU curves as one (hits add up; the prompt tokens are the whole window's)."""
+
+    parts: list
+    bt: BlockTrace
+
+    def hit_tokens(self, budget_blocks: np.ndarray) -> np.ndarray:
+        return sum(c.hit_tokens(budget_blocks) for c in self.parts)
 
 
 CURVE_POINTS = 200
