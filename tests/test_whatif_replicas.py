@@ -124,3 +124,12 @@ def test_the_warmup_window_is_the_whole_traces(router):
             seen.update(int(x) for x in k)
     assert hits(w) == {(128, p): v for p, v in want.items()}
     assert w.replicas_ceiling == pytest.approx(ceiling / bt.window_prompt_tokens)
+
+
+def test_kv_aware_keeps_the_load_in_balance_when_every_prompt_shares_its_first_block():
+    reqs = [Request(id=f"r{i}", t=float(i), output_len=2,
+                    prompt=[Segment("shared", name="system", length=64), Segment("unique", length=64)])
+            for i in range(400)]
+    bt = wi.prepare(reqs, 16)
+    sent = np.bincount(rep.route(bt, reqs, 4, "kv-aware"), minlength=4)
+    assert sent.max() - sent.min() <= rep.BALANCE_ABS + 1 and sent.min() > 0

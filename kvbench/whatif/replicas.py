@@ -8,7 +8,8 @@ replica that has been sent the fewest requests so far (one request at a time, th
 over the request's first ``prefix_blocks`` blocks; ``kv-aware``: the replica holding the longest
 run of the request's leading blocks according to an index that learns from routing decisions and never
 forgets (Dynamo's approximate indexer without expiry: evictions are not seen), ties to the replica sent
-the fewest requests. Routing then depends on the requests alone, not on any budget or policy, so the trace
+the fewest requests, unless the requests sent are out of balance (BALANCE_ABS, BALANCE_REL): then the
+replica sent the fewest. Routing then depends on the requests alone, not on any budget or policy, so the trace
 is split into one sub-trace per replica and every (budget, policy) point — LRU's one-pass curve included —
 runs on each as it does on a single cache; the hits add up.
 """
@@ -21,6 +22,12 @@ import numpy as np
 from kvbench.engine.routing import ROUTERS, Router
 from kvbench.trace.format import Request
 from kvbench.whatif.curve import BlockTrace, _next_uses
+
+# kv-aware without time: affinity would send every request that shares a first block to one replica,
+# so, as SGLang's cache-aware router does, the load is balanced first: when the replica sent the most
+# requests has more than BALANCE_ABS and BALANCE_REL times as many as the least, the least gets it.
+BALANCE_ABS = 32
+BALANCE_REL = 1.5
 
 
 def route(bt: BlockTrace, requests: Sequence[Request], replicas: int, router: str,
@@ -49,6 +56,8 @@ def route(bt: BlockTrace, requests: Sequence[Request], replicas: int, router: st
             r = fewest if s is None else sessions.route(0.0, s, (), 0, None)[0]
         elif router == "prefix":
             r = ring.route(0.0, None, blocks.tolist(), len(blocks), [(sent[x], 0, 0) for x in range(replicas)])[0]
+        elif max(sent) - sent[fewest] > BALANCE_ABS and max(sent) > BALANCE_REL * sent[fewest]:
+            r = fewest  # kv-aware, the load out of balance: the least-loaded replica
         else:  # kv-aware: the longest run of leading blocks the index has seen on a replica
             look = blocks[:lookups[i]]
             best, r = -1, fewest
