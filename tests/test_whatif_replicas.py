@@ -132,4 +132,6 @@ def test_kv_aware_keeps_the_load_in_balance_when_every_prompt_shares_its_first_b
             for i in range(400)]
     bt = wi.prepare(reqs, 16)
     sent = np.bincount(rep.route(bt, reqs, 4, "kv-aware"), minlength=4)
-    assert sent.max() - sent.min() <= rep.BALANCE_ABS + 1 and sent.min() > 0
+    # affinity alone would send all 400 to one replica; balance keeps the busiest within the thresholds
+    assert sent.min() > 0
+    assert sent.max() <= sent.min() + rep.BALANCE_ABS + 1 or sent.max() <= rep.BALANCE_REL * sent.min() + 1
