@@ -128,7 +128,10 @@ def long_chat(tmp_path_factory) -> str:
 def test_interrupted_sweep_resumes_without_redoing_finished_runs(tmp_path, jobs, long_chat):
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "kvbench", "sweep", long_chat, *GRID, "--out", str(out)]
-    proc = subprocess.Popen(cmd + ["-j", jobs], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    # SIGINT as a terminal delivers it, even when the test runner was started in the background
+    # (a non-interactive shell's background job, and all it starts, ignores SIGINT)
+    proc = subprocess.Popen(cmd + ["-j", jobs], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while len(_done(out)) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
