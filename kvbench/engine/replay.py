@@ -15,6 +15,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -371,8 +372,7 @@ class Replay:
         return summary
 
     def _arrive(self, r: Request, index: int, future, use_tokens: bool, writer, st, arrival: float) -> None:
-        prompt = self.streams.expand(r)
-        rs = RequestState(req=r, arrival_s=arrival, prompt=prompt)
+        rs = RequestState(req=r, arrival_s=arrival, prompt=None)
         reason = self._reject_reason(r)
         if reason is not None:
             rs.reject_reason = reason
@@ -396,10 +396,15 @@ class Replay:
         rep.routed += 1
         if not rep.sched.has_work():  # an idle replica starts at the arrival
             rep.clock = max(rep.clock, arrival)
-        tokens = sequence_tokens(r, prompt, self.streams) if use_tokens else None
-        seq = rep.sched.new_seq(rs, tokens, None if future is None else future[index],
-                                keys=keys.tolist() if rep.kv.prefix_cache else None,
+        tokens = None
+        if use_tokens:  # the prompt is the first tokens of the sequence's: one array, not two
+            prompt = self.streams.expand(r)
+            tokens = sequence_tokens(r, prompt, self.streams)
+            rs.prompt = tokens[:len(prompt)]
+        seq = rep.sched.new_seq(rs, tokens, None if future is None else future[index], keys=None,
                                 reserve=self._reserve(r))
+        if rep.kv.prefix_cache:  # a waiting request keeps its keys as 8 bytes a block until admission
+            seq.pending = partial(_keys_as_list, keys)
         rep.sched.add(seq)
 
     # -- records ------------------------------------------------------------------------------
@@ -548,6 +553,10 @@ class _Totals:
     running_t: float = 0.0
     util_t: float = 0.0
     pcie_s: float = 0.0
+
+
+def _keys_as_list(keys: np.ndarray, seq) -> None:
+    seq.keys = keys.tolist()
 
 
 def _merge_evictors(summaries: list[dict]) -> dict:

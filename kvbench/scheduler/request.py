@@ -20,7 +20,7 @@ class RequestState:
 
     req: Request
     arrival_s: float
-    prompt: np.ndarray  # int32 prompt token ids
+    prompt: np.ndarray | None  # int32 prompt token ids (None where nothing reads them: the sim without a prefix cache)
     first_sched_s: float = NAN
     first_token_s: float = NAN
     finish_s: float = NAN
@@ -53,3 +53,6 @@ class Sequence(SeqKV):
     computed_before: int = 0  # KV tokens held before its last preemption (recompute accounting)
     resumed: bool = False
     ev: object = None  # token-eviction state (kvbench.eviction.evictor.SeqState)
+    # called once with the sequence when the scheduler first considers it for admission, to fill in
+    # what it waited without (its keys as a list)
+    pending: object = None

@@ -92,7 +92,7 @@ class Scheduler:
                 keys: list[int] | None = None, reserve: int = 0) -> Sequence:
         self._next_id += 1
         return Sequence(tokens=tokens, next_use=next_use, keys=keys, reserve=reserve,
-                        seq_id=self._next_id, rs=rs, seats=rs.req.n, num_tokens=len(rs.prompt),
+                        seq_id=self._next_id, rs=rs, seats=rs.req.n, num_tokens=rs.req.prompt_len,
                         out_tokens=[] if self.needs_tokens else None)
 
     def add(self, s: Sequence) -> None:
@@ -136,6 +136,9 @@ class Scheduler:
             s = waiting[0]
             if self.num_seats + s.seats > cap:
                 break
+            if s.pending is not None:  # its token arrays are built now, not at arrival
+                s.pending(s)
+                s.pending = None
             # the watermark keeps room for running sequences to grow; with none running, a request
             # that needs nearly the whole pool must still be admitted (vLLM: has_scheduled_reqs)
             wm = self.watermark if running else 0
@@ -271,7 +274,7 @@ class Scheduler:
         rs = parent.rs
         req = rs.req
         bs = self.kv.block_size
-        shared = (len(rs.prompt) + 1) // bs  # blocks holding only the prompt and the shared first token
+        shared = (req.prompt_len + 1) // bs  # blocks holding only the prompt and the shared first token
         for k in range(1, req.n):
             self._next_id += 1
             tokens = None if parent.tokens is None else sequence_tokens(req, rs.prompt, self.streams, k)
