@@ -305,7 +305,14 @@ def load_inputs(paths: list[str], on_bad: str = "skip") -> Inputs:
     def take_whatif(d: str) -> None:
         path = os.path.join(d, WHATIF_PARQUET)
         _check_parquet(path, columns=["budget_blocks", "policy", "hit_rate"])
-        whatifs.append(WhatIf(d, os.path.basename(os.path.normpath(d)), pd.read_parquet(path)))
+        label = os.path.basename(os.path.normpath(d))
+        try:  # a what-if across replicas says so in its label
+            meta = json.loads(open(os.path.join(d, "whatif.json"), encoding="utf-8").read())
+            if isinstance(meta, dict) and isinstance(meta.get("replicas"), int) and meta["replicas"] > 1:
+                label += f" · {meta['replicas']} replicas, router {meta.get('router')}"
+        except (OSError, ValueError):
+            pass
+        whatifs.append(WhatIf(d, label, pd.read_parquet(path)))
 
     def take(d: str, kind: str) -> None:
         if kind == "sweep":
