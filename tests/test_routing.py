@@ -233,3 +233,43 @@ def test_report_draws_routing_and_sums_replicas_over_time(tmp_path):
     out = tmp_path / "report"
     build_report([str(runs)], str(out))
     assert (out / "chat-routing.png").exists()
+
+
+@pytest.mark.parametrize("router", ["least-loaded", "kv-aware"])
+def test_the_router_sees_a_replica_busy_during_its_step(tmp_path, router):
+    """A request arriving while replica 0 runs a long prefill goes to the idle replica 1: the router
+    sees a replica's load as its step started, not the state after the step the loop already ran."""
+    rows = [{"id": "long", "t": 0.0, "output_len": 1, "prompt": [{"unique": 8000}]},
+            {"id": "short", "t": 0.01, "output_len": 2, "prompt": [{"unique": 50}]}]
+    trace = write_trace(tmp_path / "t.jsonl", rows)
+    replay(trace, sim(replicas=2, router=router), str(tmp_path / "run"))
+    req = pd.read_parquet(tmp_path / "run" / "requests.parquet").set_index("id")
+    assert req.loc["long", "ttft_ms"] > 100  # a long prefill
+    assert req.loc["short", "replica"] != req.loc["long", "replica"]
+    assert req.loc["short", "ttft_ms"] < 50
+
+
+def test_identical_prompts_are_predicted_exactly(tmp_path):
+    """The router predicts only the blocks a prompt can hit (never the last prompt token's block)."""
+    rows = [{"id": f"q{i}", "t": float(i), "output_len": 2, "prompt": [{"shared": "same", "len": 64}]}
+            for i in range(6)]
+    trace = write_trace(tmp_path / "t.jsonl", rows)
+    s = replay(trace, sim(replicas=2, router="kv-aware", router_load_weight=0.0), str(tmp_path / "run"))
+    assert s["router_predicted_blocks"] == s["router_hit_blocks"] > 0
+    assert s["router_mispredicted_blocks"] == 0
+
+
+def test_sweep_table_has_the_cluster_columns_after_a_one_replica_run(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "sw"
+    r = subprocess.run([sys.executable, "-m", "kvbench", "sweep", CHAT, "--executor", "sim", "--model", "llama-3-8b",
+                        "--num-blocks", "2000", "--max-model-len", "8192", "--limit", "40", "--replicas", "1,2",
+                        "--router", "kv-aware", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    rows = pd.read_parquet(out / "sweep.parquet").set_index("run")
+    assert list(rows.index) == ["paged-x1", "paged-x2"]
+    assert pd.isna(rows.loc["paged-x1", "jain_busy"]) and rows.loc["paged-x2", "jain_busy"] > 0
+    assert rows.loc["paged-x2", "router_predicted_blocks"] >= 0

@@ -135,3 +135,20 @@ def test_kv_aware_keeps_the_load_in_balance_when_every_prompt_shares_its_first_b
     # affinity alone would send all 400 to one replica; balance keeps the busiest within the thresholds
     assert sent.min() > 0
     assert sent.max() <= sent.min() + rep.BALANCE_ABS + 1 or sent.max() <= rep.BALANCE_REL * sent.min() + 1
+
+
+def test_prefix_routing_is_the_engines(tmp_path):
+    """The what-if's prefix router sends every request where the engine's does (same ring, same keys)."""
+    import pandas as pd
+
+    from kvbench.engine.config import ReplayConfig
+    from kvbench.engine.replay import replay
+
+    reqs = CHAT[:120]
+    replay(str(ROOT / "traces" / "chat.jsonl"), ReplayConfig(executor="sim", model="llama-3-8b", limit=120,
+                                                             replicas=4, router="prefix"), str(tmp_path / "run"))
+    engine = pd.read_parquet(tmp_path / "run" / "requests.parquet").set_index("id")["replica"]
+    bt = wi.prepare(reqs, 16)
+    where = rep.route(bt, reqs, 4, "prefix")
+    assert [int(engine[r.id]) for r in reqs] == where.tolist()
+    assert len(set(where.tolist())) > 1

@@ -31,8 +31,8 @@ from kvbench.engine.records import RunWriter, claim_run_dir, distribution, envir
 from kvbench.engine.routing import Router, jain, max_over_mean
 from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig
 from kvbench.trace.format import Request, load_trace
-from kvbench.trace.ideal import (IdealCounter, PrefixKeys, RadixIdealCounter, ideal_hits, radix_ideal_hits,
-                                 sequence_tokens)
+from kvbench.trace.ideal import (IdealCounter, PrefixKeys, RadixIdealCounter, ideal_hits, lookup_blocks,
+                                 radix_ideal_hits, sequence_tokens)
 from kvbench.trace.tokens import TokenStreams
 
 KV_MEM_FRACTION = 0.9  # share of free device memory given to the KV pool when no size is asked
@@ -85,14 +85,24 @@ class _Replica:
     steps: int = 0
     routed: int = 0
     lat: list = None  # (ttft, tpot, e2e, queue) ms of its finished requests
+    snap: tuple | None = None  # its load as its current step started (what a router sees during it)
+    since: list = None  # [requests, blocks] routed to it since that step started
 
     def load(self, bs: int) -> tuple[int, int, int]:
         """What the replica reports to a router: sequences waiting + running, blocks it can hand
-        out, blocks active (held by running sequences, plus what the waiting ones need)."""
+        out, blocks active (held by running sequences, plus what the waiting ones need). O(1)."""
         sched = self.sched
         used, cached, free, _, _ = self.kv.stats()
-        waiting_blocks = sum(-(-s.num_tokens // bs) for s in sched.waiting)
-        return len(sched.waiting) + len(sched.running), free + cached, used + waiting_blocks
+        return (len(sched.waiting) + len(sched.running), free + cached,
+                used + -(-sched.waiting_tokens // bs))
+
+    def load_at(self, t_s: float, bs: int) -> tuple[int, int, int]:
+        """The load at ``t_s``: during a step (which the loop has already run to its end), the load
+        it started with plus what was routed to the replica since; otherwise the current one."""
+        if self.snap is not None and self.clock > t_s:
+            n, free, active = self.snap
+            return n + self.since[0], free, active + self.since[1]
+        return self.load(bs)
 
 
 def _available_host_bytes() -> int | None:
@@ -215,7 +225,7 @@ class Replay:
         self.router = Router(cfg.router, cfg.replicas, prefix_blocks=cfg.router_prefix_blocks,
                              cache_weight=cfg.router_cache_weight, load_weight=cfg.router_load_weight,
                              event_delay_s=cfg.router_event_delay)
-        if self.router.index is not None:
+        if self.router.index is not None and cfg.replicas > 1:
             for rep in self.replicas:  # the replicas publish KV events for the router's index
                 pool = getattr(rep.kv, "pool", None)
                 if pool is not None and rep.kv.prefix_cache:
@@ -242,7 +252,7 @@ class Replay:
         sched = Scheduler(kv, SchedulerConfig(cfg.max_num_seqs, cfg.max_batched_tokens,
                                               cfg.admission, cfg.watermark),
                           needs_tokens=executor.needs_tokens, streams=self.streams, evictor=evictor)
-        return _Replica(i, kv, executor, evictor, sched, _Totals(peak=0), lat=[])
+        return _Replica(i, kv, executor, evictor, sched, _Totals(peak=0), lat=[], since=[0, 0])
 
     def _physical_blocks(self) -> int | None:
         """The most blocks this run can ever take, when the pool is larger: a pool that holds every
@@ -309,6 +319,7 @@ class Replay:
         for rep in replicas:
             rep.clock = clock
         index = self.router.index
+        loads_seen = len(replicas) > 1 and self.router.name != "round-robin"
         nxt = 0
         step = 0
         wall0 = time.perf_counter()
@@ -332,6 +343,8 @@ class Replay:
                 if pool is not None:  # the time cache policies are told (learned: seconds since a use)
                     pool.clock = rep.clock
                 plan = sched.schedule(rep.clock)
+                if loads_seen:  # what a router sees of this replica while the step runs
+                    rep.snap, rep.since = rep.load(bs), [0, 0]
                 if not plan.seqs:
                     raise RunError("the scheduler could not make progress: no running sequence "
                                    "and the next waiting one does not fit", usage=True)
@@ -387,10 +400,14 @@ class Replay:
             rep, expected = replicas[0], None
         else:
             bs = self.cfg.block_size
-            i, expected = self.router.route(arrival, r.session, keys, len(keys),
-                                            [x.load(bs) for x in replicas] if self.router.name != "round-robin"
-                                            else None)
+            look = keys[:lookup_blocks(prompt_len, bs)]  # the blocks a prompt can hit
+            i, expected = self.router.route(arrival, r.session, look, len(look),
+                                            [x.load_at(arrival, bs) for x in replicas]
+                                            if self.router.name != "round-robin" else None)
             rep = replicas[i]
+            if rep.clock > arrival:  # mid-step: the router's view of it grows by this request
+                rep.since[0] += 1
+                rep.since[1] += -(-prompt_len // bs)
             if self.router.index is not None:
                 self._predicted[rs] = expected
         rep.routed += 1

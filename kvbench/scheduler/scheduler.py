@@ -75,6 +75,7 @@ class Scheduler:
         self.needs_tokens = needs_tokens
         self.streams = streams
         self.waiting: deque[Sequence] = deque()
+        self.waiting_tokens = 0  # Σ num_tokens over waiting (a router's load figure, O(1) to read)
         self.running: list[Sequence] = []
         self.watermark = int(cfg.watermark * kv.num_blocks)
         self.num_seats = 0  # sum of ``seats`` over running sequences: what max_num_seqs caps
@@ -97,6 +98,7 @@ class Scheduler:
 
     def add(self, s: Sequence) -> None:
         self.waiting.append(s)
+        self.waiting_tokens += s.num_tokens
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -152,6 +154,7 @@ class Scheduler:
                                forks=s.seats - 1):
                 break
             waiting.popleft()
+            self.waiting_tokens -= s.num_tokens
             rs = s.rs
             if s.resumed:
                 self.resumed_query_tokens += s.num_tokens
@@ -182,6 +185,7 @@ class Scheduler:
         self.preemptions += 1
         self.num_seats -= s.seats
         self.waiting.appendleft(s)
+        self.waiting_tokens += s.num_tokens
 
     # -- building the executor's batch ---------------------------------------------------------
     def build_batch(self, plan: StepPlan) -> StepBatch:

@@ -147,7 +147,10 @@ class SweepState:
             row.update({k: v for k, v in s.items() if k not in row and not isinstance(v, (list, dict))})
             rows.append(row)
         buf = pa.BufferOutputStream()
-        pq.write_table(pa.Table.from_pylist(rows), buf)
+        # every key of every row a column (from_pylist would take the first row's keys only: a
+        # one-replica run has no cluster figures)
+        names = list(dict.fromkeys(k for row in rows for k in row))
+        pq.write_table(pa.Table.from_pylist([{k: row.get(k) for k in names} for row in rows]), buf)
         self.store.write_bytes(buf.getvalue().to_pybytes(), SWEEP_PARQUET)
 
     def write_manifest(self) -> None:

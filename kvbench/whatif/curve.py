@@ -108,6 +108,7 @@ class BlockTrace:
     partial: np.ndarray | None = None  # bool [requests]
     arrival_s: np.ndarray | None = None  # float64 [requests]
     parent: np.ndarray | None = None  # int64 [distinct blocks]
+    keys: np.ndarray | None = None  # uint64 [distinct blocks]: the block key behind each dense id
 
     @property
     def requests(self) -> int:
@@ -175,7 +176,8 @@ def prepare(requests: Sequence[Request], block_size: int, warmup: float = 0.0, *
     bt = BlockTrace(block_size, ids, starts,
                     np.asarray(lookups, dtype=np.int64), np.asarray(prompt_lens, dtype=np.int64),
                     len(distinct), start, ceiling, partial=np.asarray(partial, dtype=bool),
-                    arrival_s=np.asarray(arrival, dtype=np.float64), parent=parent)
+                    arrival_s=np.asarray(arrival, dtype=np.float64), parent=parent,
+                    keys=np.asarray(distinct, dtype=np.uint64))
     if future:
         bt.next_use = _next_uses(bt.ids, starts, bt.lookups)
     return bt

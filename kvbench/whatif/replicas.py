@@ -54,8 +54,9 @@ def route(bt: BlockTrace, requests: Sequence[Request], replicas: int, router: st
         elif router == "session":
             s = requests[i].session
             r = fewest if s is None else sessions.route(0.0, s, (), 0, None)[0]
-        elif router == "prefix":
-            r = ring.route(0.0, None, blocks.tolist(), len(blocks), [(sent[x], 0, 0) for x in range(replicas)])[0]
+        elif router == "prefix":  # the engine's ring over the same block keys of the blocks it can hit
+            look = bt.keys[blocks[:lookups[i]]]
+            r = ring.route(0.0, None, look.tolist(), len(look), [(sent[x], 0, 0) for x in range(replicas)])[0]
         elif max(sent) - sent[fewest] > BALANCE_ABS and max(sent) > BALANCE_REL * sent[fewest]:
             r = fewest  # kv-aware, the load out of balance: the least-loaded replica
         else:  # kv-aware: the longest run of leading blocks the index has seen on a replica
