@@ -273,3 +273,13 @@ def test_sweep_table_has_the_cluster_columns_after_a_one_replica_run(tmp_path):
     assert list(rows.index) == ["paged-x1", "paged-x2"]
     assert pd.isna(rows.loc["paged-x1", "jain_busy"]) and rows.loc["paged-x2", "jain_busy"] > 0
     assert rows.loc["paged-x2", "router_predicted_blocks"] >= 0
+
+
+def test_attention_mass_across_replicas_weighs_every_measurement(tmp_path):
+    cfg = ReplayConfig(executor="model", device="cpu", limit=6, eviction="h2o", replicas=2, router="round-robin")
+    rp = Replay(str(ROOT / "traces" / "agent.jsonl"), cfg, str(tmp_path / "run"))
+    s = rp.run()
+    ev = [r.evictor for r in rp.replicas]
+    assert all(e.mass_n for e in ev) and ev[0].mass_n != ev[1].mass_n
+    assert s["attention_mass_kept"] == pytest.approx(sum(e.mass_sum for e in ev) / sum(e.mass_n for e in ev))
+    assert s["evicted_tokens"] == sum(e.evicted for e in ev)

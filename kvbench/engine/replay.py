@@ -370,7 +370,8 @@ class Replay:
                     st.output_tokens += rs.output_tokens
                 prog.steps = step
                 if on_progress is not None and (step & 63) == 0:
-                    prog.requests_done, prog.clock_s = st.completed + st.rejected, rep.clock - t0_s
+                    prog.requests_done = st.completed + st.rejected
+                    prog.clock_s = max(prog.clock_s, rep.clock - t0_s)  # the replicas' clocks interleave
                     prog.output_tokens = st.output_tokens
                     on_progress(prog)
             complete = True
@@ -502,7 +503,7 @@ class Replay:
             "mean_running": tot.running_t / tot.busy_s if tot.busy_s else 0.0,
             "preemptions": total(lambda r: r.sched.preemptions),
             "recomputed_tokens": total(lambda r: r.sched.recomputed_tokens),
-            **_merge_evictors([r.evictor.summary() for r in reps]), "pcie_s": tot.pcie_s,
+            **_merge_evictors([r.evictor for r in reps]), "pcie_s": tot.pcie_s,
             "peak_slots_allocated": tot.peak_slots, "peak_tokens_live": tot.peak_live,
             "output_tokens": st.output_tokens, "steps": steps,
             "num_blocks": self.num_blocks, "block_size": self.cfg.block_size,
@@ -576,9 +577,10 @@ def _keys_as_list(keys: np.ndarray, seq) -> None:
     seq.keys = keys.tolist()
 
 
-def _merge_evictors(summaries: list[dict]) -> dict:
+def _merge_evictors(evictors: list) -> dict:
     """The replicas' token-eviction figures as one: counts summed, peaks the largest, the attention
-    mass kept averaged over the replicas that measured it."""
+    mass kept averaged over every measurement of every replica."""
+    summaries = [e.summary() for e in evictors]
     if len(summaries) == 1:
         return summaries[0]
     out = {}
@@ -587,7 +589,8 @@ def _merge_evictors(summaries: list[dict]) -> dict:
         if not vals:
             out[key] = None
         elif key == "attention_mass_kept":
-            out[key] = sum(vals) / len(vals)
+            n = sum(getattr(e, "mass_n", 0) for e in evictors)
+            out[key] = sum(getattr(e, "mass_sum", 0.0) for e in evictors) / n if n else None
         elif key.startswith("peak_") or "_max_" in key:
             out[key] = max(vals)
         else:
