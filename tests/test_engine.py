@@ -23,7 +23,7 @@ REAL = ROOT.parent / "shared" / "traces" / "real"
 SPEC_SUMMARY = ("requests completed rejected duration_s output_tok_per_s prefix_hit_rate ideal_hit_rate "
                 "internal_frag kv_util peak_running mean_running preemptions recomputed_tokens "
                 "evicted_tokens recalled_tokens attention_mass_kept peak_slots_allocated "
-                "peak_tokens_live complete").split()
+                "peak_tokens_live busy_s complete").split()
 SPEC_REQUESTS = ("id session arrival_s first_token_s finish_s prompt_tokens cached_tokens output_tokens n "
                  "ttft_ms tpot_ms e2e_ms queue_ms preemptions recomputed_tokens evicted_tokens "
                  "recalled_tokens").split()
@@ -88,7 +88,8 @@ def test_run_directory_matches_spec(chat_layouts):
     assert set(SPEC_REQUESTS) <= set(req.columns)
     assert set(SPEC_STEPS) <= set(steps.columns)
     assert len(req) == summary["requests"] and len(steps) == summary["steps"]
-    # figures in summary.json are the time-weighted ones of steps.parquet
+    # figures in summary.json are the time-weighted ones of steps.parquet, over its busy time
+    assert summary["busy_s"] == pytest.approx(steps["dur_ms"].sum() / 1e3)
     w = steps["dur_ms"]
     assert summary["mean_running"] == pytest.approx((steps["running"] * w).sum() / w.sum())
     frag = 1 - (steps["tokens_live"] * w).sum() / (steps["slots_allocated"] * w).sum()

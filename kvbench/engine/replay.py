@@ -499,6 +499,7 @@ class Replay:
             "resumed_hit_rate": total(lambda r: r.sched.resumed_hit_tokens) / rq if rq else 0.0,
             "internal_frag": 1.0 - tot.live_t / tot.slots_t if tot.slots_t else 0.0,
             "kv_util": tot.util_t / tot.busy_s if tot.busy_s else 0.0,
+            "busy_s": tot.busy_s,
             "peak_running": tot.peak,
             "mean_running": tot.running_t / tot.busy_s if tot.busy_s else 0.0,
             "preemptions": total(lambda r: r.sched.preemptions),
