@@ -152,3 +152,14 @@ def test_prefix_routing_is_the_engines(tmp_path):
     where = rep.route(bt, reqs, 4, "prefix")
     assert [int(engine[r.id]) for r in reqs] == where.tolist()
     assert len(set(where.tolist())) > 1
+
+
+def test_whatif_json_has_no_nan(tmp_path):
+    w = run(CHAT[:30], replicas=2, blocks=(64,))
+    w.rows[0]["gap_closed"] = float("nan")  # a figure with no data
+    wi.write_outputs(w, str(tmp_path))
+
+    def refuse(name):
+        raise AssertionError(f"{name} in whatif.json")
+    d = json.loads((tmp_path / "whatif.json").read_text(), parse_constant=refuse)
+    assert d["rows"][0]["gap_closed"] is None and d["replicas"] == 2

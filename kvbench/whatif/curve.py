@@ -54,7 +54,6 @@ belady's future) is now most of the time.
 """
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import time
@@ -64,6 +63,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numba
 import numpy as np
 
+from kvbench.jsonio import dumps
 from kvbench.memory.policies import (
     NEVER,
     CachePolicy,
@@ -854,7 +854,7 @@ def write_outputs(w: WhatIf, out_dir: str) -> list[str]:
     to_frame(w).to_parquet(paths[0], index=False)
     plot(w, paths[1])
     with open(paths[2], "w", encoding="utf-8") as fh:
-        json.dump(w.to_dict(), fh, indent=1)
+        fh.write(dumps(w.to_dict(), indent=1))  # null, never NaN, where there is no figure
     return paths
 
 
