@@ -30,10 +30,10 @@ import xxhash
 from kvbench.memory.block_pool import BlockPool
 from kvbench.memory.policies import NEVER
 from kvbench.memory.radix import PARTIAL_SALT, RadixChildren
-
-RADIX_EVICTIONS = ("node", "block")  # --radix-eviction
 from kvbench.trace.ideal import lookup_blocks
 from kvbench.trace.tokens import ROOT_KEY, block_keys
+
+RADIX_EVICTIONS = ("node", "block")  # --radix-eviction
 
 
 @dataclass(slots=True, eq=False)
