@@ -33,15 +33,39 @@ def _figures(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if k != "wall_s"}
 
 
+# The single engine before replicas existed (commit 62e233e, the parent of the one that added them),
+# on 100 chat requests in 1,200 blocks at 20x the rate: its step count, preemptions, output tokens,
+# engine time, and a digest of every request's first token, finish, hits and preemptions.
+# And the same at the trace's own rate, 60 requests in 4,096 blocks: mostly idle, arrivals in the gaps.
+SINGLE_ENGINE = {
+    "busy": dict(num_blocks=1200, limit=100, time_scale=0.05, steps=1481, preemptions=33, output_tokens=25727,
+                 duration_s=12.947017880597569, requests="5dbcd4f88691b411"),
+    "idle": dict(num_blocks=4096, limit=60, time_scale=1.0, steps=8910, preemptions=0, output_tokens=16447,
+                 duration_s=120.88794272738551, requests="0b063458a9f47d9e"),
+}
+
+
+def _requests_digest(run_dir: Path) -> str:
+    import hashlib
+
+    r = pd.read_parquet(run_dir / "requests.parquet")
+    cols = ["id", "first_token_s", "finish_s", "cached_tokens", "preemptions"]
+    return hashlib.sha256(r[cols].to_csv(index=False).encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("case", sorted(SINGLE_ENGINE))
 @pytest.mark.parametrize("router", ROUTERS)
-def test_one_replica_is_the_single_engine_under_every_router(tmp_path, router):
-    single = replay(CHAT, sim(limit=80, time_scale=0.1), str(tmp_path / "single"))
-    one = replay(CHAT, sim(limit=80, time_scale=0.1, replicas=1, router=router), str(tmp_path / router))
-    assert _figures(one) == _figures(single)
-    for f in ("requests.parquet", "steps.parquet"):
-        a, b = pd.read_parquet(tmp_path / "single" / f), pd.read_parquet(tmp_path / router / f)
-        pd.testing.assert_frame_equal(a, b)
-    assert (pd.read_parquet(tmp_path / "single" / "requests.parquet")["replica"] == 0).all()
+def test_one_replica_is_the_single_engine_under_every_router(tmp_path, router, case):
+    """One replica under any router replays exactly as the engine did before replicas existed
+    (memory-bound with preemptions, and mostly idle)."""
+    g = SINGLE_ENGINE[case]
+    s = replay(CHAT, sim(num_blocks=g["num_blocks"], limit=g["limit"], time_scale=g["time_scale"], replicas=1,
+                         router=router), str(tmp_path / "one"))
+    assert {k: s[k] for k in ("steps", "preemptions", "output_tokens")} == \
+        {k: g[k] for k in ("steps", "preemptions", "output_tokens")}
+    assert s["duration_s"] == pytest.approx(g["duration_s"], rel=1e-12)
+    assert _requests_digest(tmp_path / "one") == g["requests"]
+    assert (pd.read_parquet(tmp_path / "one" / "requests.parquet")["replica"] == 0).all()
 
 
 def _prefix_trace(tmp_path, burst: bool = False) -> str:
@@ -283,3 +307,18 @@ def test_attention_mass_across_replicas_weighs_every_measurement(tmp_path):
     assert all(e.mass_n for e in ev) and ev[0].mass_n != ev[1].mass_n
     assert s["attention_mass_kept"] == pytest.approx(sum(e.mass_sum for e in ev) / sum(e.mass_n for e in ev))
     assert s["evicted_tokens"] == sum(e.evicted for e in ev)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_replica_never_steps_before_its_last_step_ended(tmp_path, replicas):
+    """A request arriving during the step that empties its replica starts after that step, not at its
+    arrival (the replica was busy until then): steps of one replica never overlap."""
+    rows = [{"id": "a", "t": 0.0, "output_len": 1, "prompt": [{"unique": 8000}]},
+            {"id": "b", "t": 0.05, "output_len": 2, "prompt": [{"unique": 50}]}]
+    trace = write_trace(tmp_path / "t.jsonl", rows)
+    replay(trace, sim(replicas=replicas, router="round-robin" if replicas == 1 else "prefix",
+                      router_prefix_blocks=1), str(tmp_path / "run"))
+    steps = pd.read_parquet(tmp_path / "run" / "steps.parquet")
+    for _, g in steps.groupby("replica"):
+        end = (g["t_s"] + g["dur_ms"] / 1e3).to_numpy()
+        assert (g["t_s"].to_numpy()[1:] >= end[:-1] - 1e-12).all()
