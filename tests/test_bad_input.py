@@ -152,6 +152,10 @@ def test_corpus_model_folder_config(worker, tmp_path):
                                       "vocab_size": 100, "intermediate_size": 128}),
                       ("strings", {"hidden_size": "big", "num_attention_heads": 4, "num_hidden_layers": 2,
                                    "vocab_size": 100, "intermediate_size": 128}),
+                      ("rope-string", {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+                                       "vocab_size": 100, "intermediate_size": 128, "rope_theta": "abc"}),
+                      ("no-head-dim", {"hidden_size": 2, "num_attention_heads": 4, "num_hidden_layers": 2,
+                                       "vocab_size": 100, "intermediate_size": 128}),
                       ("list", [1, 2, 3])]:
         d = tmp_path / name
         d.mkdir()
@@ -176,6 +180,31 @@ def test_model_executor_refuses_what_its_device_cannot_hold(worker, tmp_path):
         r = worker.run(["sweep", TRACE, "--executor", "model", "--device", "cpu", "--limit", "2", *extra,
                         "--out", tmp_path / ("sweep" + field)], tmp_path)
         check_refused(r, field, "do not fit")
+
+
+def test_model_config_nulls_read_as_absent(worker, tmp_path):
+    """An explicit null in a config.json is the field left out (transformers writes them), never a crash."""
+    d = tmp_path / "nulls"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100,
+        "intermediate_size": 128, "num_key_value_heads": None, "num_experts": 4, "num_experts_per_tok": 2,
+        "shared_expert_intermediate_size": None}))
+    r = worker.run(["replay", TRACE, "--executor", "sim", "--limit", "2", "--model", d, "--out", tmp_path / "r"], tmp_path)
+    assert r["traceback"] is None and r["code"] == 0, r["stderr"][-300:]
+
+
+def test_model_executor_refuses_a_mixture_of_experts(worker, tmp_path):
+    """Its forward is dense: it would run, and calibrate, the wrong model."""
+    d = tmp_path / "moe"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100,
+        "intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}))
+    check_refused(worker.run(["replay", TRACE, "--executor", "model", "--device", "cpu", "--limit", "2",
+                              "--model", d, "--out", tmp_path / "r"], tmp_path), "--model", "mixture of experts")
+    check_refused(worker.run(["calibrate", "--device", "cpu", "--quick", "--model", d, "-o", tmp_path / "c.json"],
+                             tmp_path), "--model", "mixture of experts")
 
 
 def test_corpus_importers(worker, tmp_path):

@@ -32,7 +32,7 @@ from kvbench.executors.attention_mass import MassMeter
 from kvbench.executors.modeling import (AttentionMetadata, ForwardInputs, PagedLlama, build_inputs, build_model,
                                         decode_attention_stats, decode_attention_totals, default_dtype,
                                         make_kv_pool)
-from kvbench.executors.presets import ModelSpec
+from kvbench.executors.presets import ModelSpec, get_model
 from kvbench.executors.speculation import speculate
 from kvbench.kernels.tuning import device_sms, graph_max_splits
 from kvbench.scheduler.batch import StepBatch, StepResult
@@ -208,6 +208,10 @@ class ModelExecutor:
         scores: computed inside the step's time), "measure" (after the clock stops; the default) or
         "off". ``cuda_graphs``: decode steps under CUDA graphs; default on a GPU with the Triton
         kernels."""
+        spec = model if isinstance(model, ModelSpec) else get_model(model)
+        if spec.is_moe:  # the forward here is dense: it would run, and time, the wrong model
+            raise InputError(f"{spec.name} is a mixture of experts; the model executor runs dense models only: "
+                             "use --executor sim", field="--model")
         self.device = resolve_device(device)
         self.dtype = default_dtype(self.device)
         self.net = build_model(model, self.device, seed, attention, self.dtype)

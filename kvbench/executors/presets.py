@@ -10,6 +10,7 @@ achieved fraction of each peak) that turn them into the sim executor's default c
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, replace
 
@@ -168,6 +169,12 @@ _POSITIVE_INT_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads
 _MAY_BE_ZERO = ("num_local_experts", "num_experts", "num_experts_per_tok", "shared_expert_intermediate_size")
 
 
+def _positive_float(v, cfg_path: str, field: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise InputError(f"must be a positive number, got {v!r}", file=cfg_path, field=field)
+    return float(v)
+
+
 def _from_hf_config(path: str) -> ModelSpec:
     cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
     try:
@@ -188,27 +195,31 @@ def _from_hf_config(path: str) -> ModelSpec:
         # Mixtral names its experts num_local_experts, each of intermediate_size; Qwen MoE num_experts,
         # each of moe_intermediate_size, plus a shared expert.
         experts = c.get("num_local_experts") or c.get("num_experts") or 0
-        per_token = c.get("num_experts_per_tok", 0) if experts else 0
+        per_token = (c.get("num_experts_per_tok") or 0) if experts else 0
+        head_dim = c.get("head_dim") or hidden // heads
+        if head_dim < 1:
+            raise InputError(f"hidden_size {hidden} over {heads} heads leaves no head dimension: give head_dim",
+                             file=cfg_path, field="hidden_size")
         if experts and not 1 <= per_token <= experts:
             raise InputError(f"must be in [1, {experts}] for a model of {experts} experts, got {per_token!r}",
                              file=cfg_path, field="num_experts_per_tok")
         return ModelSpec(
             name=os.path.basename(os.path.normpath(path)),
             num_layers=c["num_hidden_layers"], hidden_size=hidden, num_heads=heads,
-            num_kv_heads=c.get("num_key_value_heads", heads),
-            head_dim=c.get("head_dim") or hidden // heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,  # absent or null: one per query head
+            head_dim=head_dim,
             intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
             max_model_len=c.get("max_position_embeddings", 4096),
             # transformers 5 writes rope_parameters: {rope_theta: ...}; older configs a top-level key
-            rope_theta=float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta")
-                             or 10000.0),
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=_positive_float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta")
+                                       or 10000.0, cfg_path, "rope_theta"),
+            rms_norm_eps=_positive_float(c.get("rms_norm_eps", 1e-6), cfg_path, "rms_norm_eps"),
             qkv_bias=bool(c.get("attention_bias", arch == "qwen2")),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             architecture=arch,
             num_experts=experts, experts_per_token=per_token,
             moe_intermediate_size=(c.get("moe_intermediate_size") or c["intermediate_size"]) if experts else 0,
-            shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0) if experts else 0,
+            shared_expert_intermediate_size=(c.get("shared_expert_intermediate_size") or 0) if experts else 0,
         )
     except KeyError as e:
         raise InputError("required field missing", file=cfg_path, field=e.args[0]) from None

@@ -32,6 +32,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+from kvbench.jsonio import dumps
 from kvbench.memory.policies import _ReleaseKeyed
 
 FEATURES = ("depth", "hits", "prompt", "continuations", "span", "gap", "age")
@@ -55,8 +56,8 @@ class LearnedModel:
         return {"kind": KIND, "version": 1, **asdict(self)}
 
     def save(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(self.to_dict(), fh, indent=1)
+        with open(path, "w", encoding="utf-8") as fh:  # null, never NaN (an undefined held-out AUC)
+            fh.write(dumps(self.to_dict(), indent=1))
 
     @classmethod
     def from_dict(cls, d: dict) -> LearnedModel:
