@@ -30,8 +30,15 @@ def hits(w) -> dict:
 
 
 def test_one_replica_is_the_plain_whatif():
-    a, b = run(CHAT[:120]), run(CHAT[:120], replicas=1, router="kv-aware")
-    assert a.rows == b.rows and a.lru_curve == b.lru_curve
+    """Split into one replica, the trace is itself: same blocks, window, parents and ceiling."""
+    bt = wi.prepare(CHAT[:120], 16, 0.5, future=True)
+    where = rep.route(bt, CHAT[:120], 1, "kv-aware")
+    assert not where.any()
+    (sub,) = rep.split(bt, where, 1, future=True)
+    for f in ("ids", "starts", "lookups", "prompt_lens", "parent", "next_use"):
+        assert np.array_equal(getattr(sub, f), getattr(bt, f)), f
+    assert (sub.window_start, sub.distinct_blocks, sub.ceiling_hit_tokens) == \
+        (bt.window_start, bt.distinct_blocks, bt.ceiling_hit_tokens)
 
 
 @pytest.mark.parametrize("router", ["round-robin", "session", "prefix", "kv-aware"])
