@@ -207,6 +207,12 @@ def test_model_executor_refuses_a_mixture_of_experts(worker, tmp_path):
                              tmp_path), "--model", "mixture of experts")
 
 
+def test_calibrate_refuses_an_output_path_before_measuring(worker, tmp_path):
+    r = worker.run(["calibrate", "--device", "cpu", "--quick", "--repeats", "1", "-o", tmp_path / "no" / "c.json"],
+                   tmp_path)
+    check_refused(r, "--out", "not a writable directory")  # up front: after measuring it was a traceback
+
+
 def test_corpus_importers(worker, tmp_path):
     cases = [
         ("mooncake", "m.jsonl", '{"timestamp": 1e400, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n',

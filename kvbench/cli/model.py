@@ -2,11 +2,13 @@
 and the sim executor's coefficients measured on this device."""
 from __future__ import annotations
 
+import os
 import sys
 
 import click
 
 from kvbench.engine import config as C
+from kvbench.errors import InputError
 from kvbench.jsonio import dumps
 
 
@@ -87,6 +89,10 @@ def calibrate(device, model, seed, quick, repeats, out, as_json):
     from kvbench.executors.presets import get_model
 
     repeats = repeats or (30 if quick else 5)
+    # a path that cannot take the file is refused now, not after minutes of measuring
+    where = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(where) or not os.access(where, os.W_OK):
+        raise InputError(f"cannot write here: {where} is not a writable directory", field="--out")
     ex = ModelExecutor(model, device, seed)
     spec = ex.spec if hasattr(ex, "spec") else get_model(model)
     result = run(ex, spec, quick=quick, seed=seed, repeats=repeats)

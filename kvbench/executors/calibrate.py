@@ -18,7 +18,6 @@ of that size are its noise, not the cost model's.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import numpy as np
 
 from kvbench.executors.presets import GPUS, ModelSpec
 from kvbench.executors.sim import CALIBRATION_VERSION, CostModel, StepCost, Work
+from kvbench.jsonio import dumps
 from kvbench.scheduler.batch import StepBatch
 
 STEP_KINDS = ("prefill", "decode", "mixed")
@@ -307,6 +307,5 @@ def calibrate(executor, spec: ModelSpec, quick: bool = False, seed: int = 0, rep
 
 
 def write(result: dict, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=2, allow_nan=False)
-        fh.write("\n")
+    with open(path, "w", encoding="utf-8") as fh:  # null, never NaN, as every JSON kvbench writes
+        fh.write(dumps(result, indent=2) + "\n")
