@@ -9,8 +9,12 @@ own JIT binder for the target, which infers what a launch infers (16-byte pointe
 arguments divisible by 16 such as the cache strides) before ``triton.compile``. Without those
 attributes the bf16 decode kernel reads K/V with 2-byte scalar loads instead of 16-byte vectors.
 
-Registers and spills come from ptxas -v on the compiled PTX (a CompiledKernel only learns them when
-loaded on a device); shared memory, warps and stages from the kernel's metadata.
+Registers and spills come from the ``ptxas -v`` log of Triton's own cubin stage, kept by a stage hook
+(a CompiledKernel only learns them when loaded on a device; ptxas runs once per kernel); shared
+memory, warps and stages from the kernel's metadata.
+
+The whole grid (``compile_grid``) keys every launch with Triton's own cache key first and compiles each
+distinct key once, in one spawned process per CPU.
 
 Compiles run in a spawned worker process (``compile_spec``): the interpreter leaves triton.language
 patched after running a kernel that calls another @triton.jit function (triton 3.9's
@@ -22,18 +26,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import io
 import multiprocessing
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-
 from kvbench.kernels import tuning
 
 TARGETS = (80, 90, 100)  # sm_80 (A100), sm_90 (H100/H200), sm_100 (B200: the bundled ptxas-blackwell)
@@ -212,18 +214,37 @@ def global_loads(ptx: str) -> Counter:
     return out
 
 
-def _ptxas_info(ptx: str, arch: int) -> dict:
-    """Registers, spills and stack frame of the PTX's kernel, from the ptxas Triton uses for ``arch``."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+_PTXAS_HOOK_KEY = "kvbench-aot-ptxas-log"
 
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w", encoding="utf-8") as fh:
-            fh.write(ptx)
-        res = subprocess.run([get_ptxas(arch).path, "-v", "--regAllocOptLevel=2",
-                              f"--gpu-name={sm_arch_from_capability(arch)}", src, "-o", os.path.join(tmp, "k.o")],
-                             capture_output=True, text=True, check=True)
-    log = res.stderr + res.stdout
+
+def _ptxas_log_hook(*args):
+    """Triton stage-inspection hook (knobs.runtime.add_stages_inspection_hook): Triton's own cubin stage
+    runs ``ptxas -v`` and drops its log; this wraps the stage to keep the log's registers, spills and
+    stack frame in the kernel's metadata (and so in Triton's on-disk cache), so each kernel is
+    assembled by ptxas once, with exactly the flags of a real launch. Called without arguments,
+    Triton asks for the key it adds to its cache key (entries compiled without the hook lack the log)."""
+    if not args:
+        return _PTXAS_HOOK_KEY, _PTXAS_HOOK_KEY
+    _backend, stages, _options, _language, _capability = args
+    make_cubin = stages["cubin"]
+
+    def cubin(src, metadata):
+        from triton import knobs
+
+        log = io.StringIO()
+        with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+            knobs.nvidia.dump_ptxas_log = True  # make_cubin prints the log of a successful ptxas run
+            out = make_cubin(src, metadata)
+        metadata["ptxas_info"] = _parse_ptxas_log(log.getvalue())
+        return out
+
+    stages["cubin"] = cubin
+
+
+def _parse_ptxas_log(log: str) -> dict:
+    """Registers, spills (stores + loads) and stack frame of the one kernel in a ``ptxas -v`` log."""
+    if "Used " not in log:
+        raise RuntimeError(f"no ptxas -v report in the cubin stage's output: {log[:300]!r}")
 
     def num(pattern: str) -> int:
         m = re.search(pattern, log)
@@ -233,10 +254,10 @@ def _ptxas_info(ptx: str, arch: int) -> dict:
             "spills": num(r"(\d+) bytes spill stores") + num(r"(\d+) bytes spill loads")}
 
 
-def compile_launch(launch: Launch, arch: int, with_attrs: bool = True) -> Compiled:
-    """Compile a recorded launch for ``arch`` as Triton's JIT would at that launch (``with_attrs=False``
-    drops the inferred alignment/divisibility attributes, for comparison)."""
-    import triton
+def _source(launch: Launch, arch: int, with_attrs: bool = True):
+    """-> (ASTSource, GPUTarget, backend, options dict): what Triton's JIT would compile for this launch
+    on ``arch``. The JIT's own binder and argument packing (JITFunction.run, triton 3.9): same signature,
+    constexprs and attributes (16-byte alignment, divisibility by 16) as a launch with these arguments."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -244,16 +265,42 @@ def compile_launch(launch: Launch, arch: int, with_attrs: bool = True) -> Compil
     fn = launch.fn
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
-    # The JIT's own binder and argument packing (JITFunction.run, triton 3.9): same signature,
-    # constexprs and attributes as a launch with these arguments.
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*launch.args, **launch.kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs if with_attrs else {}),
-                            target=target, options=options.__dict__)
+    return ASTSource(fn, signature, constexprs, attrs if with_attrs else {}), target, backend, options.__dict__
+
+
+def launch_key(launch: Launch, arch: int, with_attrs: bool = True) -> str:
+    """Triton's own cache key for compiling this launch for ``arch``: the kernel's source and every
+    @triton.jit function it calls, the argument types, the constexpr values, the alignment and
+    divisibility attributes, the compile options (warps, stages, maxnreg, ...), the target and the
+    ptxas and Triton versions. ``triton.compile`` is a function of exactly these (it returns its cache
+    entry when they match), so two launches with the same key compile to the same kernel, and the
+    grid compiles each key once. Any difference in them is a different key, even one that might not
+    change the code (a group of 4 or 8 under the same 16-row tile): nothing is merged on a guess."""
+    from triton.compiler.compiler import get_cache_invalidating_env_vars, get_cache_key
+
+    src, _target, backend, options = _source(launch, arch, with_attrs)
+    return get_cache_key(src, backend, backend.parse_options(options), get_cache_invalidating_env_vars())
+
+
+def compile_launch(launch: Launch, arch: int, with_attrs: bool = True) -> Compiled:
+    """Compile a recorded launch for ``arch`` as Triton's JIT would at that launch (``with_attrs=False``
+    drops the inferred alignment/divisibility attributes, for comparison)."""
+    import triton
+    from triton import knobs
+
+    src, target, _backend, options = _source(launch, arch, with_attrs)
+    saved = knobs.runtime.add_stages_inspection_hook
+    knobs.runtime.add_stages_inspection_hook = _ptxas_log_hook
+    try:
+        kernel = triton.compile(src, target=target, options=options)
+    finally:
+        knobs.runtime.add_stages_inspection_hook = saved
     ptx = kernel.asm["ptx"]
-    info = _ptxas_info(ptx, arch)
     md = kernel.metadata
+    info = md.ptxas_info
     return Compiled(launch.kernel, arch, info["regs"], info["spills"], info["stack"], md.shared, md.num_warps,
                     md.num_stages, tuple(sorted(global_loads(ptx).items())), ptx, kernel.asm["ttir"])
 
@@ -289,6 +336,61 @@ def _worker() -> ProcessPoolExecutor:
 def compile_spec(spec: Spec, arch: int, with_attrs: bool = True) -> tuple[Compiled, ...]:
     """compile_spec_in_process in a clean worker process (cached per session)."""
     return _worker().submit(compile_spec_in_process, spec, arch, with_attrs).result()
+
+
+def _launch_keys(point: tuple[Spec, int]) -> tuple[str, ...]:
+    spec, arch = point
+    return tuple(launch_key(launch, arch) for launch in launches(spec, arch))
+
+
+@functools.cache
+def spec_launch_keys(spec: Spec, arch: int) -> tuple[str, ...]:
+    """launch_key of each of the spec's launches on ``arch``, in the clean worker process (cached)."""
+    return _worker().submit(_launch_keys, (spec, arch)).result()
+
+
+@dataclass(frozen=True)
+class CompileFailure:
+    """A grid compile that raised (the grid reports every failure, not the first)."""
+
+    kernel: str
+    arch: int
+    error: str
+
+
+def _compile_nth_launch(job: tuple[Spec, int, int]) -> Compiled | CompileFailure:
+    spec, arch, index = job
+    launch = launches(spec, arch)[index]
+    try:
+        return compile_launch(launch, arch)
+    except Exception as e:  # noqa: BLE001 -- a compile error is a result of the grid, reported per point
+        return CompileFailure(launch.kernel, arch, f"{type(e).__name__}: {str(e)[:300]}")
+
+
+@dataclass
+class GridCompile:
+    """The kernels of every grid point (spec, arch), each distinct compile run once (see launch_key)."""
+
+    points: dict[tuple[Spec, int], tuple[Compiled | CompileFailure, ...]]
+    launches: int  # kernel launches over all points
+    compiles: int  # distinct keys: the compiles that ran
+
+
+def compile_grid(specs, archs, workers: int | None = None) -> GridCompile:
+    """Compile every (spec, arch) point's launches in ``workers`` spawned processes (default: one per
+    CPU). First each point's launches are recorded and keyed (cheap: no compile); then each distinct
+    key is compiled once, by the first point that launches it, and its result serves every point with
+    that key. The compiles are handed out one at a time, so the processes stay busy to the end."""
+    points = [(spec, arch) for arch in archs for spec in specs]
+    with spawn_pool(workers or os.cpu_count() or 1) as pool:
+        keys = list(pool.map(_launch_keys, points, chunksize=16))
+        first: dict[str, tuple[Spec, int, int]] = {}
+        for (spec, arch), point_keys in zip(points, keys, strict=True):
+            for index, key in enumerate(point_keys):
+                first.setdefault(key, (spec, arch, index))
+        compiled = dict(zip(first, pool.map(_compile_nth_launch, first.values()), strict=True))
+    return GridCompile({point: tuple(compiled[k] for k in point_keys) for point, point_keys in zip(points, keys)},
+                       sum(map(len, keys)), len(first))
 
 
 def smem_limit(arch: int) -> int:

@@ -8,11 +8,9 @@ decode for sm_100); the full grid (every dtype, head dim, GQA group, block size 
 marked slow. Triton's on-disk cache makes a second run of either fast.
 """
 import importlib.util
-import os
 import re
 
 import pytest
-
 from kvbench.kernels import aot
 from kvbench.kernels.aot import Spec
 
@@ -107,22 +105,64 @@ def test_one_split_launches_no_merge_kernel():
 
 
 # ---------------------------------------------------------------------------------------------
-# The full grid (slow)
+# Compiling a grid: each distinct compile once (aot.launch_key), in parallel processes (aot.compile_grid)
+
+# The representative grid and neighbours that differ from one of its points in one setting which keeps
+# the code's shape (GQA 4 vs 8 under the same 16-row tile; block 64 vs 128, both one table entry per
+# tile; the kept mask; the target): each of those must stay its own compile. Their decode launches
+# share merge kernels, which must be merged.
+_KEY_SAMPLE = [*aot.representative_grid(), PRODUCTION_DECODE, Spec("decode", group=8, block_size=64)]
 
 
-def _compile_and_check(item):
-    spec, arch = item
+def _code(c) -> tuple:
+    return c.kernel, c.arch, c.ptx, c.regs, c.spill_bytes, c.stack_bytes, c.smem_bytes, c.num_warps, c.num_stages
+
+
+def test_launches_with_one_key_compile_to_the_same_code():
+    """The grid's dedup rule, checked against compiling every launch on its own: two launches that
+    share a key have the same PTX and resources, so merging them loses no check; at least one merge
+    happens (the decode's merge kernel across groups and block sizes)."""
+    code_by_key: dict[str, tuple] = {}
+    launches = 0
+    for arch in ARCHS:
+        for spec in _KEY_SAMPLE:
+            for key, c in zip(aot.spec_launch_keys(spec, arch), aot.compile_spec(spec, arch), strict=True):
+                launches += 1
+                assert code_by_key.setdefault(key, _code(c)) == _code(c), f"{spec.label()} sm_{arch} {c.kernel}"
+    assert len(code_by_key) < launches
+
+
+def test_grid_in_parallel_gives_each_point_its_own_kernels():
+    """compile_grid in two processes with dedup gives every point what compiling it alone gives."""
+    specs = [Spec("decode"), PRODUCTION_DECODE, Spec("decode1"), Spec("write_kv")]
+    grid = aot.compile_grid(specs, ARCHS, workers=2)
+    assert set(grid.points) == {(s, a) for s in specs for a in ARCHS}
+    assert grid.compiles < grid.launches == sum(len(aot.compile_spec(s, a)) for s in specs for a in ARCHS)
+    for (spec, arch), compiled in grid.points.items():
+        assert [_code(c) for c in compiled] == [_code(c) for c in aot.compile_spec(spec, arch)], spec.label()
+
+
+# ---------------------------------------------------------------------------------------------
+# The full grid (slow: its own step of .ci/run)
+
+
+def _point_failures(spec: Spec, compiled) -> list[str]:
+    failed = [f"{spec.label()} {c.kernel} sm_{c.arch}: {c.error}" for c in compiled
+              if isinstance(c, aot.CompileFailure)]
+    if failed:
+        return failed
     try:
-        _check_resources(spec, aot.compile_spec_in_process(spec, arch))
-        return None
-    except Exception as e:  # noqa: BLE001 -- every failure of the grid is reported at once
-        return f"{spec.label()} sm_{arch}: {type(e).__name__}: {str(e)[:300]}"
+        _check_resources(spec, compiled)
+    except AssertionError as e:
+        return [str(e)]
+    return []
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
-def test_every_specialisation_compiles(arch):
-    """Every launcher x bf16/fp16 x head dim 64/128 x GQA 1/2/4/7/8 x block 1-128 x kept mask."""
-    with aot.spawn_pool(os.cpu_count() or 1) as pool:
-        failures = [f for f in pool.map(_compile_and_check, [(s, arch) for s in aot.full_grid()], chunksize=4) if f]
+def test_every_specialisation_compiles():
+    """Every launcher x bf16/fp16 x head dim 64/128 x GQA 1/2/4/7/8 x block 1-128 x kept mask, for sm_80
+    and sm_90: each point compiles within its target's resources (each distinct compile runs once)."""
+    grid = aot.compile_grid(aot.full_grid(), ARCHS)
+    assert len(grid.points) == len(aot.full_grid()) * len(ARCHS)
+    failures = [f for (spec, _), compiled in grid.points.items() for f in _point_failures(spec, compiled)]
     assert not failures, "\n".join(failures)
