@@ -12,13 +12,19 @@ whole blocks stop, the most tokens of the next block that some earlier sequence 
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from kvbench.trace.format import Request
-from kvbench.trace.tokens import ROOT_KEY, TokenStreams, block_keys
+from kvbench.trace.tokens import (
+    ROOT_KEY,
+    TokenStreams,
+    compiled,
+    stable_hash,
+    unique_stream,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,20 +61,49 @@ def sequence_tokens(req: Request, prompt: np.ndarray, streams: TokenStreams, sam
 
 
 class PrefixKeys:
-    """Block keys of requests' cached sequences at one block size, memoising the keys of
-    block-aligned shared segments across requests (see ``_sequence_keys``)."""
+    """Block keys of requests' cached sequences at one block size (``block_keys`` of
+    ``cached_sequence``, computed without expanding prompts), memoising the keys of block-aligned
+    shared segments across requests.
 
-    def __init__(self, block_size: int, streams: TokenStreams | None = None):
+    The memo: a named stream read from a block boundary has keys fixed by (parent key, stream,
+    length), so a real trace's repeated segments (Mooncake's hash ids are prefix-chained: the same
+    segment follows the same parent) are neither generated nor hashed again. Streams only one request
+    uses (count_once), unique and literal segments are never stored. Bounded: at most
+    ``memo_keys`` keys (8 bytes each) in at most ``memo_entries`` / 2 segments (32 bytes each), the
+    whole memo flushed when either is full; 16 MB + 2 MB by default."""
+
+    def __init__(self, block_size: int, streams: TokenStreams | None = None, *,
+                 memo_keys: int = 2**21, memo_entries: int = 2**17):
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if memo_entries < 2 or memo_entries & (memo_entries - 1):
+            raise ValueError("memo_entries must be a power of 2, >= 2")
         self.block_size = block_size
         self.streams = streams or TokenStreams()
-        self._memo: dict[tuple[int, str, int], np.ndarray] = {}
         self.once: frozenset[str] = frozenset()  # shared streams only one request uses (see count_once)
+        self._memo_key = np.zeros(2 * memo_entries, dtype=np.uint64)  # (parent, stream seed) per slot
+        self._memo_len = np.full(memo_entries, -1, dtype=np.int64)  # segment length; -1: empty slot
+        self._memo_at = np.zeros(memo_entries, dtype=np.int64)  # where its keys start in the pool
+        self._memo_pool = np.zeros(memo_keys, dtype=np.uint64)
+        self.memo_state = np.zeros(4, dtype=np.int64)  # entries, pool keys used, hits, flushes
 
     def __call__(self, req: Request) -> tuple[np.ndarray, int]:
         """(uint64 keys of every whole block of the cached sequence, prompt length)."""
-        return _sequence_keys(req, self.block_size, self.streams, self._memo, self.once)
+        keys, _, prompt_lens = self.many([req])
+        return keys, int(prompt_lens[0])
+
+    def many(self, requests: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every request's keys at once: (uint64 keys, flattened; int64 [len+1] where request i's
+        start; int64 prompt lengths). ``keys[starts[i]:starts[i+1]]`` is ``self(requests[i])[0]``."""
+        seeds, lengths, literal_at, memoise, pieces_at, literals, prompt_lens, seq_lens = \
+            _flatten(requests, self.streams, self.once)
+        starts = np.zeros(len(requests) + 1, dtype=np.int64)
+        np.cumsum(seq_lens // self.block_size, out=starts[1:])
+        keys = np.empty(int(starts[-1]), dtype=np.uint64)
+        compiled().trace_keys(seeds, lengths, literal_at, memoise, pieces_at, literals, self.block_size,
+                              np.uint64(ROOT_KEY), starts, keys, self._memo_key, self._memo_len,
+                              self._memo_at, self._memo_pool, self.memo_state)
+        return keys, starts, prompt_lens
 
     def count_once(self, requests: Iterable[Request]) -> None:
         """Note the shared streams that only one of ``requests`` uses (in a prompt, or as the answer
@@ -91,10 +126,11 @@ class PrefixKeys:
         (count_once) — since every key after it is chained to it; None when there is none."""
         pos = 0
         once = self.once
-        for seg in req.prompt:
+        for i, seg in enumerate(req.prompt):
             if seg.length > 0 and (seg.kind == "unique" or (seg.kind == "shared" and seg.name in once)):
                 return pos // self.block_size
-            pos += seg.length
+            # a text segment's length is known once tokenized (Segment.length is 0)
+            pos += len(self.streams.segment(seg, req.id, i)) if seg.kind == "text" else seg.length
         return None
 
 
@@ -130,6 +166,20 @@ class IdealCounter:
 
     def result(self) -> IdealHits:
         return IdealHits(self.hit_tokens, self.prompt_tokens, len(self.seen) + self.private_blocks)
+
+
+def dense_block_ids(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 ids, uint64 distinct keys): each key's index among the distinct keys, numbered in order
+    of first appearance (as pandas.factorize numbers them)."""
+    return compiled().dense_ids(np.ascontiguousarray(keys, dtype=np.uint64))
+
+
+def ideal_hit_blocks(ids: np.ndarray, starts: np.ndarray, lookups: np.ndarray) -> np.ndarray:
+    """The whole blocks each request hits in IdealCounter (the same figures), from dense ids numbered
+    by first appearance (dense_block_ids): a block was seen before request i iff its id is below the
+    number of distinct blocks of requests 0..i-1, so no set of keys is kept. Request i's blocks are
+    ``ids[starts[i]:starts[i+1]]``; it may hit its first ``lookups[i]`` (<= its blocks)."""
+    return compiled().ideal_hit_blocks(ids, starts, lookups)
 
 
 def ideal_hits(requests: Iterable[Request], block_size: int,
@@ -183,46 +233,54 @@ def _pieces(req: Request, streams: TokenStreams):
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
 
 
-def _sequence_keys(req: Request, block_size: int, streams: TokenStreams,
-                   memo: dict, once: frozenset = frozenset()) -> tuple[np.ndarray, int]:
-    """Block keys of a request's cached sequence (identical to ``block_keys(cached_sequence(...))``)
-    and its prompt length in tokens.
-
-    A named stream that starts on a block boundary has keys fixed by (parent key, name, length), so
-    they are memoised: on a trace like Mooncake's, whose prompts are chains of shared 512-token
-    segments, each block is hashed once however many requests repeat it.
-    """
-    parts: list[np.ndarray] = []
-    parent = ROOT_KEY
-    carry = _NO_TOKENS  # tokens of a partial block waiting for the next piece
-    seq_len = 0
-    for name, what in _pieces(req, streams):
-        if name is not None and carry.size == 0:
-            length = what
-            n_full = length // block_size
-            ks = memo.get((parent, name, length))
-            if ks is None:
-                toks = streams.stream(name, n_full * block_size) if n_full else _NO_TOKENS
-                ks = np.array(block_keys(toks, block_size, n_full, parent), dtype=np.uint64)
-                if name not in once:  # a stream one request uses is never looked up again
-                    memo[(parent, name, length)] = ks
-            rest = length - n_full * block_size
-            carry = streams.stream(name, rest, start=n_full * block_size) if rest else _NO_TOKENS
-        else:
-            toks = streams.stream(name, what) if name is not None else what
-            length = len(toks)
-            if carry.size:
-                toks = np.concatenate([carry, toks])
-            n_full = len(toks) // block_size
-            ks = np.array(block_keys(toks, block_size, n_full, parent), dtype=np.uint64)
-            carry = toks[n_full * block_size:]
-        seq_len += length
-        if ks.size:
-            parts.append(ks)
-            parent = int(ks[-1])
-    answer = req.output_len - 1 if req.output is not None and req.output_len > 1 else 0
-    keys = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
-    return keys, seq_len - answer
+def _flatten(requests: Sequence[Request], streams: TokenStreams, once: frozenset):
+    """The requests' cached sequences as flat arrays of pieces for compiled.trace_keys (see there):
+    a shared, unique or answer stream is (seed, length); literal tokens are (their place in
+    ``literals``, length). ``memoise``: a named stream other requests use too."""
+    seeds: list[int] = []
+    lengths: list[int] = []
+    literal_at: list[int] = []
+    memoise: list[bool] = []
+    pieces_at = [0]
+    literals: list[np.ndarray] = []
+    n_literal = 0
+    prompt_lens: list[int] = []
+    answers: list[int] = []
+    for req in requests:
+        prompt_len = 0
+        for i, seg in enumerate(req.prompt):
+            kind = seg.kind
+            if kind == "shared" or kind == "unique":
+                name = seg.name if kind == "shared" else unique_stream(req.id, i)
+                seeds.append(stable_hash(name))
+                lengths.append(seg.length)
+                literal_at.append(-1)
+                memoise.append(kind == "shared" and name not in once)
+                prompt_len += seg.length
+            else:
+                toks = streams.segment(seg, req.id, i)
+                seeds.append(0)
+                lengths.append(len(toks))
+                literal_at.append(n_literal)
+                memoise.append(False)
+                literals.append(toks)
+                n_literal += len(toks)
+                prompt_len += len(toks)
+        answer = req.output_len - 1 if req.output is not None and req.output_len > 1 else 0
+        if answer:
+            seeds.append(stable_hash(req.output))
+            lengths.append(answer)
+            literal_at.append(-1)
+            memoise.append(req.output not in once)
+        pieces_at.append(len(seeds))
+        prompt_lens.append(prompt_len)
+        answers.append(answer)
+    prompt = np.array(prompt_lens, dtype=np.int64)
+    return (np.array(seeds, dtype=np.uint64), np.array(lengths, dtype=np.int64),
+            np.array(literal_at, dtype=np.int64), np.array(memoise, dtype=np.bool_),
+            np.array(pieces_at, dtype=np.int64),
+            np.ascontiguousarray(np.concatenate(literals) if literals else _NO_TOKENS, dtype=np.int32),
+            prompt, prompt + np.array(answers, dtype=np.int64))
 
 
 def ideal_hit_rate(requests: Iterable[Request], block_size: int,

@@ -11,6 +11,9 @@ are int32 numpy arrays.
 Block keys (vLLM's scheme): key_i = xxh3_64(token bytes of block i, seed=key_{i-1}), seeded with
 ROOT_KEY for block 0, so a block's key covers every token before it. Both the ideal hit rate here and
 the prefix cache in kvbench.memory use ``block_keys``; the cache confirms hits against stored tokens.
+
+Streams and keys are computed by kvbench.trace.compiled (numba), loaded on first use (``compiled()``):
+a Python loop of xxhash calls cost ~0.3 us a block, and numpy's expression ~9 us a segment.
 """
 from __future__ import annotations
 
@@ -34,23 +37,24 @@ def stable_hash(name: str) -> int:
     return xxhash.xxh64_intdigest(name.encode("utf-8"))
 
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+def compiled():
+    """kvbench.trace.compiled, imported on first use (numba costs ~0.2 s and ~60 MB to import)."""
+    from kvbench.trace import compiled as module
+    return module
 
 
 def stream_tokens(seed: int, start: int, length: int) -> np.ndarray:
-    """Tokens [start, start+length) of the stream whose name hashes to ``seed`` (int32)."""
-    x = np.arange(start + 1, start + length + 1, dtype=np.uint64)
-    x *= _GOLDEN
-    x += np.uint64(seed)
-    x ^= x >> np.uint64(30)
-    x *= _M1
-    x ^= x >> np.uint64(27)
-    x *= _M2
-    x ^= x >> np.uint64(31)
-    x %= np.uint64(TOKEN_HI - TOKEN_LO)
-    return (x.astype(np.int32) + TOKEN_LO)
+    """Tokens [start, start+length) of the stream whose name hashes to ``seed`` (int32): token i is
+    splitmix64's finaliser of (i + 1) * 0x9E3779B97F4A7C15 + seed (mod 2**64), mod (TOKEN_HI - TOKEN_LO),
+    plus TOKEN_LO."""
+    out = np.empty(max(length, 0), dtype=np.int32)
+    compiled().fill_stream(out, np.uint64(seed), start)
+    return out
+
+
+def unique_stream(request_key: str, position: int) -> str:
+    """The name of the stream a ``unique`` segment reads (no trace can name it)."""
+    return f"{_UNIQUE_PREFIX}{request_key}/{position}"
 
 
 class TokenStreams:
@@ -90,7 +94,7 @@ class TokenStreams:
         if seg.kind == "shared":
             return self.stream(seg.name, seg.length)
         if seg.kind == "unique":
-            return self.stream(f"{_UNIQUE_PREFIX}{request_key}/{position}", seg.length)
+            return self.stream(unique_stream(request_key, position), seg.length)
         if seg.kind == "tokens":
             return np.asarray(seg.tokens, dtype=np.int32)
         return np.asarray(encode_text(seg.text, self.tokenizer), dtype=np.int32)
@@ -140,12 +144,7 @@ def block_keys(tokens: np.ndarray, block_size: int, n_blocks: int | None = None,
         n_blocks = len(tokens) // block_size
     if n_blocks <= 0:
         return []
-    buf = np.ascontiguousarray(tokens[: n_blocks * block_size], dtype=np.int32).tobytes()
-    step = block_size * 4
-    h = xxhash.xxh3_64_intdigest
-    keys = [0] * n_blocks
-    key = parent
-    for i in range(n_blocks):
-        key = h(buf[i * step:(i + 1) * step], key)
-        keys[i] = key
-    return keys
+    toks = np.ascontiguousarray(tokens[: n_blocks * block_size], dtype=np.int32)
+    if len(toks) < n_blocks * block_size:
+        raise ValueError(f"{n_blocks} blocks of {block_size} need {n_blocks * block_size} tokens, not {len(toks)}")
+    return compiled().block_keys_of(toks, n_blocks, block_size, np.uint64(parent)).tolist()
