@@ -47,3 +47,12 @@ def test_same_figures_on_random_traces(prompts, bs):
         reqs.append(Request(id=f"r{i}", t=float(i), prompt=prompt, output_len=2))
     kept, every = _both(reqs, bs)
     assert kept.result() == every.result()
+
+
+def test_a_text_segment_counts_its_tokens_before_a_unique_one():
+    # Segment.length is 0 for text (known once tokenized): shareable_blocks must count its tokens, or
+    # it drops keys a later request hits (here block 12, the text's token)
+    a = Request("a", 0.0, (Segment("shared", 12, name="p"), Segment("text", text="a"), Segment("unique", 1)), 1)
+    b = Request("b", 1.0, (Segment("shared", 12, name="p"), Segment("text", text="aa")), 1)
+    kept, every = _both([a, b], 1)
+    assert kept.result() == every.result() and kept.result().hit_tokens == 13
