@@ -74,7 +74,12 @@ from kvbench.memory.policies import (
 )
 from kvbench.memory.radix import RadixNodes
 from kvbench.trace.format import Request
-from kvbench.trace.ideal import IdealCounter, PrefixKeys, lookup_blocks
+from kvbench.trace.ideal import (
+    PrefixKeys,
+    dense_block_ids,
+    ideal_hit_blocks,
+    lookup_blocks,
+)
 from kvbench.trace.tokens import TokenStreams
 
 COLUMNS = ["budget_bytes", "budget_blocks", "policy", "hit_rate", "ceiling"]  # read by kvbench report
@@ -142,42 +147,27 @@ def prepare(requests: Sequence[Request], block_size: int, warmup: float = 0.0, *
             future: bool = True, streams: TokenStreams | None = None) -> BlockTrace:
     """Hash every request once, remap the keys to dense ids, count the ceiling; ``future``: also
     belady's next uses."""
-    import pandas as pd  # factorize: hash-based, keeps first-appearance order
-
-    # PrefixKeys hashes a block-aligned named segment once and memoises its keys, so the streams'
-    # own memo would mostly hold tokens never read again (256 MB on Mooncake): keep it small
+    # PrefixKeys.many hashes the whole trace in one compiled pass, memoising the keys of repeated
+    # block-aligned segments, so the streams' own memo serves only literal segments: keep it small
     keys_of = PrefixKeys(block_size, streams or TokenStreams(max_cached_tokens=PREPARE_STREAM_TOKENS))
-    keys_of.count_once(requests)  # streams one request uses: neither kept by the ceiling nor memoised
-    ideal = IdealCounter(block_size)
+    keys_of.count_once(requests)  # streams one request uses are not memoised
+    flat, starts, prompt_lens = keys_of.many(requests)
+    blocks = np.diff(starts)
+    lookups = np.minimum(lookup_blocks(prompt_lens, block_size), blocks)
+    ids, distinct = dense_block_ids(flat)
     start = window_start(len(requests), warmup)
-    keys, prompt_lens, lookups, partial, arrival = [], [], [], [], []
-    ceiling = 0
-    for i, r in enumerate(requests):
-        k, prompt_len = keys_of(r)
-        h = ideal.add(k, prompt_len, keys_of.shareable_blocks(r))  # keeps only keys that can hit
-        if i >= start:
-            ceiling += h
-        keys.append(k)
-        prompt_lens.append(prompt_len)
-        answer = r.output_len - 1 if r.output is not None and r.output_len > 1 else 0
-        partial.append((prompt_len + answer) % block_size != 0)
-        lookups.append(min(lookup_blocks(prompt_len, block_size), len(k)))
-        arrival.append(r.t)
-    starts = np.zeros(len(keys) + 1, dtype=np.int64)
-    np.cumsum([len(k) for k in keys], out=starts[1:])
-    flat = np.concatenate(keys) if keys else np.zeros(0, dtype=np.uint64)
-    ids, distinct = pd.factorize(flat)
-    ids = ids.astype(np.int64, copy=False)
+    hit_blocks = ideal_hit_blocks(ids, starts, lookups)  # IdealCounter's figures
     parent = np.full(len(distinct), -1, dtype=np.int64)
     if len(ids):
         before = np.concatenate(([-1], ids[:-1]))
-        before[starts[:-1][np.diff(starts) > 0]] = -1  # a request's first block has no parent
+        before[starts[:-1][blocks > 0]] = -1  # a request's first block has no parent
         parent[ids] = before
-    bt = BlockTrace(block_size, ids, starts,
-                    np.asarray(lookups, dtype=np.int64), np.asarray(prompt_lens, dtype=np.int64),
-                    len(distinct), start, ceiling, partial=np.asarray(partial, dtype=bool),
-                    arrival_s=np.asarray(arrival, dtype=np.float64), parent=parent,
-                    keys=np.asarray(distinct, dtype=np.uint64))
+    answers = np.fromiter((r.output_len - 1 if r.output is not None and r.output_len > 1 else 0 for r in requests),
+                          dtype=np.int64, count=len(requests))  # a named answer's computed part is cached too
+    bt = BlockTrace(block_size, ids, starts, lookups, prompt_lens, len(distinct), start,
+                    int(hit_blocks[start:].sum()) * block_size, partial=(prompt_lens + answers) % block_size != 0,
+                    arrival_s=np.fromiter((r.t for r in requests), dtype=np.float64, count=len(requests)),
+                    parent=parent, keys=distinct)
     if future:
         bt.next_use = _next_uses(bt.ids, starts, bt.lookups)
     return bt
