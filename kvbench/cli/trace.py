@@ -285,11 +285,25 @@ Examples:
                    "kv-aware's index learns from routing and never forgets)")
 @click.option("--router-prefix-blocks", type=Count(1), default=4, show_default=True,
               help="prefix router: leading blocks hashed")
+@click.option("--budget-counts", type=click.Choice(["pool", "cache"]), default="pool", show_default=True,
+              help="pool: the running request's blocks count against the budget (a GPU pool); cache: the "
+                   "budget holds only cached blocks, requests run outside it (a KV store; belady may "
+                   "decline to store a block)")
+@click.option("--tiers", "tiers_text", metavar="gpu=SIZE[,SIZE..][,cpu=SIZE..][,disk=SIZE..]",
+              help="hit rate per tier: a GPU pool (--policies) and external stores behind it (host DRAM, "
+                   "local NVMe; 0 = none), every combination of the sizes listed, e.g. "
+                   "gpu=16GiB,cpu=0,128GiB,512GiB,disk=4TiB (replaces --budgets)")
+@click.option("--tier-policy", default="lru", show_default=True,
+              help="with --tiers: the cache policy of the cpu and disk tiers (belady: offline optimum)")
+@click.option("--offload", type=click.Choice(["write-through", "write-back"]), default="write-through",
+              show_default=True, help="with --tiers: store every computed block in every lower tier, or "
+                                      "what the tier above evicts")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of a table")
 @click.option("--out", type=click.Path(file_okay=False),
               help="also write whatif.parquet, whatif.png and whatif.json into this directory")
 def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, policies, prefix_mode, warmup,
-           jobs, replicas, router, router_prefix_blocks, as_json, out):
+           jobs, replicas, router, router_prefix_blocks, budget_counts, tiers_text, tier_policy, offload,
+           as_json, out):
     """Prefix hit rate against KV cache size and cache policy, straight from a trace.
 
     Prompts are replayed one after another in trace order (no concurrency, no decode) through a
@@ -327,6 +341,9 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
         raise InputError("no policy given", field="--policies")
     if budgets is not None and budget_blocks is not None:
         raise click.UsageError("give --budgets or --budget-blocks, not both")
+    if tiers_text is not None or budget_counts == "cache":
+        return _whatif_stores(trace_path, spec, kv_dtype, block_size, chosen, warmup, budgets, budget_blocks,
+                              prefix_mode, replicas, budget_counts, tiers_text, tier_policy, offload, as_json, out)
     if budget_blocks is not None:
         counts = []
         for x in _split(budget_blocks):
@@ -371,6 +388,78 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     for (_, label), n in sorted(too_large.items()):
         _note(f"at {label}, {n} counted requests have more whole blocks than the budget: each ran as "
               "its first blocks that fit (an engine with this pool would refuse it)")
+
+
+def _whatif_stores(trace_path, spec, kv_dtype, block_size, chosen, warmup, budgets, budget_blocks, prefix_mode,
+                   replicas, budget_counts, tiers_text, tier_policy, offload, as_json, out):
+    """``whatif --tiers`` and ``whatif --budget-counts cache`` (kvbench.whatif.tiers)."""
+    from rich.console import Console
+
+    from kvbench.engine.config import parse_size
+    from kvbench.memory.policies import check_policy
+    from kvbench.trace.format import load_trace
+    from kvbench.whatif import curve as wi
+    from kvbench.whatif import tiers as wt
+
+    what = "--tiers" if tiers_text is not None else "--budget-counts cache"
+    if prefix_mode != "hash":
+        raise InputError("block-hash prefixes only (give --prefix-mode hash)", field=what)
+    if replicas > 1:
+        raise InputError("one cache only (give --replicas 1)", field=what)
+    per_token = spec.kv_bytes_per_token(kv_dtype)
+    block_bytes = per_token * block_size
+    reqs = None
+    if tiers_text is not None:
+        if budget_counts != "pool":
+            raise InputError("the gpu tier is a pool and the tiers behind it are stores: drop --budget-counts",
+                             field="--tiers")
+        if budgets is not None or budget_blocks is not None:
+            raise click.UsageError("give --tiers or --budgets/--budget-blocks, not both")
+        tiers = wt.parse_tiers(tiers_text)
+        try:
+            check_policy(tier_policy)
+        except ValueError as e:
+            raise InputError(str(e), field="--tier-policy") from None
+        for name, sizes in tiers.items():
+            for size, label in sizes:
+                if (size or name == "gpu") and size < block_bytes:
+                    raise InputError(f"{name}={label} holds no block of {block_size} tokens "
+                                     f"({wi.format_bytes(block_bytes)})", field="--tiers")
+        reqs = load_trace(trace_path)
+        result = wt.whatif_tiers(reqs, trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
+                                 kv_bytes_per_token=per_token, block_size=block_size, tiers=tiers,
+                                 policies=chosen, tier_policy=tier_policy, offload=offload, warmup=warmup)
+        paths = wt.write_outputs(result, out) if out else []
+        render = wt.table
+    else:
+        if budget_blocks is not None:
+            counts = []
+            for x in _split(budget_blocks):
+                if not x.isdigit() or not 1 <= int(x) <= 2**31 - 1:
+                    raise InputError(f"not a block count in [1, 2^31): {x[:30]!r}", field="--budget-blocks")
+                counts.append(int(x))
+            plan = wi.budgets_from_blocks(counts, block_bytes)
+        else:
+            texts = _split(budgets or DEFAULT_BUDGETS)
+            plan = wi.budgets_from_bytes([parse_size(x, "--budgets") for x in texts], block_bytes, texts)
+        if not plan or any(b.blocks < 1 for b in plan):
+            raise InputError(f"every budget must hold a block of {block_size} tokens "
+                             f"({wi.format_bytes(block_bytes)})", field="--budget-blocks" if budget_blocks else "--budgets")
+        reqs = load_trace(trace_path)
+        result = wt.whatif_cache(reqs, trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
+                                 kv_bytes_per_token=per_token, block_size=block_size, budgets=plan,
+                                 policies=chosen, warmup=warmup)
+        paths = wi.write_outputs(result, out) if out else []
+        render = wi.table
+    for path in paths:
+        _note(f"wrote {path}")
+    if as_json:
+        click.echo(dumps(result.to_dict()))
+        return
+    width = None if sys.stdout.isatty() else 110
+    Console(file=sys.stdout, width=width).print(render(result))
+    if budget_counts == "cache":
+        _note("budgets count cached blocks only (an external KV store): requests run outside them")
 
 
 # ------------------------------------------------------------------------------------ fit-policy
