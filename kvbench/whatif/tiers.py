@@ -12,7 +12,7 @@ touched there (a use). Then, with ``write-through``, every block the request com
 the prompt's and a named answer's, the blocks the GPU caches) is stored into every lower tier (a
 block already there is touched); with ``write-back``, the blocks the GPU evicted while the request
 allocated are stored into the next tier (cpu, else disk), those cpu evicts into disk, and disk's
-evictions are dropped.
+evictions are dropped; a tier is offered what the tier above evicted most recently used first.
 
 A lower tier is an external store (``Store``): its budget holds only cached blocks, nothing runs
 there, a size of 0 is no tier. A store takes a run of a request's blocks (chain order) the way the
@@ -162,7 +162,7 @@ class GpuStream:
 
     hits: np.ndarray  # int64 [requests]
     ran: np.ndarray  # int64 [requests]
-    victims: list[list[int]] | None = None
+    victims: list[list[int]] | None = None  # None: not recorded (write-back then stores nothing)
 
 
 def gpu_stream(bt: wi.BlockTrace, budget_blocks: int, policy: str, victims: bool = False) -> GpuStream:
@@ -248,12 +248,14 @@ def run_stores(bt: wi.BlockTrace, gpu: GpuStream | None, stores: Sequence[Store 
                 run = np.concatenate((run, blocks[h + loaded:]))
                 run_nu = None if nu is None else np.concatenate((run_nu, nu[h + loaded:]))
             st.put(run, arrival[i], run_nu)
-        if write_back and gpu.victims[i]:
-            down = np.asarray(gpu.victims[i], dtype=np.int64)
-            for t, st in live:  # each tier takes what the tier above evicted
-                down = np.asarray(st.put(down, arrival[i], None if nxt is None else nxt[down]), dtype=np.int64)
-                if not len(down):
-                    break
+        down = gpu.victims[i] if write_back and gpu.victims is not None else None
+        for t, st in live if down else ():
+            # each tier takes what the tier above evicted, most recently used first (the tier above
+            # released a chain tail first, so its prefix comes first and is what a small tier keeps)
+            run = np.asarray(down[::-1], dtype=np.int64)
+            down = st.put(run, arrival[i], None if nxt is None else nxt[run])
+            if not down:
+                break
         if i >= bt.window_start:
             for t in range(len(stores)):
                 hits[t] += got[t]
