@@ -29,8 +29,9 @@ def selfcheck(device, model, seed, attention, as_json):
 
     Two checks: (1) hand-driven paged forwards (shared-prefix reuse, chunked prefill mixed with
     decodes, copy-on-write samples, recompute) compared logit by logit; (2) replays through the real
-    engine, hash and radix prefix modes (prefix-cache hits, a hit ending inside a block, a forced
-    preemption, n=2 samples, chunked prefill), whose sampled logits and greedy tokens must match
+    engine, hash and radix prefix modes and hash with CPU and disk tiers behind the pool (prefix-cache
+    hits, a hit ending inside a block, a forced preemption, n=2 samples, chunked prefill, blocks
+    written back to the tiers and loaded from them), whose sampled logits and greedy tokens must match
     transformers on the same tokens. Exits 1 when any disagrees beyond the precision's tolerance
     (float32: logits within 1e-3 and every token equal).
     """
@@ -39,8 +40,10 @@ def selfcheck(device, model, seed, attention, as_json):
     forwards = run_selfcheck(device=device, model=model, seed=seed, attention=attention)
     engines = {m: run_engine_selfcheck(device=device, model=model, seed=seed, attention=attention,
                                        prefix_mode=m) for m in ("hash", "radix")}
+    engines["tiers"] = run_engine_selfcheck(device=device, model=model, seed=seed, attention=attention, tiers=True)
     ok = forwards["ok"] and all(e["ok"] for e in engines.values())
-    result = {"ok": ok, "forwards": forwards, "engine": engines["hash"], "engine_radix": engines["radix"]}
+    result = {"ok": ok, "forwards": forwards, "engine": engines["hash"], "engine_radix": engines["radix"],
+              "engine_tiers": engines["tiers"]}
     if as_json:
         click.echo(dumps(result))
     else:
@@ -55,7 +58,10 @@ def selfcheck(device, model, seed, attention, as_json):
                        f"equal {e['greedy_agree']:.1%} of {e['tokens_compared']}; {e['completed']} "
                        f"requests, {x['prefix_hit_tokens']} prefix-hit tokens "
                        f"({x['partial_hit_tokens']} inside a block), {x['preemptions']} preemptions, "
-                       f"{x['cow_copies']} copy-on-write copies, prefill chunks of {x['max_batched_tokens']}")
+                       f"{x['cow_copies']} copy-on-write copies, prefill chunks of {x['max_batched_tokens']}"
+                       + (f"; tiers: {x['tier_bytes_loaded']:,} bytes loaded (hit rate cpu {x['cpu_hit_rate']:.3f}, "
+                          f"disk {x['disk_hit_rate']:.3f}), {x['tier_bytes_stored']:,} stored"
+                          if mode == "tiers" else ""))
         click.echo("selfcheck: " + ("PASS" if ok else "FAIL"))
     if not ok:
         sys.exit(1)

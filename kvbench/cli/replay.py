@@ -72,6 +72,14 @@ REPLAY_OPTIONS: list[Opt] = [
     Opt("router_cache_weight", Finite(0, C.MAX_ROUTER_WEIGHT), "kv-aware: cost weight of the prompt blocks a replica must prefill (Dynamo's overlap weight)"),
     Opt("router_load_weight", Finite(0, C.MAX_ROUTER_WEIGHT), "kv-aware: cost weight of the replica's active blocks"),
     Opt("router_event_delay", Finite(0, C.MAX_ROUTER_WEIGHT), "kv-aware: engine seconds before a replica's KV event reaches the router's index"),
+    Opt("cpu_kv_mem", str, "prefix-cache tier in host DRAM behind the GPU pool, e.g. 512GiB (0: none)"),
+    Opt("disk_kv_mem", str, "prefix-cache tier on local NVMe behind the CPU tier, e.g. 4TiB (0: none)"),
+    Opt("offload", click.Choice(C.OFFLOADS), "blocks enter the tiers when computed (vLLM's, LMCache's offloading), or when evicted from the tier above"),
+    Opt("load_policy", click.Choice(C.LOAD_POLICIES), "load tier hits always, or only when faster than recomputing them (the executor's prefill cost)"),
+    Opt("cpu_bw", Finite(0, C.MAX_TIER_BW_GBPS, min_open=True), "GB/s per direction between the CPU tier and the GPUs (PCIe Gen5 x16: ~50)"),
+    Opt("disk_bw", Finite(0, C.MAX_TIER_BW_GBPS, min_open=True), "GB/s per direction of the disk tier (one datacenter NVMe drive: ~7)"),
+    Opt("cpu_cache_policy", str, "which block the CPU tier drops first (any --cache-policy)"),
+    Opt("disk_cache_policy", str, "which block the disk tier drops first (any --cache-policy)"),
 ]
 DEFAULTS = ReplayConfig()
 
@@ -105,6 +113,12 @@ HEADLINE = [
     ("peak_running", "peak running seqs", "{:.0f}"), ("preemptions", "preemptions", "{:.0f}"),
     ("evicted_tokens", "evicted tokens", "{:.0f}"), ("recalled_tokens", "recalled tokens", "{:.0f}"),
 ]
+TIER_HEADLINE = [  # with a tier behind the pool
+    ("hit_rate_gpu", "hit rate: GPU pool", "{:.4f}"), ("hit_rate_cpu", "hit rate: CPU tier", "{:.4f}"),
+    ("hit_rate_disk", "hit rate: disk tier", "{:.4f}"), ("bytes_loaded", "bytes loaded from tiers", "{:,.0f}"),
+    ("bytes_stored", "bytes stored in tiers", "{:,.0f}"), ("load_s", "tier load time (s)", "{:.3f}"),
+    ("tier_declined_tokens", "tier hits recomputed (auto)", "{:,.0f}"),
+]
 
 
 def print_summary(summary: dict, run_dir: str) -> None:
@@ -114,7 +128,8 @@ def print_summary(summary: dict, run_dir: str) -> None:
     t = Table(title=f"kvbench replay -> {run_dir}", show_header=True)
     t.add_column("metric")
     t.add_column("value", justify="right")
-    for key, label, fmt in HEADLINE:
+    tiers = summary.get("hit_rate_cpu") is not None or summary.get("hit_rate_disk") is not None
+    for key, label, fmt in HEADLINE + (TIER_HEADLINE if tiers else []):
         v = summary.get(key)
         t.add_row(label, "-" if v is None else fmt.format(v))
     if summary.get("replicas"):

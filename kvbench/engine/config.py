@@ -12,6 +12,7 @@ from kvbench import eviction, executors, memory, scheduler
 from kvbench.engine import routing
 from kvbench.errors import InputError
 from kvbench.memory.policies import check_policy
+from kvbench.memory.tiers import DEFAULT_BW, LOAD_POLICIES, OFFLOADS
 from kvbench.trace.format import MAX_REQUEST_TOKENS
 
 # Choices that pick an implementation come from the registries that hold it.
@@ -26,6 +27,7 @@ DEVICES = ("auto", "cuda", "cpu")
 ADMISSIONS = scheduler.ADMISSIONS
 KV_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # auto: the dtype the model computes in
 ROUTERS = routing.ROUTERS
+MAX_TIER_BW_GBPS = 1e6  # GB/s
 
 MAX_BLOCK_SIZE = 4096  # tokens per block
 MAX_NUM_BLOCKS = 2**31 - 1  # block ids are int32 in block tables
@@ -53,6 +55,22 @@ def parse_size(text: str, field: str = "--kv-mem") -> int:
     if value > MAX_KV_MEM_BYTES:
         raise InputError(f"must be at most 1PiB, got {text!r}", field=field)
     return int(value)
+
+
+def tier_bytes(text, field: str) -> int:
+    """A tier size (``--cpu-kv-mem``, ``--disk-kv-mem``) in bytes: None or 0 (any unit) is no tier."""
+    if text is None:
+        return 0
+    m = _SIZE.match(str(text))
+    if m and float(m.group(1)) == 0 and (m.group(2) or "").lower() in _UNITS:
+        return 0
+    return parse_size(text, field)
+
+
+def has_tiers(settings: dict) -> bool:
+    """Whether a configuration (a ReplayConfig dict) puts a tier behind the GPU pool."""
+    return bool(tier_bytes(settings.get("cpu_kv_mem"), "--cpu-kv-mem")
+                or tier_bytes(settings.get("disk_kv_mem"), "--disk-kv-mem"))
 
 
 @dataclass(slots=True)
@@ -91,6 +109,15 @@ class ReplayConfig:
     router_cache_weight: float = 1.0  # kv-aware: weight of the blocks to prefill
     router_load_weight: float = 1.0  # kv-aware: weight of the replica's active blocks
     router_event_delay: float = 0.0  # kv-aware: engine seconds before a KV event reaches the router
+    # prefix-cache tiers behind the GPU pool (kvbench.memory.tiers)
+    cpu_kv_mem: str | None = None  # host DRAM tier size; None or 0: none
+    disk_kv_mem: str | None = None  # local NVMe tier size
+    offload: str = "write-through"  # blocks enter a tier when computed, or when evicted from the one above
+    load_policy: str = "auto"  # load only when faster than recomputing, or always
+    cpu_bw: float = DEFAULT_BW["cpu"] / 1e9  # GB/s per direction, host <-> GPU
+    disk_bw: float = DEFAULT_BW["disk"] / 1e9  # GB/s per direction, NVMe
+    cpu_cache_policy: str = "lru"
+    disk_cache_policy: str = "lru"
 
     def validate(self) -> "ReplayConfig":
         def choice(name, allowed):
@@ -102,7 +129,8 @@ class ReplayConfig:
                               ("prefix_mode", PREFIX_MODES),
                               ("eviction", EVICTIONS), ("executor", EXECUTORS), ("device", DEVICES),
                               ("kv_dtype", KV_DTYPES), ("admission", ADMISSIONS),
-                              ("radix_eviction", RADIX_EVICTIONS), ("router", ROUTERS)):
+                              ("radix_eviction", RADIX_EVICTIONS), ("router", ROUTERS),
+                              ("offload", OFFLOADS), ("load_policy", LOAD_POLICIES)):
             choice(name, allowed)
         try:  # a registry name, or learned:FILE (its file read now: a bad one fails before the run)
             check_policy(self.cache_policy, load=True)
@@ -153,9 +181,38 @@ class ReplayConfig:
                              field="--kv-budget")
         if self.kv_mem is not None:
             parse_size(self.kv_mem)
+        self._validate_tiers()
         if self.layout == "slab":  # a slab cannot share blocks: it has no prefix cache to turn on
             self.prefix_cache = False
         return self
+
+    def _validate_tiers(self) -> None:
+        for name in ("cpu_bw", "disk_bw"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_TIER_BW_GBPS:
+                raise InputError(f"must be a bandwidth in GB/s in (0, {MAX_TIER_BW_GBPS:g}], got {v!r}",
+                                 field="--" + name.replace("_", "-"))
+        for name in ("cpu_cache_policy", "disk_cache_policy"):
+            try:
+                check_policy(getattr(self, name), load=True)
+            except ValueError as e:
+                raise InputError(str(e), field="--" + name.replace("_", "-")) from None
+        cpu = tier_bytes(self.cpu_kv_mem, "--cpu-kv-mem")
+        disk = tier_bytes(self.disk_kv_mem, "--disk-kv-mem")
+        if not (cpu or disk):
+            return
+        flag = "--cpu-kv-mem" if cpu else "--disk-kv-mem"
+        if self.layout != "paged" or not self.prefix_cache:
+            raise InputError("prefix-cache tiers hold cached prefix blocks: they need --layout paged with "
+                             "--prefix-cache", field=flag)
+        if self.prefix_mode != "hash":
+            raise InputError("prefix-cache tiers follow the block-hash chain: use --prefix-mode hash", field=flag)
+
+    def tier_sizes(self) -> dict[str, int]:
+        """Bytes per tier name, tiers of size 0 left out."""
+        sizes = {"cpu": tier_bytes(self.cpu_kv_mem, "--cpu-kv-mem"),
+                 "disk": tier_bytes(self.disk_kv_mem, "--disk-kv-mem")}
+        return {k: v for k, v in sizes.items() if v}
 
     @property
     def kv_mem_bytes(self) -> int | None:

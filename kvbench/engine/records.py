@@ -26,7 +26,8 @@ REQUEST_SCHEMA = pa.schema([
     ("cached_tokens", pa.int64()), ("output_tokens", pa.int64()), ("n", pa.int64()),
     ("ttft_ms", pa.float64()), ("tpot_ms", pa.float64()), ("e2e_ms", pa.float64()),
     ("queue_ms", pa.float64()), ("preemptions", pa.int64()), ("recomputed_tokens", pa.int64()),
-    ("evicted_tokens", pa.int64()), ("recalled_tokens", pa.int64()), ("rejected", pa.string()),
+    ("evicted_tokens", pa.int64()), ("recalled_tokens", pa.int64()), ("loaded_tokens", pa.int64()),
+    ("rejected", pa.string()),
 ])
 STEP_SCHEMA = pa.schema([
     ("step", pa.int64()), ("replica", pa.int64()), ("t_s", pa.float64()), ("dur_ms", pa.float64()),
@@ -35,6 +36,8 @@ STEP_SCHEMA = pa.schema([
     ("blocks_cached", pa.int64()), ("blocks_free", pa.int64()), ("slots_allocated", pa.int64()),
     ("tokens_live", pa.int64()), ("internal_frag", pa.float64()), ("kv_util", pa.float64()),
     ("hit_tokens_cum", pa.int64()), ("query_tokens_cum", pa.int64()),
+    ("cpu_hit_tokens_cum", pa.int64()), ("disk_hit_tokens_cum", pa.int64()), ("bytes_loaded", pa.int64()),
+    ("bytes_stored", pa.int64()), ("load_ms", pa.float64()),
 ])
 PCTS = (("mean", None), ("p50", 50), ("p90", 90), ("p99", 99))
 

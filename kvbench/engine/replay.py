@@ -26,7 +26,8 @@ from kvbench.eviction.evictor import make_evictor
 from kvbench.executors import make_executor
 from kvbench.memory import make_kv
 from kvbench.memory.future import next_uses
-from kvbench.executors.presets import get_model
+from kvbench.memory.tiers import TIER_NAMES, Tiers, TierSpec, op_bytes
+from kvbench.executors.presets import available_host_bytes, get_model
 from kvbench.engine.records import RunWriter, claim_run_dir, distribution, environment, holds_run
 from kvbench.engine.routing import Router, jain, max_over_mean
 from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig
@@ -105,20 +106,6 @@ class _Replica:
         return self.load(bs)
 
 
-def _available_host_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def check_model_memory(cfg: ReplayConfig, model) -> None:
     """The model executor holds the weights and the KV pool on one device: what cannot fit is refused
     before a byte is allocated (InputError naming --model or --kv-mem), not met as an out-of-memory
@@ -136,7 +123,7 @@ def check_model_memory(cfg: ReplayConfig, model) -> None:
         avail, _ = torch.cuda.mem_get_info(dev)
         where = f"the {avail / 1e9:.1f} GB free on {torch.cuda.get_device_name(dev)}"
     else:
-        avail = _available_host_bytes()
+        avail = available_host_bytes()
         where = f"the {avail / 1e9:.1f} GB of host memory available" if avail is not None else ""
     if avail is None:
         return
@@ -216,6 +203,7 @@ class Replay:
         check_model_memory(cfg, self.model)
         executor = make_executor(cfg, self.model)
         self.num_blocks = pool_blocks(cfg, executor, self.model)  # per replica
+        self._block_bytes = executor.kv_bytes_per_token() * cfg.block_size
         self.physical_blocks = self._physical_blocks()
         self.replicas = [self._replica(i, executor if i == 0 else make_executor(cfg, self.model))
                          for i in range(cfg.replicas)]
@@ -245,6 +233,8 @@ class Replay:
                      prefix_mode=cfg.prefix_mode, radix_eviction=cfg.radix_eviction,
                      physical=self.physical_blocks)
         executor.bind_pool(self.physical_blocks or self.num_blocks, cfg.block_size)
+        if cfg.tier_sizes():
+            self._attach_tiers(kv, executor)
         evictor = make_evictor(cfg.eviction, kv, kv_budget=cfg.kv_budget,
                                sink_tokens=cfg.sink_tokens, seed=cfg.seed,
                                kv_bytes_per_token=executor.kv_bytes_per_token(),
@@ -253,6 +243,26 @@ class Replay:
                                               cfg.admission, cfg.watermark),
                           needs_tokens=executor.needs_tokens, streams=self.streams, evictor=evictor)
         return _Replica(i, kv, executor, evictor, sched, _Totals(peak=0), lat=[], since=[0, 0])
+
+    def _attach_tiers(self, kv, executor) -> None:
+        """The tiers behind a replica's pool (--cpu-kv-mem, --disk-kv-mem), each as many blocks as
+        its bytes hold, and no more state than the run's blocks can fill."""
+        cfg = self.cfg
+        bs = cfg.block_size
+        block = executor.kv_bytes_per_token() * bs
+        bound = sum(r.n * ((r.prompt_len + r.output_len) // bs + 1)
+                    for r in self.requests if self._reject_reason(r) is None)
+        specs = []
+        for name, nbytes in cfg.tier_sizes().items():
+            n = nbytes // block
+            if n < 1:
+                raise InputError(f"a {name} tier of {nbytes} bytes holds no block of {block} bytes "
+                                 f"({bs} tokens x {executor.kv_bytes_per_token()} bytes)", field=f"--{name}-kv-mem")
+            specs.append(TierSpec(name, n, getattr(cfg, f"{name}_bw") * 1e9, getattr(cfg, f"{name}_cache_policy")))
+        tiers = Tiers(specs, cfg.offload, cfg.load_policy, block_bytes=block, physical=bound)
+        tiers.recompute_s = executor.recompute_s
+        kv.attach_tiers(tiers)
+        executor.bind_tiers({t.name: t.bandwidth for t in tiers.tiers}, {t.name: t.slots for t in tiers.tiers})
 
     def _physical_blocks(self) -> int | None:
         """The most blocks this run can ever take, when the pool is larger: a pool that holds every
@@ -290,7 +300,9 @@ class Replay:
         replicas = self.replicas
         bs = cfg.block_size
         use_tokens = kv.prefix_cache or ex.needs_tokens
-        future = next_uses(reqs, bs, self.streams) if kv.prefix_cache and cfg.cache_policy == "belady" else None
+        tiers = cfg.tier_sizes()
+        belady = cfg.cache_policy == "belady" or any(getattr(cfg, f"{t}_cache_policy") == "belady" for t in tiers)
+        future = next_uses(reqs, bs, self.streams) if kv.prefix_cache and belady else None
         for r in reqs:
             if self._reject_reason(r) is None:
                 self._check_fits(r)
@@ -342,6 +354,8 @@ class Replay:
                 pool = getattr(rep.kv, "pool", None)
                 if pool is not None:  # the time cache policies are told (learned: seconds since a use)
                     pool.clock = rep.clock
+                    if rep.kv.tiers is not None:
+                        rep.kv.tiers.clock = rep.clock
                 plan = sched.schedule(rep.clock)
                 if loads_seen:  # what a router sees of this replica while the step runs
                     rep.snap, rep.since = rep.load(bs), [0, 0]
@@ -433,9 +447,24 @@ class Replay:
         running = plan.running  # the sequences the step held, those that finished in it included
         frag = 1.0 - live / slots if slots else 0.0
         util = live / rep.kv.capacity_tokens
+        loaded = stored = 0
+        if batch.tier_pre or batch.tier_post:
+            moved = op_bytes(batch.tier_pre, self._block_bytes)
+            for name, (ld, sd) in op_bytes(batch.tier_post, self._block_bytes).items():
+                moved.setdefault(name, [0, 0])[1] += sd
+            for name, (ld, sd) in moved.items():
+                acc = st.tier_bytes.setdefault(name, [0, 0])
+                acc[0] += ld
+                acc[1] += sd
+                loaded += ld
+                stored += sd
+            st.tier_s += result.tier_s
+            st.tier_post_s += result.tier_post_s
+        th = sched.tier_hit_tokens
         writer.steps.add((rep.steps, rep.index, start_s, dur_s * 1e3, batch.num_prefill_tokens, batch.num_decodes,
                           running, len(sched.waiting), self.num_blocks, used, cached, free, slots,
-                          live, frag, util, sched.hit_tokens, sched.query_tokens))
+                          live, frag, util, sched.hit_tokens, sched.query_tokens, th.get("cpu", 0), th.get("disk", 0),
+                          loaded, stored, result.tier_s * 1e3))
         st.busy_s += dur_s
         st.pcie_s += result.pcie_s
         st.slots_t += slots * dur_s
@@ -462,7 +491,7 @@ class Replay:
                              rs.first_token_s, rs.finish_s,
                              r.prompt_len, rs.cached_tokens, rs.output_tokens, r.n, ttft, tpot, e2e,
                              queue, rs.preemptions, rs.recomputed_tokens, rs.evicted_tokens,
-                             rs.recalled_tokens, rs.reject_reason))
+                             rs.recalled_tokens, rs.loaded_tokens, rs.reject_reason))
         if done:
             self._lat.append((ttft, tpot, e2e, queue))
             rep.lat.append((ttft, tpot, e2e, queue))
@@ -514,11 +543,40 @@ class Replay:
             "cow_copies": total(lambda r: getattr(r.kv, "cow_copies", 0)),
             "slab_reserve_tokens": self.slab_reserve_tokens if self.cfg.layout == "slab" else None,
             "partial_hit_tokens": total(lambda r: getattr(r.kv, "partial_hit_tokens", 0)),
+            **self._tier_summary(q),
             "wall_s": wall_s,
         })
         if len(reps) > 1:
             s.update(self._cluster_summary(duration_s))
         return s
+
+    def _tier_summary(self, query_tokens: int) -> dict:
+        """Per-tier hits and traffic (spec §3): hit_rate_gpu + hit_rate_cpu + hit_rate_disk =
+        prefix_hit_rate; a tier the run does not have is null."""
+        reps = self.replicas
+        present = self.cfg.tier_sizes()
+        hits = {name: sum(r.sched.tier_hit_tokens.get(name, 0) for r in reps) for name in TIER_NAMES}
+        tier_bytes = {name: [sum(r.st.tier_bytes.get(name, [0, 0])[k] for r in reps) for k in (0, 1)]
+                      for name in TIER_NAMES}
+        q = query_tokens
+        gpu = sum(r.sched.hit_tokens for r in reps) - sum(hits.values())
+        out = {"hit_rate_gpu": gpu / q if q else 0.0}
+        for name in TIER_NAMES:
+            on = name in present
+            out[f"hit_rate_{name}"] = (hits[name] / q if q else 0.0) if on else None
+        out["bytes_loaded"] = sum(b[0] for b in tier_bytes.values())
+        out["bytes_stored"] = sum(b[1] for b in tier_bytes.values())
+        out["load_s"] = sum(r.st.tier_s for r in reps)
+        out["store_s"] = sum(r.st.tier_post_s for r in reps)
+        for name in TIER_NAMES:
+            on = name in present
+            out[f"bytes_loaded_{name}"] = tier_bytes[name][0] if on else None
+            out[f"bytes_stored_{name}"] = tier_bytes[name][1] if on else None
+            out[f"{name}_evictions"] = (sum(t.evicted_blocks for r in reps for t in r.kv.tiers.tiers if t.name == name)
+                                        if on else None)
+        out["tier_declined_tokens"] = (sum(r.kv.tiers.declined_tokens for r in reps) if present else None)
+        out["resumed_loaded_tokens"] = sum(r.sched.resumed_loaded_tokens for r in reps) if present else None
+        return out
 
     def _cluster_summary(self, duration_s: float) -> dict:
         """Balance and the router's prediction (spec §3), and each replica's own figures."""
@@ -572,6 +630,13 @@ class _Totals:
     running_t: float = 0.0
     util_t: float = 0.0
     pcie_s: float = 0.0
+    tier_s: float = 0.0  # tier transfers before forwards (loads, write-backs)
+    tier_post_s: float = 0.0  # write-through stores
+    tier_bytes: dict = None  # tier name -> [bytes loaded from it, bytes stored into it]
+
+    def __post_init__(self):
+        if self.tier_bytes is None:
+            self.tier_bytes = {}
 
 
 def _keys_as_list(keys: np.ndarray, seq) -> None:

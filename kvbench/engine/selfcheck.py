@@ -178,10 +178,12 @@ def run_selfcheck(device: str = "cpu", model: str | ModelSpec = "tiny", seed: in
             "dtype": str(dtype).replace("torch.", ""), "attention": net.model.layers[0].self_attn.backend}
 
 
-def _engine_requests():
+def _engine_requests(tiers: bool = False):
     """Requests that make the engine exercise every path: a shared system prompt hit from the
     prefix cache by a later arrival, n=2 parallel samples, a long prompt cut into prefill chunks,
-    (with a tight pool) preemption and recompute, and a prefix that ends inside a cached block."""
+    (with a tight pool) preemption and recompute, and a prefix that ends inside a cached block.
+    ``tiers``: a long unique prompt between them evicts the cached prompts from the pool, so the later
+    arrivals load them from the tiers."""
     from kvbench.trace.format import Request, Segment
 
     def req(i, t, segs, out, n=1):
@@ -197,24 +199,33 @@ def _engine_requests():
         req(4, 1e4, [("sys", 40), (None, 9)], 8),  # arrives after the rest: hits the cached prompt
         # radix: matches r3's blocks, then 4 tokens into its next block (copied, the rest recomputed)
         req(5, 2e4, [("sys", 40), ("doc", 28), (None, 5)], 6),
-    ]
+    ] + ([req(6, 5e3, [(None, 230)], 4)] if tiers else [])
 
 
 def run_engine_selfcheck(device: str = "cpu", model: str = "tiny", seed: int = 0,
-                         attention: str = "auto", prefix_mode: str = "hash") -> dict:
+                         attention: str = "auto", prefix_mode: str = "hash", tiers: bool = False) -> dict:
     """Replay a small trace through the real engine (model executor, paged KV, prefix cache, n>1,
     chunked prefill, a pool tight enough to preempt) and compare, at every position where a token was
     sampled, the logits and their greedy choice with transformers' on the same sequence, same
-    weights."""
+    weights. ``tiers``: with a small CPU tier and a disk tier behind the pool, written back as the
+    pool evicts (so blocks also move from the CPU tier to the disk tier), and loaded whenever found:
+    the later arrivals' prompts come back from both tiers as real copies."""
     import tempfile
 
     from kvbench.engine.config import ReplayConfig
     from kvbench.engine.replay import Replay
+    from kvbench.executors.modeling import default_dtype
 
-    reqs = _engine_requests()
+    reqs = sorted(_engine_requests(tiers), key=lambda r: r.t)
+    tier_cfg = {}
+    if tiers:
+        dtype = "fp32" if default_dtype(resolve_device(device)) == torch.float32 else "bf16"
+        block = get_model(model).kv_bytes_per_token(dtype) * 8
+        tier_cfg = {"cpu_kv_mem": str(3 * block), "disk_kv_mem": str(64 * block), "offload": "write-back",
+                    "load_policy": "always"}
     cfg = ReplayConfig(executor="model", model=model, device=device, seed=seed, attention=attention,
                        block_size=8, num_blocks=34, max_batched_tokens=64, max_model_len=512,
-                       prefix_mode=prefix_mode)
+                       prefix_mode=prefix_mode, **tier_cfg)
     with tempfile.TemporaryDirectory() as tmp:
         rp = Replay("<selfcheck>", cfg, tmp, requests=reqs)
         rp.finished = []
@@ -254,7 +265,9 @@ def run_engine_selfcheck(device: str = "cpu", model: str = "tiny", seed: int = 0
     exercised = {"prefix_hit_tokens": int(round(summary["prefix_hit_rate"] * sum(r.prompt_len for r in reqs))),
                  "preemptions": summary["preemptions"], "parallel_samples": sum(r.n > 1 for r in reqs),
                  "cow_copies": summary["cow_copies"], "max_batched_tokens": cfg.max_batched_tokens,
-                 "prefix_mode": prefix_mode, "partial_hit_tokens": summary.get("partial_hit_tokens", 0)}
+                 "prefix_mode": prefix_mode, "partial_hit_tokens": summary.get("partial_hit_tokens", 0),
+                 "tier_bytes_loaded": summary["bytes_loaded"], "tier_bytes_stored": summary["bytes_stored"],
+                 "cpu_hit_rate": summary["hit_rate_cpu"], "disk_hit_rate": summary["hit_rate_disk"]}
     return {"ok": share >= need and worst <= tol and summary["completed"] == len(reqs),
             "greedy_agree": share, "max_logit_diff": worst, "tolerance": tol,
             "tokens_compared": total, "completed": summary["completed"], "exercised": exercised,

@@ -32,7 +32,7 @@ from kvbench.executors.attention_mass import MassMeter
 from kvbench.executors.modeling import (AttentionMetadata, ForwardInputs, PagedLlama, build_inputs, build_model,
                                         decode_attention_stats, decode_attention_totals, default_dtype,
                                         make_kv_pool)
-from kvbench.executors.presets import ModelSpec, get_model
+from kvbench.executors.presets import ModelSpec, available_host_bytes, get_model
 from kvbench.executors.speculation import speculate
 from kvbench.kernels.tuning import device_sms, graph_max_splits
 from kvbench.scheduler.batch import StepBatch, StepResult
@@ -236,6 +236,9 @@ class ModelExecutor:
         # device bytes InfiniGen's partial keys may reach, as a share of the KV pool's (set for infinigen)
         self.partial_key_share = 0.0
         self.mass = MassMeter(self.host, self.net.model.layers[0].self_attn.scale)
+        self.tiers: dict[str, torch.Tensor] = {}  # tier name -> [slots, 2L, BS, Hkv, D] (bind_tiers)
+        self._tier_files: list[str] = []
+        self._prefill = [0.0, 0]  # seconds and tokens of the steps that prefilled (recompute_s)
 
     def kv_bytes_per_token(self) -> int:
         return self.spec.kv_bytes_per_token("fp32" if self.dtype == torch.float32 else "bf16")
@@ -254,6 +257,59 @@ class ModelExecutor:
             self.graphs.graphs.clear()  # captured over the old pool
         self.pool = make_kv_pool(self.spec, num_blocks, block_size, self.device, self.dtype)
         self.block_size = block_size
+
+    def bind_tiers(self, bandwidth: dict[str, float], slots: dict[str, int], disk_dir: str | None = None) -> None:
+        """Storage for the tiers behind the pool (kvbench.memory.tiers): the ``cpu`` tier in host
+        memory (pinned when the pool is on a GPU, so copies are DMA), the ``disk`` tier in a file
+        mapped into memory (in ``disk_dir``, default the system's temporary directory; removed at
+        exit). One slot holds one block of every layer's K and V. ``bandwidth`` is not used: the
+        copies are timed."""
+        import atexit
+        import tempfile
+
+        if self.pool is None:
+            raise RuntimeError("bind_pool() must be called before bind_tiers()")
+        planes, _, bs, hkv, d = self.pool.shape
+        shape = (planes, bs, hkv, d)
+        per_slot = planes * bs * hkv * d * self.pool.element_size()
+        for name, n in slots.items():
+            if name == "cpu":
+                need = n * per_slot
+                avail = available_host_bytes()
+                if avail is not None and need > avail:
+                    raise InputError(f"a cpu tier of {n:,} blocks takes {need / 1e9:.1f} GB of host memory; "
+                                     f"{avail / 1e9:.1f} GB are available", field="--cpu-kv-mem")
+                self.tiers[name] = torch.empty((n, *shape), dtype=self.dtype,
+                                               pin_memory=self.device.type == "cuda")
+            else:
+                fd, path = tempfile.mkstemp(prefix="kvbench-disk-tier-", suffix=".kv", dir=disk_dir)
+                os.close(fd)
+                self._tier_files.append(path)
+                atexit.register(_remove, path)
+                try:
+                    os.truncate(path, n * per_slot)
+                    self.tiers[name] = torch.from_file(path, shared=True, size=n * planes * bs * hkv * d,
+                                                       dtype=self.dtype).view(n, *shape)
+                except OSError as e:
+                    raise InputError(f"cannot map a {n * per_slot / 1e9:.1f} GB disk tier in {os.path.dirname(path)} "
+                                     f"({e.strerror or e})", field="--disk-kv-mem") from None
+
+    def _tier_copies(self, pool: torch.Tensor, ops: list[tuple]) -> None:
+        """Carry out tier transfers in order: (src tier, index, dst tier, index), "gpu" being the pool."""
+        tiers = self.tiers
+        for src, i, dst, j in ops:
+            if dst == "gpu":
+                pool[:, j].copy_(tiers[src][i], non_blocking=True)
+            elif src == "gpu":
+                tiers[dst][j].copy_(pool[:, i])
+            else:
+                tiers[dst][j].copy_(tiers[src][i])
+
+    def recompute_s(self, start: int, n: int, rest: int = 0) -> float:
+        """Seconds to prefill ``n`` tokens, at the rate the run's prefill steps have shown so far (all
+        their work per prefill token: an upper bound); infinite before any, so tiers load."""
+        secs, toks = self._prefill
+        return n * secs / toks if toks else float("inf")
 
     def _pool_for(self, block_size: int) -> torch.Tensor:
         """The pool viewed with the batch's block size: a slab batch names slab-sized blocks over the
@@ -275,7 +331,10 @@ class ModelExecutor:
         if self.graphs is not None and not self.collect_attention and self.graphs.wants(batch):
             graph = self.graphs.prepare(batch, pool)  # a capture, if any, is not the step's work
         attention = None
+        tier_s = tier_post_s = 0.0
         with _Timer(self.device) as timer:
+            if batch.tier_pre:
+                tier_s = self._timed(self._tier_copies, pool, batch.tier_pre)
             pcie_s = self._kv_traffic(pool, batch)
             if batch.copies:
                 pairs = torch.tensor(batch.copies, dtype=torch.int64, device=self.device)  # [P, 2]
@@ -284,6 +343,8 @@ class ModelExecutor:
             # logits: [N, vocab]
             logits = self.net.logits(graph.run(inputs)) if graph is not None else self.net(inputs, pool)
             tokens = logits.argmax(-1).tolist()
+            if batch.tier_post:
+                tier_post_s = self._timed(self._tier_copies, pool, batch.tier_post)
             if self.attention_scores == "policy":
                 attention = self._attention(inputs.meta, pool, batch.decode_seq_ids)
         if self.attention_scores == "measure":
@@ -295,10 +356,23 @@ class ModelExecutor:
         self._last = (inputs.meta, pool, list(batch.decode_seq_ids))
         mass = None
         duration_s, self._pending_s = timer.seconds + self._pending_s, 0.0
+        if batch.prefill_lens:
+            self._prefill[0] += timer.seconds
+            self._prefill[1] += batch.num_prefill_tokens
         if self.collect_attention and batch.decode_seq_ids and inputs.meta.decode_records:
             mass = self.mass.measure(inputs.meta.decode_records, list(batch.decode_seq_ids))
         return StepResult(duration_s=duration_s, sampled=dict(zip(order, tokens)), attention=attention,
-                          mass_kept=mass, pcie_s=pcie_s)
+                          mass_kept=mass, pcie_s=pcie_s, tier_s=tier_s, tier_post_s=tier_post_s)
+
+    def _timed(self, fn, *args) -> float:
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        fn(*args)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def speculate(self, items: list[tuple[int, int, int, np.ndarray]]) -> dict[int, np.ndarray]:
         """InfiniGen's look-ahead for the coming step (kvbench.executors.speculation); its time is
@@ -373,6 +447,13 @@ class ModelExecutor:
                 w = decode_attention_stats(self.net, pool, meta, slice(i, i + 1))  # [L, 1, Hkv, max_len]
                 out[sid] = w[:, 0, :, :lens[i]].cpu().numpy()
         return out
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def make_model_executor(cfg, model: ModelSpec) -> ModelExecutor:

@@ -241,3 +241,18 @@ def get_gpu(name: str) -> GPUSpec:
     except KeyError:
         raise InputError(f"unknown GPU preset {name!r} (presets: {', '.join(GPUS)})",
                          field="--gpu") from None
+
+
+def available_host_bytes() -> int | None:
+    """Bytes of host memory available now (MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None

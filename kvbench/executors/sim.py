@@ -34,6 +34,10 @@ Operations: FLOPs and bytes per GPU -> time = max(FLOPs / rate, bytes / bandwidt
              2 L (allreduce_latency_s + 2 (N - 1) / N x T h bw / link_bw)
   overhead   step_overhead_s
   pcie       InfiniGen offload and recall: batch.pcie_bytes / (N pcie_bw), not overlapped
+  tiers      prefix-cache tiers (kvbench.memory.tiers), one block of kv x block_size x N bytes per op,
+             at the slower end's bandwidth (--cpu-bw, --disk-bw: the replica's links, its GPUs together):
+             loads and write-backs before the forward add to the step; write-through stores overlap
+             it, so the step takes max(the rest + loads + write-backs, stores)
 Units: FLOPs, bytes, seconds; rates in FLOP/s, bandwidths in bytes/s (per GPU, per direction for
 links). Biases and norms are left out of the FLOPs (under 0.1% of a layer's).
 
@@ -65,6 +69,7 @@ from dataclasses import dataclass, field, fields
 
 from kvbench.errors import InputError
 from kvbench.executors.presets import DTYPE_BYTES, GPU_MEMORY_UTILIZATION, GPUSpec, ModelSpec
+from kvbench.memory.tiers import op_seconds
 from kvbench.scheduler.batch import StepBatch, StepResult
 
 log = logging.getLogger(__name__)
@@ -346,6 +351,7 @@ class SimExecutor:
                  weight_dtype: str = "bf16", max_batched_tokens: int = 8192, max_num_seqs: int = 256):
         self.model, self.cost, self.gpu = model, cost, gpu
         self.clock: LinearClock | None = None  # a linear clock replaces the roofline when given
+        self.tier_bw: dict[str, float] = {}  # bytes/s per tier behind the pool (bind_tiers)
         self.kv_dtype = kv_dtype
         self.shape = StepCost(model, tp, weight_dtype, kv_dtype)
         self.tp = tp
@@ -406,8 +412,35 @@ class SimExecutor:
         """Host<->device KV traffic (InfiniGen offload and recall): each GPU moves its share."""
         return batch.pcie_bytes / (self.tp * self.cost.pcie_bw) if batch.pcie_bytes else 0.0
 
+    def bind_tiers(self, bandwidth: dict[str, float], slots: dict[str, int]) -> None:
+        """Tiers behind the pool: bandwidth (bytes/s) per tier name (``slots`` only matter to the
+        model executor, which holds them)."""
+        self.tier_bw = dict(bandwidth)
+
+    def recompute_s(self, start: int, n: int, rest: int = 0) -> float:
+        """What prefilling ``n`` tokens after ``start`` cached ones adds to prefilling the ``rest`` of
+        the prompt after them, each as a step of its own (``--load-policy auto`` weighs a tier load
+        against it): a short prompt's prefill is bound by reading the weights, so recomputing a few
+        hundred tokens costs almost nothing, while a long one's is bound by FLOPs."""
+        if self.clock is not None:
+            return self.clock.prefill_ms_per_token * n / 1e3
+
+        def prefill(s, k):
+            if k <= 0:
+                return 0.0
+            return self.work(StepBatch(block_size=self.block_size, prefill_seq_ids=[0], prefill_starts=[s],
+                                       prefill_lens=[k], prefill_last=[True])).time(self.cost)
+        return prefill(start, n + rest) - prefill(start + n, rest)
+
     def execute(self, batch: StepBatch) -> StepResult:
-        return StepResult(duration_s=self.step_time(batch), pcie_s=self.pcie_time(batch))
+        dur = self.step_time(batch)
+        if not (batch.tier_pre or batch.tier_post):
+            return StepResult(duration_s=dur, pcie_s=self.pcie_time(batch))
+        block = self.kv_bytes_per_token() * batch.block_size
+        pre = op_seconds(batch.tier_pre, block, self.tier_bw)
+        post = op_seconds(batch.tier_post, block, self.tier_bw)
+        return StepResult(duration_s=max(dur + pre, post), pcie_s=self.pcie_time(batch), tier_s=pre,
+                          tier_post_s=post)
 
 
 def _smallest_tp(model: ModelSpec, dtypes: tuple[str, str], gpu: GPUSpec, above: int,

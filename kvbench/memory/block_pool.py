@@ -69,6 +69,9 @@ class BlockPool:
         # KV events for a router's index (engine.routing.KVIndex), when a list: (True, keys stored) and
         # (False, keys evicted), in the order they happen; the engine drains it after each step.
         self.events: list | None = None
+        # write-back tiers (kvbench.memory.tiers): called with (blocks, keys, parent keys) of the cached
+        # blocks about to be evicted, before their keys are forgotten and the blocks reused
+        self.spill = None
         # leaves-only eviction (None until enable_leaf_eviction)
         self.kids: list[int] | None = None  # cached children counted against a block
         self.kid_of: list[int] = []  # the block a child is counted against, or -1
@@ -140,6 +143,8 @@ class BlockPool:
             victims = self.policy.pop_many(k)
             if self.events is not None:
                 self.events.append((False, [key[b] for b in victims]))
+            if self.spill is not None:
+                self.spill(victims, [key[b] for b in victims], [self.parent[b] for b in victims])
             if len(victims) > k:  # node eviction frees whole nodes: the rest of the last one is free
                 for b in victims[k:]:
                     if on_evict is not None:

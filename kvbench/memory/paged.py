@@ -56,6 +56,7 @@ class SeqKV:
     open_block: int = -1  # node eviction: the tail of the node this sequence's decode steps extend
     dropped: int = 0  # computed tokens evicted from the slots (token eviction)
     compacted: bool = False  # slots no longer hold positions 0..num_kv-1: never register again
+    tier_match: object = None  # the last lookup's hits in the tiers behind the pool (tiers.TierMatch)
 
 
 @dataclass(slots=True)
@@ -112,6 +113,17 @@ class PagedKV:
         self.copies: list[tuple[int, int]] = []  # copy-on-write copies not yet handed to an executor
         self.cow_copies = 0
         self.last_shortfall = 0  # after a failed allocate: the blocks it would have needed free
+        self.tiers = None  # kvbench.memory.tiers.Tiers behind the pool (attach_tiers)
+        self.last_loaded = None  # after a successful allocate: the TierMatch it loaded, or None
+
+    def attach_tiers(self, tiers) -> None:
+        """Put a chain of tiers (kvbench.memory.tiers.Tiers) behind the pool: lookups continue into
+        it, computed blocks are stored write-through, or evicted ones write-back. Hash mode only."""
+        if not self.prefix_cache or self.radix_partial or self.pool.kids is not None or self.pool.nodes is not None:
+            raise ValueError("prefix-cache tiers need the hash prefix cache (--prefix-mode hash)")
+        self.tiers = tiers
+        if not tiers.write_through:
+            self.pool.spill = tiers.evicted
 
     # -- what the scheduler reads ------------------------------------------------------------
     @property
@@ -152,6 +164,7 @@ class PagedKV:
         """Blocks caching the longest prefix of the sequence's first ``num_tokens`` tokens, never
         the block holding the last of them (its KV must be computed to sample the next token)."""
         s.partial_block, s.partial_len = -1, 0
+        s.tier_match = None
         if not self.prefix_cache or s.tokens is None:
             return []
         bs = self.block_size
@@ -162,11 +175,16 @@ class PagedKV:
             want = s.tokens[pos:min(pos + bs, num_tokens - 1, len(s.tokens))]
             parent = s.keys[len(hits) - 1] if hits else ROOT_KEY
             s.partial_block, s.partial_len = self.radix.best(parent, want, self.pool.tokens, self.pool.fill)
+        elif self.tiers and len(hits) < n_max:  # the continuation, in the tiers behind the pool
+            s.tier_match = self.tiers.match(s.keys, len(hits), n_max, s.keys[len(hits) - 1] if hits else ROOT_KEY,
+                                            bs, num_tokens)
         return hits
 
     def num_cached_tokens(self, s: SeqKV, hits: list[int]) -> int:
-        """Tokens the last ``lookup`` serves from cache: whole blocks, plus a radix partial block."""
-        return len(hits) * self.block_size + s.partial_len
+        """Tokens the last ``lookup`` serves from cache: whole blocks (the pool's, then the tiers'),
+        plus a radix partial block."""
+        m = s.tier_match
+        return (len(hits) + (len(m) if m else 0)) * self.block_size + s.partial_len
 
     # -- allocation --------------------------------------------------------------------------
     def allocate(self, s: SeqKV, num_new: int, hits: list[int] = (), watermark: int = 0,
@@ -174,7 +192,8 @@ class PagedKV:
         """Make the table cover ``num_kv + len(hits)*block_size + num_new`` tokens and register in the
         prefix cache the blocks those tokens fill.
 
-        ``hits`` (from ``lookup``, only for an empty table) are taken first and count as computed.
+        ``hits`` (from ``lookup``, only for an empty table) are taken first and count as computed; so
+        do the blocks the lookup found in the tiers, loaded into fresh blocks after them.
         ``must_fit``: tokens the whole sequence needs, all of which must fit now (vLLM's
         ``full_sequence_must_fit`` admission gate) though only ``num_new`` are allocated. Returns
         False, changing nothing, when fewer than ``watermark`` blocks would remain. ``forks``: samples
@@ -184,7 +203,10 @@ class PagedKV:
         n_hit = len(hits)
         fresh = not s.table and s.num_kv == 0
         part = s.partial_len if fresh else 0  # radix: tokens copied from a partly matching block
-        if not n_hit and not part and not must_fit:  # fast path (every decode step): room in an unshared tail
+        m = s.tier_match if fresh else None
+        n_load = len(m) if m else 0  # blocks loaded from the tiers
+        self.last_loaded = None
+        if not n_hit and not part and not must_fit and m is None:  # fast path (every decode step): room in an unshared tail
             total = s.num_kv + num_new
             if total <= len(s.table) * bs and (s.num_kv % bs == 0 or num_new == 0
                                                or p.refcnt[s.table[-1]] == 1):
@@ -192,7 +214,7 @@ class PagedKV:
                     self._register_upto(s, total, num_new == 1 and not fresh)
                 return True
         have = len(s.table) + n_hit
-        total = s.num_kv + n_hit * bs + part + num_new
+        total = s.num_kv + (n_hit + n_load) * bs + part + num_new
         need = max(0, -(-total // bs) - have)
         tail_shared = (num_new > 0 and s.num_kv % bs != 0 and n_hit == 0
                        and p.refcnt[s.table[-1]] > 1)
@@ -228,6 +250,8 @@ class PagedKV:
             s.table[-1] = dst
             self.copies.append((src, dst))
             self.cow_copies += 1
+        if n_load:  # the tier slots read are pinned before any eviction this allocation makes
+            self.tiers.pin(m, None if s.next_use is None else s.next_use[n_hit:n_hit + n_load])
         if part:  # pin the source until the copy is handed to the executor (take_copies)
             p.incref(s.partial_block)
             p.split_after(s.partial_block)  # node eviction: held alone, its node is itself (radix only)
@@ -241,6 +265,17 @@ class PagedKV:
             self.partial_hit_tokens += part
             s.num_kv += part
             s.partial_block, s.partial_len = -1, 0
+        if n_load:  # loaded blocks hold their KV before the forward: computed, registered, not re-stored
+            loaded = s.table[n_hit:n_hit + n_load]
+            for b in loaded:
+                p.add_fill(b, bs)
+            self.tiers.loads(m, loaded)
+            s.num_kv += n_load * bs
+            self._register(s, n_hit + n_load, through=False)
+            self.last_loaded = m
+        if m is not None:
+            self.tiers.declined_tokens += m.declined * bs
+        s.tier_match = None
         end = s.num_kv + num_new
         if end // bs > s.num_registered:
             self._register_upto(s, end, num_new == 1 and not fresh)
@@ -281,7 +316,9 @@ class PagedKV:
         if full > s.num_registered:
             self._register(s, full, decode)
 
-    def _register(self, s: SeqKV, full: int, decode: bool = False) -> None:
+    def _register(self, s: SeqKV, full: int, decode: bool = False, through: bool = True) -> None:
+        """Register blocks [num_registered, full); ``through``: they are computed (not loaded from a
+        tier), so write-through tiers store the ones the pool indexes."""
         bs, a = self.block_size, s.num_registered
         keys = self._keys(s, full)
         nu = None
@@ -297,6 +334,14 @@ class PagedKV:
         self.pool.register_run(s.table[a:full], keys[a:full], keys[a - 1] if a else ROOT_KEY,
                                s.tokens[a * bs:full * bs], nu, parent, extend)
         s.num_registered = full
+        tiers = self.tiers
+        if tiers is not None and through and tiers.write_through:
+            key_of, table = self.pool.key, s.table
+            new = [j for j in range(a, full) if key_of[table[j]] == keys[j]]  # indexed now, not copies
+            if new:
+                tiers.stored([table[j] for j in new], [keys[j] for j in new],
+                             [keys[j - 1] if j else ROOT_KEY for j in new],
+                             None if nu is None else [nu[j - a] for j in new])
         if self.radix is not None:
             key_of, table, add = self.pool.key, s.table, self.radix.add
             firsts = s.tokens[a * bs:full * bs:bs].tolist()
@@ -430,6 +475,10 @@ class PagedKV:
         s.num_registered = min(s.num_registered, int(np.argmin(stay)) if not stay.all() else nb)
         s.compacted = True
         return Compaction(src, dst, app, src_phys, self.slots_of(s, dst), self.slots_of(s, app))
+
+    def take_tier_ops(self) -> tuple[list[tuple], list[tuple]]:
+        """The tiers' (pre, post) transfers for this step's executor (kvbench.memory.tiers)."""
+        return self.tiers.take_ops() if self.tiers is not None else ([], [])
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Copies for the executor to perform before the next forward; unpins their sources."""

@@ -18,6 +18,9 @@ class SlabKV:
     layout = "slab"
     prefix_cache = False
     watermark_frac = 0.0  # a reservation never grows: no room to keep for growth
+    tiers = None  # no prefix cache, so no tiers behind it
+    last_loaded = None
+
     def __init__(self, num_blocks: int, block_size: int, **_ignored):
         self.num_blocks = num_blocks
         self.block_size = block_size

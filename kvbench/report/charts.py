@@ -542,32 +542,86 @@ def routing(section: Section) -> Figure | None:
     hits, ttft, bal = fig.subplots(1, 3, sharey=True, width_ratios=[1, 1.25, 1])
     y = np.arange(n)[::-1]
     _hbars(hits, y, runs, [_pct(r.metric("prefix_hit_rate")) for r in runs], "{:.1f}%", 100)
-    handles = []
-    if section.ceiling is not None:
-        handles.append(hits.axvline(100 * section.ceiling, gid="ceiling",
-                                    label=f"ceiling: ideal hit rate {section.ceiling:.1%}", **CEILING_STYLE))
-    hits.set_title("Prefix hit rate\n% of prompt tokens", fontsize=9)
-    hits.set_xlabel("% (higher is better)")
-    hits.set_yticks(y, [r.label for r in runs])
-    hits.set_ylim(-0.6, n - 0.4)
-    _dots(ttft, y, runs, "ttft_ms_p50", "ttft_ms_p99")
-    _log_if_wide(ttft, seconds=True)
-    ttft.set_title("TTFT, time to first token\np50 (filled) to p99 (open)", fontsize=9)
-    ttft.set_xlabel(("log scale" if ttft.get_xscale() == "log" else "ms") + " (lower is better)")
-    ttft.margins(x=0.15)
+    handles = _hits_and_ttft(section, runs, y, hits, ttft, "Prefix hit rate\n% of prompt tokens")
     busy = [r.metric("balance_busy_max_over_mean") for r in runs]
     _hbars(bal, y, runs, busy, "{:.2f}", max([b for b in busy if b is not None] or [1.0]) * 1.3,
            missing="one replica")
     bal.axvline(1.0, color="black", lw=0.8)
     bal.set_title("Load balance\nbusiest replica's busy time / mean", fontsize=9)
     bal.set_xlabel("ratio (1 = even; lower is better)")
+    _finish_rows(fig, (hits, ttft, bal), handles,
+                 f"Routing across replicas: hit rate, latency and balance by router\n{section.title}")
+    return fig
+
+
+def _hits_and_ttft(section: Section, runs: list[Run], y, hits, ttft, title: str) -> list:
+    """The hit-rate axes' ceiling, title and run labels, and the TTFT p50/p99 axes, of a
+    one-row-per-run figure; returns the legend handles they add."""
+    handles = []
+    if section.ceiling is not None:
+        handles.append(hits.axvline(100 * section.ceiling, gid="ceiling",
+                                    label=f"ceiling: ideal hit rate {section.ceiling:.1%}", **CEILING_STYLE))
+    hits.set_title(title, fontsize=9)
+    hits.set_xlabel("% (higher is better)")
+    hits.set_yticks(y, [r.label for r in runs])
+    hits.set_ylim(-0.6, len(runs) - 0.4)
+    _dots(ttft, y, runs, "ttft_ms_p50", "ttft_ms_p99")
+    _log_if_wide(ttft, seconds=True)
+    ttft.set_title("TTFT, time to first token\np50 (filled) to p99 (open)", fontsize=9)
+    ttft.set_xlabel(("log scale" if ttft.get_xscale() == "log" else "ms") + " (lower is better)")
+    ttft.margins(x=0.15)
+    return handles
+
+
+def _finish_rows(fig: Figure, axes, handles: list, title: str) -> None:
+    """A one-row-per-run figure's last touches: p50/p99 keys in the legend below, no horizontal grid
+    or y ticks, the title."""
     handles += [Line2D([], [], marker="o", color="grey", ls="none", label="p50"),
                 Line2D([], [], marker="o", color="grey", mfc="white", ls="none", label="p99")]
-    for ax in (hits, ttft, bal):
+    for ax in axes:
         ax.grid(axis="y", visible=False)
         ax.tick_params(axis="y", length=0)
     _legend_below(fig, handles)
-    fig.suptitle(f"Routing across replicas: hit rate, latency and balance by router\n{section.title}", fontsize=10)
+    fig.suptitle(title, fontsize=10)
+
+
+TIER_PARTS = (("hit_rate_gpu", "GPU pool", "#1f77b4"), ("hit_rate_cpu", "CPU tier", "#ff7f0e"),
+              ("hit_rate_disk", "disk tier", "#2ca02c"))
+
+
+def tiers(section: Section) -> Figure | None:
+    """Where runs had prefix-cache tiers behind the pool: the hit rate each tier served (stacked), the
+    TTFT it bought and the bytes loaded, one row per run (runs without tiers drawn as the reference)."""
+    tiered = [r for r in section.runs if r.metric("hit_rate_cpu") is not None or r.metric("hit_rate_disk") is not None]
+    if not tiered:
+        return None
+    runs = [r for r in section.runs if r.metric("prefix_hit_rate") is not None]
+    n = len(runs)
+    fig = _figure(12, 1.9 + 0.32 * n)
+    hits, ttft, moved = fig.subplots(1, 3, sharey=True, width_ratios=[1.3, 1.2, 0.9])
+    y = np.arange(n)[::-1]
+    left = np.zeros(n)
+    handles = []
+    for key, name, color in TIER_PARTS:
+        part = np.array([100 * (r.metric(key) if r.metric(key) is not None
+                                else (r.metric("prefix_hit_rate") if key == "hit_rate_gpu" else 0.0)) for r in runs])
+        if key != "hit_rate_gpu" and not part.any():
+            continue
+        hits.barh(y, part, 0.7, left=left, color=color, alpha=0.85)
+        handles.append(Line2D([], [], color=color, lw=8, label=f"served by the {name}"))
+        left += part
+    for yi, total in zip(y, left):
+        hits.text(total + 1, yi, f"{total:.1f}%", va="center", fontsize=8, color="#222")
+    hits.set_xlim(0, 105)
+    handles += _hits_and_ttft(section, runs, y, hits, ttft, "Prefix hit rate by tier\n% of prompt tokens")
+    gb = [None if r.metric("bytes_loaded") is None else r.metric("bytes_loaded") / 1e9 for r in runs]
+    _hbars(moved, y, runs, gb, "{:,.0f} GB", max([g for g in gb if g is not None] or [1.0]) * 1.35,
+           missing="no tiers", texts=[None if r.metric("load_s") is None or g is None else
+                                      f"{g:,.0f} GB in {r.metric('load_s'):,.1f} s" for r, g in zip(runs, gb)])
+    moved.set_title("KV loaded from the tiers\nbytes, and the time the loads took", fontsize=9)
+    moved.set_xlabel("GB")
+    _finish_rows(fig, (hits, ttft, moved), handles,
+                 f"Prefix-cache tiers: what each tier serves and the TTFT it buys\n{section.title}")
     return fig
 
 
@@ -622,4 +676,6 @@ SECTION_CHARTS = [
                   "where the model executor measured it."), eviction),
     ("routing", ("Several replicas: prefix hit rate, TTFT p50/p99 and load balance (the busiest replica's "
                  "busy time over the mean) by router and replica count, one replica as the reference."), routing),
+    ("tiers", ("Prefix-cache tiers behind the GPU pool: the share of prompt tokens each tier served "
+               "(stacked), TTFT p50/p99, and the KV bytes loaded from the tiers with the time it took."), tiers),
 ]

@@ -22,7 +22,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvbench.engine.config import ReplayConfig, parse_size
+from kvbench.engine.config import ReplayConfig, parse_size, tier_bytes
 from kvbench.engine.records import REQUEST_SCHEMA, STEP_SCHEMA
 from kvbench.errors import InputError
 from kvbench.report import words
@@ -414,6 +414,9 @@ def varying_settings(runs: list[Run]) -> list[str]:
     return out
 
 
+SIZE_SETTINGS = ("kv_mem", "cpu_kv_mem", "disk_kv_mem")  # sizes written as text: ordered by bytes
+
+
 def _order(r: Run, varying: list[str]) -> tuple:
     """Baselines first; then by each varying setting in turn, its 'off' side (no prefix cache, no
     eviction) before the rest and numbers in numeric order."""
@@ -421,6 +424,11 @@ def _order(r: Run, varying: list[str]) -> tuple:
     for name in varying:
         v = r.setting(name)
         quiet = words.setting_words(name, v)[1] if v is not None else True
+        if name in SIZE_SETTINGS and v is not None:  # "512GiB" after "128GiB"
+            try:
+                v = tier_bytes(v, name)
+            except InputError:
+                pass
         number = isinstance(v, (int, float)) and not isinstance(v, bool)
         key.append((not quiet, 0 if number else 1, v if number else 0, "" if number else str(v)))
     return tuple(key)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from kvbench.engine.config import tier_bytes
+
 MAX_LABEL = 40  # characters: a legend entry or a table row's name
 
 
@@ -52,7 +54,20 @@ WORDS: dict[str, Callable[[object], tuple[str, bool]]] = {
     "limit": lambda v: (f"{v} requests" if v else "all requests", not v),
     "seed": lambda v: (f"seed {v}", False),
     "attention": lambda v: (f"{v} attention", v == "auto"),
+    "cpu_kv_mem": lambda v: (f"CPU tier {v}" if _size(v) else "no CPU tier", not _size(v)),
+    "disk_kv_mem": lambda v: (f"disk tier {v}" if _size(v) else "no disk tier", not _size(v)),
+    "offload": lambda v: (str(v), v == "write-through"),
+    "load_policy": lambda v: (f"load {v}", v == "auto"),
+    "cpu_bw": lambda v: (f"CPU {v:g} GB/s", False),
+    "disk_bw": lambda v: (f"disk {v:g} GB/s", False),
+    "cpu_cache_policy": lambda v: (f"CPU tier {v}", v == "lru"),
+    "disk_cache_policy": lambda v: (f"disk tier {v}", v == "lru"),
 }
+
+
+def _size(v) -> int:
+    """A tier size setting in bytes (0: no tier)."""
+    return tier_bytes(v, "size")
 
 
 def setting_words(name: str, value) -> tuple[str, bool]:

@@ -56,6 +56,11 @@ class StepBatch:
     pool_dropped: list = field(default_factory=list)  # (seq_id, positions): left the CPU pool for good
     offload_is_transfer: bool = False  # offloads are PCIe traffic (InfiniGen), not just a shadow
     pcie_bytes: int = 0  # bytes this batch moves between host and device (offload + recall)
+    # Prefix-cache tiers (kvbench.memory.tiers): block transfers (src tier, index, dst tier, index),
+    # "gpu" indexes being pool blocks. ``tier_pre`` before the forward, in order (write-back stores,
+    # demotions, loads into fresh blocks), ``tier_post`` after it (write-through stores).
+    tier_pre: list = field(default_factory=list)
+    tier_post: list = field(default_factory=list)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -90,3 +95,5 @@ class StepResult:
     attention: dict[int, np.ndarray] | None = None
     mass_kept: dict[int, float] | None = None
     pcie_s: float = 0.0
+    tier_s: float = 0.0  # time the step spent on tier transfers before its forward (loads, write-backs)
+    tier_post_s: float = 0.0  # time of its write-through stores (overlapping the forward in the sim)

@@ -29,6 +29,7 @@ class RequestState:
     recomputed_tokens: int = 0
     evicted_tokens: int = 0
     recalled_tokens: int = 0
+    loaded_tokens: int = 0  # of cached_tokens, those loaded from a tier behind the GPU pool
     live_seqs: int = 1
     output_tokens: int = 0
     reject_reason: str | None = None

@@ -87,6 +87,9 @@ class Scheduler:
         self.resumed_hit_tokens = 0
         self.preemptions = 0
         self.recomputed_tokens = 0
+        # of hit_tokens, those loaded from each tier behind the pool (kvbench.memory.tiers), by name
+        self.tier_hit_tokens = {name: 0 for name in kv.tiers.names} if kv.tiers is not None else {}
+        self.resumed_loaded_tokens = 0  # resumed requests' tokens loaded from the tiers
 
     # -- queues -----------------------------------------------------------------------------
     def new_seq(self, rs: RequestState, tokens: np.ndarray | None, next_use=None,
@@ -156,6 +159,14 @@ class Scheduler:
             waiting.popleft()
             self.waiting_tokens -= s.num_tokens
             rs = s.rs
+            loaded = kv.last_loaded
+            if loaded is not None and s.resumed:
+                self.resumed_loaded_tokens += len(loaded) * kv.block_size
+            elif loaded is not None:  # first admission: hits served by the tiers, per tier
+                names, bs, th = kv.tiers.names, kv.block_size, self.tier_hit_tokens
+                for i in loaded.tiers:
+                    th[names[i]] += bs
+                rs.loaded_tokens = len(loaded) * bs
             if s.resumed:
                 self.resumed_query_tokens += s.num_tokens
                 self.resumed_hit_tokens += cached
@@ -190,6 +201,8 @@ class Scheduler:
     # -- building the executor's batch ---------------------------------------------------------
     def build_batch(self, plan: StepPlan) -> StepBatch:
         batch = StepBatch(block_size=self.kv.block_size, copies=self.kv.take_copies())
+        if self.kv.tiers is not None:
+            batch.tier_pre, batch.tier_post = self.kv.take_tier_ops()
         self.evictor.fill_batch(batch)
         tokens = self.needs_tokens
         for s, n in zip(plan.seqs, plan.num_new):

@@ -18,7 +18,7 @@ from typing import Iterable
 
 import click
 
-from kvbench.engine.config import ReplayConfig
+from kvbench.engine.config import ReplayConfig, has_tiers
 from kvbench.errors import InputError, RunError
 
 DEFAULTS = ReplayConfig()
@@ -26,9 +26,10 @@ DEFAULTS = ReplayConfig()
 # (setting, value) -> settings that a configuration with that value does not use. Collapsing them
 # to their defaults is what makes "--layout paged,slab --block-size 8,16" one slab run, not two.
 NOT_APPLICABLE: dict[tuple[str, object], tuple[str, ...]] = {
-    ("layout", "slab"): ("block_size", "prefix_cache", "prefix_mode", "radix_eviction", "cache_policy", "admission"),
+    ("layout", "slab"): ("block_size", "prefix_cache", "prefix_mode", "radix_eviction", "cache_policy", "admission",
+                         "cpu_kv_mem", "disk_kv_mem"),
     ("layout", "paged"): ("slab_reserve",),
-    ("prefix_cache", False): ("prefix_mode", "radix_eviction", "cache_policy"),
+    ("prefix_cache", False): ("prefix_mode", "radix_eviction", "cache_policy", "cpu_kv_mem", "disk_kv_mem"),
     ("prefix_mode", "hash"): ("radix_eviction",),  # only used with prefix_mode radix
     ("radix_eviction", "node"): ("cache_policy",),  # nodes go by recency (SGLang's lru)
     ("eviction", "none"): ("kv_budget", "sink_tokens"),
@@ -41,7 +42,11 @@ NOT_APPLICABLE: dict[tuple[str, object], tuple[str, ...]] = {
     ("router", "session"): ("router_prefix_blocks", "router_cache_weight", "router_load_weight", "router_event_delay"),
     ("router", "prefix"): ("router_cache_weight", "router_load_weight", "router_event_delay"),
     ("router", "kv-aware"): ("router_prefix_blocks",),
+    ("cpu_kv_mem", None): ("cpu_bw", "cpu_cache_policy"),
+    ("disk_kv_mem", None): ("disk_bw", "disk_cache_policy"),
 }
+# used only with a tier behind the pool (not_applicable: with none, all of them)
+TIER_SETTINGS = ("offload", "load_policy", "cpu_bw", "disk_bw", "cpu_cache_policy", "disk_cache_policy")
 
 # How a setting reads in a run directory's name; the default is "<short><value>".
 SHORT = {"layout": "", "block_size": "bs", "slab_reserve": "res_", "prefix_cache": "pc_", "prefix_mode": "", "radix_eviction": "ev_",
@@ -50,7 +55,9 @@ SHORT = {"layout": "", "block_size": "bs", "slab_reserve": "res_", "prefix_cache
          "kv_mem": "mem", "num_blocks": "nb", "max_num_seqs": "seqs", "max_batched_tokens": "mbt",
          "max_model_len": "mml", "admission": "adm_", "watermark": "wm", "time_scale": "ts", "limit": "lim", "seed": "seed",
          "replicas": "x", "router": "", "router_prefix_blocks": "rpb", "router_cache_weight": "rcw",
-         "router_load_weight": "rlw", "router_event_delay": "red"}
+         "router_load_weight": "rlw", "router_event_delay": "red", "cpu_kv_mem": "cpu", "disk_kv_mem": "disk",
+         "offload": "", "load_policy": "load_", "cpu_bw": "cpubw", "disk_bw": "diskbw", "cpu_cache_policy": "cpu_",
+         "disk_cache_policy": "disk_"}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -62,6 +69,8 @@ def not_applicable(settings: dict) -> set[str]:
     for name, unused in hit:  # a setting the configuration does not use rules nothing out
         if name not in unused_first:
             out.update(unused)
+    if "cpu_kv_mem" in out or "disk_kv_mem" in out or not has_tiers(settings):
+        out.update(TIER_SETTINGS)
     return out
 
 

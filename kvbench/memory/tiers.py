@@ -1,0 +1,316 @@
+"""Prefix-cache tiers behind the GPU pool: host DRAM (``cpu``) and local NVMe (``disk``), as vLLM's
+KV offloading connector, LMCache, SGLang's HiCache and Mooncake Store put them behind the GPU.
+
+A tier holds whole blocks of KV under their prefix keys (the chained keys of kvbench.trace.tokens), in
+slots ``[0, capacity)`` ordered by a cache policy of kvbench.memory.policies (the pool's classes; lru
+by default). Nothing runs in a tier: every stored block is evictable except while a load reads it
+(the tier's *external-store* semantics: the budget holds only cached blocks).
+
+How blocks move (``Tiers``, one chain per replica; ``PagedKV`` calls it):
+- **lookup** walks the chain: after the GPU pool's hits, each next block of the prompt is a hit of the
+  fastest tier holding it (cpu before disk), up to the first block no tier holds (``match``). The
+  found blocks are loaded into fresh GPU blocks at admission and count as computed, as LMCache's and
+  vLLM's connectors load them before the request's prefill. A loaded block stays in its tier
+  (inclusive tiers, HiCache's host copy) and counts as a use there.
+- **write-through** (``--offload write-through``, the default of vLLM's and LMCache's offloading):
+  every block a sequence computes is stored in every tier when the GPU pool registers it; its bytes
+  move after the step's forward wrote them (``post`` ops), overlapping compute.
+- **write-back** (HiCache's write_back): a block the GPU pool evicts is stored in the first tier, a
+  block the first tier evicts in the next; what the last evicts is dropped. The copy is made before
+  the GPU block is reused (``pre`` ops, on the step's critical path).
+- **--load-policy auto** loads a run of tier hits only when moving it is faster than recomputing its
+  tokens (``recompute_s(start, n, rest)``: what the executor's own cost model says prefilling those n
+  tokens adds to prefilling the ``rest`` of the prompt after them); ``always`` loads whatever is found.
+  Of the candidate prefixes of the run (ending where the tier changes, or at its end) auto takes the one
+  that saves the most time; the rest is recomputed and counted (``declined_tokens``).
+
+The data moves as ops ``(src_tier, src_index, dst_tier, dst_index)`` ("gpu" indexes are pool blocks,
+others tier slots), in the order they were issued: a write-back that makes room in the cpu tier demotes
+its victim to disk before the GPU block lands in the victim's slot, and a slot being loaded is pinned
+(not evictable) until its op is handed to the executor (``take_ops``), so no op overwrites data another
+op of the same step still reads. The executor (sim: bytes over the tier's bandwidth; model: real
+copies) performs ``pre`` ops before the forward and ``post`` ops after it.
+
+A tier trusts a key with its parent key (the chain), not the block's tokens as the GPU pool does: the
+keys are 64-bit hashes of the block's tokens chained with its parent's, so a wrong hit needs a 64-bit
+collision of both. O(1) dict and policy operations per block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbench.memory.policies import NEVER, CacheView, make_policy
+
+TIER_NAMES = ("cpu", "disk")  # in lookup order: fastest first
+OFFLOADS = ("write-through", "write-back")
+LOAD_POLICIES = ("always", "auto")
+# Effective bandwidths per direction when none is given (bytes/s): PCIe Gen5 x16 host<->GPU, and one
+# datacenter NVMe drive's sequential read/write.
+DEFAULT_BW = {"cpu": 50e9, "disk": 7e9}
+
+
+@dataclass(slots=True)
+class TierSpec:
+    """One tier's settings: ``capacity`` in blocks (0: absent), bandwidth in bytes/s, cache policy."""
+
+    name: str
+    capacity: int
+    bandwidth: float
+    policy: str = "lru"
+
+
+class _TierView(CacheView):
+    """Keys and parents of a tier's slots, for policies that read them (arc, s3fifo, prefix)."""
+
+    def __init__(self, tier: "Tier"):
+        self._tier = tier
+
+    def key_of(self, block: int):
+        return self._tier.key[block]
+
+    def parent_of(self, block: int) -> int:
+        t = self._tier
+        return t.slot_of.get(t.parent[block], -1)
+
+
+class Tier:
+    """One tier's blocks: key -> slot, each slot's key and parent key, the policy over the slots."""
+
+    def __init__(self, spec: TierSpec, physical: int | None = None):
+        """``physical``: the most slots the run can fill (a tier larger than every block of the trace
+        needs no more state)."""
+        self.name, self.bandwidth = spec.name, spec.bandwidth
+        self.capacity = spec.capacity
+        n = spec.capacity if physical is None else max(1, min(spec.capacity, physical))
+        self.slots = n
+        self.policy = make_policy(spec.policy, n, n)
+        self.policy.bind(_TierView(self))
+        self.slot_of: dict[int, int] = {}
+        self.key: list[int | None] = [None] * n
+        self.parent: list[int] = [0] * n
+        self._next = 0  # slots never used yet: [_next, n)
+        self.pins: dict[int, int] = {}  # slot -> loads of this step reading it
+        self.clock = 0
+        # counters
+        self.stored_blocks = 0
+        self.loaded_blocks = 0
+        self.evicted_blocks = 0
+        self.dropped_stores = 0  # stores refused: every slot pinned
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    def find(self, key: int, parent: int) -> int:
+        """The slot holding ``key`` after ``parent``, or -1."""
+        s = self.slot_of.get(key, -1)
+        return s if s >= 0 and self.parent[s] == parent else -1
+
+    def pin(self, slot: int, next_use: int = NEVER) -> None:
+        """A load reads the slot this step: a use, and not evictable until ``unpin_all``."""
+        c = self.pins.get(slot, 0)
+        if not c:
+            self.policy.reuse(slot)
+        self.policy.on_use(slot, self.clock, next_use)
+        self.pins[slot] = c + 1
+        self.loaded_blocks += 1
+
+    def unpin_all(self) -> None:
+        if self.pins:  # last pinned first, so a loaded prefix ends up more recent than its continuation
+            self.policy.release_many(reversed(list(self.pins)))
+            self.pins.clear()
+
+    def store(self, key: int, parent: int, next_use: int = NEVER) -> tuple[int, int | None, int | None]:
+        """Put ``key`` in the tier. Returns (slot, victim key, victim parent), the victim's key None
+        when no block was evicted for it; slot -1 when nothing is stored: the key is held already
+        (a use of its slot) or every slot is pinned."""
+        s = self.slot_of.get(key, -1)
+        if s >= 0:
+            if s not in self.pins:
+                self.policy.reuse(s)
+                self.policy.on_use(s, self.clock, next_use)
+                self.policy.release(s)
+            return -1, None, None
+        vkey = vparent = None
+        if self._next < self.slots:
+            s = self._next
+            self._next += 1
+        elif len(self.policy):
+            s = self.policy.pop()
+            vkey, vparent = self.key[s], self.parent[s]
+            del self.slot_of[vkey]
+            self.evicted_blocks += 1
+        else:
+            self.dropped_stores += 1
+            return -1, None, None
+        self.slot_of[key] = s
+        self.key[s], self.parent[s] = key, parent
+        self.policy.on_insert(s, self.clock, next_use)
+        self.policy.release(s)
+        self.stored_blocks += 1
+        return s, vkey, vparent
+
+
+@dataclass(slots=True)
+class TierMatch:
+    """A lookup's run of tier hits after the GPU pool's: per block, the tier (index) and slot."""
+
+    tiers: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    declined: int = 0  # blocks found but not worth loading (auto): recomputed if the request is admitted
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+class Tiers:
+    """The chain of tiers behind one GPU pool (``TIER_NAMES`` order, absent tiers left out)."""
+
+    def __init__(self, specs: list[TierSpec], offload: str = "write-through", load_policy: str = "auto",
+                 block_bytes: int = 0, physical: int | None = None):
+        if offload not in OFFLOADS:
+            raise ValueError(f"unknown offload {offload!r} (choose from {', '.join(OFFLOADS)})")
+        if load_policy not in LOAD_POLICIES:
+            raise ValueError(f"unknown load policy {load_policy!r} (choose from {', '.join(LOAD_POLICIES)})")
+        self.tiers = [Tier(s, physical) for s in specs if s.capacity > 0]
+        self.names = [t.name for t in self.tiers]
+        self.write_through = offload == "write-through"
+        self.auto = load_policy == "auto"
+        self.block_bytes = block_bytes
+        # seconds to prefill n tokens after `start` cached ones (the executor's): auto's yardstick
+        self.recompute_s = None
+        self.pre: list[tuple] = []  # ops before the forward, in issue order
+        self.post: list[tuple] = []  # write-through stores after the forward
+        self.declined_tokens = 0  # auto: tier hits recomputed because loading was slower
+        self.clock = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.tiers)
+
+    # -- lookup --------------------------------------------------------------------------------
+    def match(self, keys: list[int], start: int, n_max: int, parent: int, block_size: int,
+              prompt_tokens: int = 0) -> TierMatch:
+        """The tier hits continuing a GPU match of ``start`` blocks, up to ``n_max`` blocks in all,
+        then (``auto``) cut to the prefix worth loading for a prompt of ``prompt_tokens``."""
+        m = TierMatch()
+        tiers = self.tiers
+        for j in range(start, n_max):
+            k = keys[j]
+            for i, t in enumerate(tiers):
+                s = t.find(k, parent)
+                if s >= 0:
+                    m.tiers.append(i)
+                    m.slots.append(s)
+                    break
+            else:
+                break
+            parent = k
+        if m.slots and self.auto and self.recompute_s is not None:
+            keep = self._worth(m, start * block_size, block_size, prompt_tokens)
+            if keep < len(m):
+                m.declined = len(m) - keep
+                del m.tiers[keep:], m.slots[keep:]
+        return m
+
+    def load_seconds(self, tiers: list[int]) -> float:
+        """Nominal seconds to load one block from each tier listed."""
+        bb = self.block_bytes
+        return sum(bb / self.tiers[i].bandwidth for i in tiers)
+
+    def _worth(self, m: TierMatch, start_tokens: int, bs: int, prompt_tokens: int) -> int:
+        """How many of the run's blocks to load: of the prefixes ending where the tier changes or at
+        the run's end, the one that saves the most (recompute minus load) seconds; 0 if none saves."""
+        best, best_gain = 0, 0.0
+        load = 0.0
+        n = len(m)
+        for j in range(n):
+            load += self.block_bytes / self.tiers[m.tiers[j]].bandwidth
+            if j + 1 == n or m.tiers[j + 1] != m.tiers[j]:
+                k = (j + 1) * bs
+                gain = self.recompute_s(start_tokens, k, max(0, prompt_tokens - start_tokens - k)) - load
+                if gain > best_gain:
+                    best, best_gain = j + 1, gain
+        return best
+
+    # -- moves -----------------------------------------------------------------------------------
+    def pin(self, m: TierMatch, next_uses=None) -> None:
+        """A match is being loaded: its slots are used and stay put until ``take_ops``."""
+        tiers = self.tiers
+        for j, (i, s) in enumerate(zip(m.tiers, m.slots)):
+            t = tiers[i]
+            t.clock = self.clock
+            t.pin(s, NEVER if next_uses is None or j >= len(next_uses) else int(next_uses[j]))
+
+    def loads(self, m: TierMatch, blocks: list[int]) -> None:
+        """The pinned match goes into GPU blocks ``blocks`` (fresh, in order) before the forward."""
+        names = self.names
+        self.pre.extend((names[i], s, "gpu", b) for i, s, b in zip(m.tiers, m.slots, blocks))
+
+    def stored(self, blocks: list[int], keys: list[int], parents: list[int], next_uses=None) -> None:
+        """Write-through: blocks the GPU pool just registered (computed this step) go to every tier."""
+        if not self.write_through:
+            return
+        for t in self.tiers:
+            t.clock = self.clock
+            for j in range(len(blocks) - 1, -1, -1):  # tail first: a prefix outlives its continuation
+                b = blocks[j]
+                s, _, _ = t.store(keys[j], parents[j], NEVER if next_uses is None else int(next_uses[j]))
+                if s >= 0:
+                    self.post.append(("gpu", b, t.name, s))
+
+    def evicted(self, blocks: list[int], keys: list[int], parents: list[int]) -> None:
+        """Write-back: blocks the GPU pool evicts go to the first tier (their GPU block is reused
+        after this step's pre ops), and each tier's victims to the next."""
+        if self.write_through:
+            return
+        for b, k, p in zip(blocks, keys, parents):
+            self._write_back(0, "gpu", b, k, p)
+
+    def _write_back(self, i: int, src: str, index: int, key: int, parent: int) -> None:
+        while i < len(self.tiers):
+            t = self.tiers[i]
+            t.clock = self.clock
+            s, vkey, vparent = t.store(key, parent)
+            if s >= 0:
+                if vkey is not None and i + 1 < len(self.tiers):
+                    # the victim leaves for the next tier before the new block takes its slot
+                    self._write_back(i + 1, t.name, s, vkey, vparent)
+                self.pre.append((src, index, t.name, s))
+            return
+
+    def take_ops(self) -> tuple[list[tuple], list[tuple]]:
+        """The step's (pre, post) ops for the executor; unpins the slots loads read."""
+        pre, post = self.pre, self.post
+        self.pre, self.post = [], []
+        for t in self.tiers:
+            t.unpin_all()
+        return pre, post
+
+    # -- figures ---------------------------------------------------------------------------------
+    def counters(self) -> dict:
+        out = {}
+        for t in self.tiers:
+            out[t.name] = {"stored_blocks": t.stored_blocks, "loaded_blocks": t.loaded_blocks,
+                           "evicted_blocks": t.evicted_blocks, "dropped_stores": t.dropped_stores,
+                           "blocks_held": len(t), "capacity_blocks": t.capacity}
+        return out
+
+
+def op_bytes(ops: list[tuple], block_bytes: int) -> dict[str, list[int]]:
+    """Per tier name: [bytes loaded from it into the GPU, bytes stored into it] by ``ops``."""
+    out: dict[str, list[int]] = {}
+    for src, _, dst, _ in ops:
+        if dst == "gpu":
+            out.setdefault(src, [0, 0])[0] += block_bytes
+        else:
+            out.setdefault(dst, [0, 0])[1] += block_bytes
+    return out
+
+
+def op_seconds(ops: list[tuple], block_bytes: int, bandwidth: dict[str, float]) -> float:
+    """Seconds ``ops`` take one after another, each at the slower end's bandwidth (the GPU's is
+    never the slower)."""
+    total = 0.0
+    for src, _, dst, _ in ops:
+        bw = min(bandwidth.get(src, float("inf")), bandwidth.get(dst, float("inf")))
+        total += block_bytes / bw
+    return total
