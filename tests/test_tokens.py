@@ -123,3 +123,21 @@ def test_fast_block_keys_match_the_plain_definition():
             seen.update(keys)
         got = ideal_hits(reqs, bs, s)
         assert (got.hit_tokens, got.distinct_blocks) == (hit, len(seen))
+
+
+def splitmix_tokens(seed: int, start: int, length: int) -> np.ndarray:
+    """The stream's definition, restated in numpy (as stream_tokens computed it before it was compiled)."""
+    x = np.arange(start + 1, start + length + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return (x % np.uint64(32000 - TOKEN_LO)).astype(np.int32) + TOKEN_LO
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**40), st.integers(0, 3000))
+def test_stream_tokens_are_splitmix64(seed, start, length):
+    from kvbench.trace.tokens import stream_tokens
+    assert np.array_equal(stream_tokens(seed, start, length), splitmix_tokens(seed, start, length))
