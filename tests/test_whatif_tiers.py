@@ -29,7 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.cli.main import main as kvbench_main
-from kvbench.memory.policies import CACHE_POLICIES, NEVER
+from kvbench.memory.policies import CACHE_POLICIES, NEVER, make_policy
 from kvbench.trace.format import Request, Segment, load_trace
 from kvbench.trace.importers import convert
 from kvbench.whatif.curve import prepare, run_points, simulate
@@ -133,7 +133,9 @@ def test_belady_is_the_optimum_when_every_held_block_is_looked_up(rng):
     bt = _trace(_random_paths(rng))
     assert (bt.lookups == np.diff(bt.starts)).all()
     for budget in (1, 2, 3, 4):  # budgets below the largest request too (it runs as its first blocks)
-        assert simulate(bt, budget, "belady").hit_tokens == optimum_pool(bt, budget) * BS, budget
+        best = optimum_pool(bt, budget) * BS
+        assert simulate(bt, budget, "belady").hit_tokens == best, budget  # compiled
+        assert simulate(bt, budget, make_policy("belady", bt.distinct_blocks, budget)).hit_tokens == best
         assert simulate_store(bt, budget, "belady").hit_tokens == optimum_store(bt, budget) * BS, budget
 
 
@@ -175,6 +177,19 @@ def test_belady_misses_the_blocks_a_request_restores():
     bt = _trace([[0, 1], [0, 2], [3], [3], [0], [0, 2], [0, 1]],
                 looked_up=[False, True, False, True, False, True, False])
     assert simulate_store(bt, 2, "belady").hit_tokens < optimum_store(bt, 2) * BS
+
+
+def test_belady_bypasses_a_block_needed_no_sooner_than_every_stored_one():
+    """Store of 2 holding r0's [0, 1], which r3 needs again: r1's [2, 3] is needed later (r4) and
+    r2's [4, 5] never: belady declines both (a tie with the furthest stored, never = never, is
+    declined too: no churn); lru stores them and loses r3's hits."""
+    bt = _trace([[0, 1], [2, 3], [4, 5], [0, 1], [2, 3]])
+    opt = simulate_store(bt, 2, "belady")
+    assert opt.hit_tokens == optimum_store(bt, 2) * BS == 2 * BS and opt.evicted_blocks == 0
+    assert simulate_store(bt, 2, "lru").hit_tokens == 0
+    # after r3 nothing is needed again: r4's blocks (never used again) do not displace r3's
+    bt = _trace([[0, 1], [0, 1], [2, 3]])
+    assert simulate_store(bt, 2, "belady").evicted_blocks == 0
 
 
 # ------------------------------------------------------------------- the tiers, rule by rule
@@ -230,6 +245,14 @@ def test_a_block_the_gpu_evicted_is_a_cpu_hit():
     wb = simulate_tiers(bt, [4, 1, 8], "lru", offload="write-back")
     assert wb.hit_tokens == (0, 0, 1 * BS), wb
     assert wb.evicted_blocks == (0, 2, 0)  # r3 evicts r2 in turn: 8 displaces 3 (after r3 looked up)
+
+
+def test_a_request_larger_than_the_gpu_runs_as_its_first_blocks_in_every_tier():
+    """GPU of 2: r0 (4 blocks) runs as its first 2, so cpu is offered only those, and r1 looks up
+    no further than them (the what-if's rule for a request a pool would refuse)."""
+    bt = _trace([[0, 1, 2, 3], [0, 1, 2, 3]])
+    for offload in ("write-through", "write-back"):
+        assert simulate_tiers(bt, [2, 8, 0], "lru", offload=offload).hit_tokens == (2 * BS, 0, 0)
 
 
 def test_a_chain_broken_in_cpu_continues_in_disk_block_by_block():
