@@ -352,6 +352,7 @@ class SimExecutor:
         self.model, self.cost, self.gpu = model, cost, gpu
         self.clock: LinearClock | None = None  # a linear clock replaces the roofline when given
         self.tier_bw: dict[str, float] = {}  # bytes/s per tier behind the pool (bind_tiers)
+        self._recompute_memo: dict[tuple[int, int, int], float] = {}
         self.kv_dtype = kv_dtype
         self.shape = StepCost(model, tp, weight_dtype, kv_dtype)
         self.tp = tp
@@ -424,13 +425,20 @@ class SimExecutor:
         hundred tokens costs almost nothing, while a long one's is bound by FLOPs."""
         if self.clock is not None:
             return self.clock.prefill_ms_per_token * n / 1e3
+        memo = self._recompute_memo  # a waiting request asks again every step until admitted
+        got = memo.get((start, n, rest))
+        if got is not None:
+            return got
+        if len(memo) > 1 << 16:
+            memo.clear()
 
         def prefill(s, k):
             if k <= 0:
                 return 0.0
             return self.work(StepBatch(block_size=self.block_size, prefill_seq_ids=[0], prefill_starts=[s],
                                        prefill_lens=[k], prefill_last=[True])).time(self.cost)
-        return prefill(start, n + rest) - prefill(start + n, rest)
+        got = memo[(start, n, rest)] = prefill(start, n + rest) - prefill(start + n, rest)
+        return got
 
     def execute(self, batch: StepBatch) -> StepResult:
         dur = self.step_time(batch)

@@ -119,6 +119,42 @@ class Tier:
             self.policy.release_many(reversed(list(self.pins)))
             self.pins.clear()
 
+    def store_run(self, keys: list[int], parents: list[int], next_uses=None) -> list[int]:
+        """``store`` each key in order (write-through's run of computed blocks); the slots stored
+        into, -1 where nothing was. The per-block policy calls of ``store``, with the lookups bound once."""
+        slot_of, key_of, parent_of, pins, policy = self.slot_of, self.key, self.parent, self.pins, self.policy
+        reuse, on_use, release, on_insert = policy.reuse, policy.on_use, policy.release, policy.on_insert
+        clock, n = self.clock, self.slots
+        out = []
+        for j, k in enumerate(keys):
+            nu = NEVER if next_uses is None else next_uses[j]
+            s = slot_of.get(k, -1)
+            if s >= 0:  # held already: a use
+                if s not in pins:
+                    reuse(s)
+                    on_use(s, clock, nu)
+                    release(s)
+                out.append(-1)
+                continue
+            if self._next < n:
+                s = self._next
+                self._next += 1
+            elif len(policy):
+                s = policy.pop()
+                del slot_of[key_of[s]]
+                self.evicted_blocks += 1
+            else:
+                self.dropped_stores += 1
+                out.append(-1)
+                continue
+            slot_of[k] = s
+            key_of[s], parent_of[s] = k, parents[j]
+            on_insert(s, clock, nu)
+            release(s)
+            self.stored_blocks += 1
+            out.append(s)
+        return out
+
     def store(self, key: int, parent: int, next_use: int = NEVER) -> tuple[int, int | None, int | None]:
         """Put ``key`` in the tier. Returns (slot, victim key, victim parent), the victim's key None
         when no block was evicted for it; slot -1 when nothing is stored: the key is held already
@@ -192,18 +228,32 @@ class Tiers:
         """The tier hits continuing a GPU match of ``start`` blocks, up to ``n_max`` blocks in all,
         then (``auto``) cut to the prefix worth loading for a prompt of ``prompt_tokens``."""
         m = TierMatch()
-        tiers = self.tiers
+        found_tiers, found_slots = m.tiers, m.slots
+        if len(self.tiers) == 1:  # one tier: its slots looked up in C, the chain checked after
+            t = self.tiers[0]
+            parent_of = t.parent
+            for k, s in zip(keys[start:n_max], map(t.slot_of.get, keys[start:n_max])):
+                if s is None or parent_of[s] != parent:
+                    break
+                found_slots.append(s)
+                parent = k
+            found_tiers.extend([0] * len(found_slots))
+            return self._cut(m, start, block_size, prompt_tokens)
+        held = [(i, t.slot_of.get, t.parent) for i, t in enumerate(self.tiers)]  # Tier.find, inlined
         for j in range(start, n_max):
             k = keys[j]
-            for i, t in enumerate(tiers):
-                s = t.find(k, parent)
-                if s >= 0:
-                    m.tiers.append(i)
-                    m.slots.append(s)
+            for i, get, parent_of in held:
+                s = get(k)
+                if s is not None and parent_of[s] == parent:
+                    found_tiers.append(i)
+                    found_slots.append(s)
                     break
             else:
                 break
             parent = k
+        return self._cut(m, start, block_size, prompt_tokens)
+
+    def _cut(self, m: TierMatch, start: int, block_size: int, prompt_tokens: int) -> TierMatch:
         if m.slots and self.auto and self.recompute_s is not None:
             keep = self._worth(m, start * block_size, block_size, prompt_tokens)
             if keep < len(m):
@@ -249,13 +299,14 @@ class Tiers:
         """Write-through: blocks the GPU pool just registered (computed this step) go to every tier."""
         if not self.write_through:
             return
+        # tail first: a prefix ends up more recent than its continuation, and outlives it
+        blocks, keys, parents = blocks[::-1], keys[::-1], parents[::-1]
+        nus = None if next_uses is None else [int(x) for x in next_uses[::-1]]
+        post = self.post
         for t in self.tiers:
             t.clock = self.clock
-            for j in range(len(blocks) - 1, -1, -1):  # tail first: a prefix outlives its continuation
-                b = blocks[j]
-                s, _, _ = t.store(keys[j], parents[j], NEVER if next_uses is None else int(next_uses[j]))
-                if s >= 0:
-                    self.post.append(("gpu", b, t.name, s))
+            name = t.name
+            post.extend(("gpu", b, name, s) for b, s in zip(blocks, t.store_run(keys, parents, nus)) if s >= 0)
 
     def evicted(self, blocks: list[int], keys: list[int], parents: list[int]) -> None:
         """Write-back: blocks the GPU pool evicts go to the first tier (their GPU block is reused
