@@ -258,6 +258,9 @@ Examples:
       --kv-dtype bf16 --budgets {DEFAULT_BUDGETS} -j 2 --out runs/whatif
   kvbench trace whatif traces/rag.jsonl --budget-blocks 1000,5000,20000 --policies lru,belady --json
   kvbench trace whatif traces/chat.jsonl --budgets 1GiB,4GiB --replicas 4 --router prefix
+  kvbench trace whatif mooncake.jsonl --block-size 512 --policies lru \\
+      --tiers gpu=16GiB,cpu=0,128GiB,512GiB,2TiB,disk=0,4TiB --offload write-back
+  kvbench trace whatif mooncake.jsonl --budgets 64GiB,1024GiB --policies lru,belady --budget-counts cache
 """)
 @click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
 @click.option("--block-size", type=Count(1, MAX_BLOCK_SIZE), default=16, show_default=True,

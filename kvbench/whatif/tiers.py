@@ -25,6 +25,16 @@ computes: the single-budget what-if of a KV store (Mooncake Store, LMCache's rem
 
 Every policy is a kvbench.memory.policies class, driven through its batch calls as the block pool
 drives it (reuse, on_use, on_insert, release, pop).
+
+What the tests hold (tests/test_whatif_tiers.py): with no lower tier, the GPU's figures are the
+what-if's; lru's store equals lru's pool at every budget (one request at a time both hold the blocks
+released last), so the two semantics differ only for policies that decline or choose otherwise.
+belady, with next uses counted in lookups, is the brute-force optimum of either semantics wherever
+every block a request holds is one it looks up; a request that holds a block without looking it up
+(the last prompt token's block, a named answer's) stores it again for free, which those next uses do
+not see, and there belady can fall short of the optimum. Per tier, belady ranks blocks by their next
+lookup whether or not a faster tier will serve it, so behind a GPU that holds them it keeps
+duplicates: it is no optimum of the tiers together.
 """
 from __future__ import annotations
 
