@@ -7,7 +7,7 @@ would on a real one).
 Default: each launcher at the production shape (bf16, head dim 128, Llama-3-8B's GQA 4, block 16), plus
 the GQA-8 / block-128 decode and the head-dim-64 prefill. --full: the whole grid of kernels/aot.py
 (every dtype, head dim, GQA group, block size 1-128, kept mask) for sm_80 and sm_90, summarised per
-kernel and target (the worst case over its specialisations); minutes on 2 cores, cached by Triton.
+kernel and target (the worst case over its distinct compiles); minutes on 2 cores, cached by Triton.
 The README quotes the default table.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from kvbench.kernels import aot  # noqa: E402
-from kvbench.kernels.aot import Spec  # noqa: E402
+from kvbench.kernels import aot
+from kvbench.kernels.aot import Spec
 
 TABLE_SPECS = [Spec("decode"), Spec("decode1"), Spec("decode", group=8, block_size=128), Spec("prefill"),
                Spec("prefill", head_dim=64), Spec("weights", kept=True), Spec("write_kv"), Spec("copy_blocks")]
@@ -39,24 +39,20 @@ def default_table() -> list[list]:
     return [_row(spec, c) for spec in TABLE_SPECS for arch in aot.TARGETS for c in aot.compile_spec(spec, arch)]
 
 
-def _compile(item):
-    spec, arch = item
-    return [(c.kernel.strip("_"), arch, c.regs, c.spill_bytes, c.smem_bytes)
-            for c in aot.compile_spec_in_process(spec, arch)]
-
-
 def full_table(archs=(80, 90)) -> list[list]:
-    """Per (kernel, target): specialisations compiled, worst registers, spills and shared memory."""
-    items = [(s, a) for a in archs for s in aot.full_grid()]
-    with aot.spawn_pool(os.cpu_count() or 1) as pool:
-        compiled = [k for ks in pool.map(_compile, items, chunksize=4) for k in ks]
-    worst: dict[tuple, list] = {}
-    for kernel, arch, regs, spills, smem in compiled:
-        w = worst.setdefault((kernel, arch), [0, 0, 0, 0])
-        w[0] += 1
-        w[1], w[2], w[3] = max(w[1], regs), max(w[2], spills), max(w[3], smem)
-    return [[k, f"sm_{a}", n, r, s, round(m / 1024, 1), round(aot.smem_limit(a) / 1024, 1)]
-            for (k, a), (n, r, s, m) in sorted(worst.items())]
+    """Per (kernel, target): specialisations compiled (distinct compiles: launches that share Triton's
+    cache key are one), worst registers, spills and shared memory."""
+    grid = aot.compile_grid(aot.full_grid(), archs)
+    distinct: dict[tuple, dict] = {}  # (kernel, arch) -> {id: Compiled}: each distinct compile once
+    for compiled in grid.points.values():
+        for c in compiled:
+            if isinstance(c, aot.CompileFailure):
+                raise SystemExit(f"{c.kernel} sm_{c.arch} failed to compile: {c.error}")
+            distinct.setdefault((c.kernel.strip("_"), c.arch), {})[id(c)] = c
+    print(f"{grid.launches} launches, {grid.compiles} distinct compiles", file=sys.stderr)
+    return [[k, f"sm_{a}", len(cs), max(c.regs for c in cs.values()), max(c.spill_bytes for c in cs.values()),
+             round(max(c.smem_bytes for c in cs.values()) / 1024, 1), round(aot.smem_limit(a) / 1024, 1)]
+            for (k, a), cs in sorted(distinct.items())]
 
 
 def markdown(columns: list[str], rows: list[list]) -> str:
@@ -73,7 +69,7 @@ def main() -> int:
     args = ap.parse_args()
     t0 = time.time()
     if args.full:
-        columns = ["kernel", "target", "specialisations", "max regs", "max spill B", "max smem KiB", "smem limit KiB"]
+        columns = ["kernel", "target", "distinct compiles", "max regs", "max spill B", "max smem KiB", "smem limit KiB"]
         rows = full_table()
     else:
         columns, rows = COLUMNS, default_table()
