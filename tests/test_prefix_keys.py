@@ -24,7 +24,7 @@ from kvbench.trace.ideal import (
     lookup_blocks,
 )
 from kvbench.trace.importers import convert
-from kvbench.trace.tokens import ROOT_KEY, TokenStreams, block_keys
+from kvbench.trace.tokens import FEW_BLOCKS, ROOT_KEY, TokenStreams, block_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "traces").glob("*.jsonl"))
@@ -68,13 +68,15 @@ def test_xxh3_is_the_xxhash_librarys(words, seed, data):
 
 @pytest.mark.parametrize("bs", [1, 2, 3, 4, 16, 32, 33, 60, 61, 64, 256, 512, 1024])
 def test_block_keys_are_chained_xxh3(bs):
-    tokens = STREAMS.stream("doc", 5 * bs + bs // 2)  # and a partial block, left out
+    n = FEW_BLOCKS + 3  # in one compiled call; the first few blocks in Python
+    tokens = STREAMS.stream("doc", n * bs + bs // 2)  # and a partial block, left out
     key, want = 7, []
-    for b in range(5):
+    for b in range(n):
         key = xxhash.xxh3_64_intdigest(tokens[b * bs:(b + 1) * bs].tobytes(), key)
         want.append(key)
     assert block_keys(tokens, bs, parent=7) == want
-    assert block_keys(tokens, bs, 2, parent=7) == want[:2]
+    for few in (1, 2, FEW_BLOCKS, FEW_BLOCKS + 1):
+        assert block_keys(tokens, bs, few, parent=7) == want[:few]
 
 
 def test_dense_ids_are_pandas_factorize():

@@ -13,7 +13,8 @@ ROOT_KEY for block 0, so a block's key covers every token before it. Both the id
 the prefix cache in kvbench.memory use ``block_keys``; the cache confirms hits against stored tokens.
 
 Streams and keys are computed by kvbench.trace.compiled (numba), loaded on first use (``compiled()``):
-a Python loop of xxhash calls cost ~0.3 us a block, and numpy's expression ~9 us a segment.
+a Python loop of xxhash calls cost ~0.3 us a block, and numpy's expression ~9 us a segment. A call
+for a few blocks (a decode step's) still takes the xxhash library, as numba's call costs more.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ TOKEN_LO, TOKEN_HI = 16, 32000
 ROOT_KEY = 0x6B7662656E6368  # "kvbench": the parent key of a sequence's first block
 _UNIQUE_PREFIX = "\x00unique/"
 _SAMPLE_PREFIX = "\x00sample/"  # the generated tokens of a sample whose answer the trace does not name
+FEW_BLOCKS = 12  # block_keys hashes up to this many blocks in Python, more in one compiled call
 
 
 def stable_hash(name: str) -> int:
@@ -147,4 +149,12 @@ def block_keys(tokens: np.ndarray, block_size: int, n_blocks: int | None = None,
     toks = np.ascontiguousarray(tokens[: n_blocks * block_size], dtype=np.int32)
     if len(toks) < n_blocks * block_size:
         raise ValueError(f"{n_blocks} blocks of {block_size} need {n_blocks * block_size} tokens, not {len(toks)}")
-    return compiled().block_keys_of(toks, n_blocks, block_size, np.uint64(parent)).tolist()
+    if n_blocks > FEW_BLOCKS:
+        return compiled().block_keys_of(toks, n_blocks, block_size, np.uint64(parent)).tolist()
+    # a decode step's block or a few: the xxhash library's own xxh3 (numba's call costs ~3 us more)
+    buf, step, h = toks.tobytes(), block_size * 4, xxhash.xxh3_64_intdigest
+    keys = [0] * n_blocks
+    key = parent
+    for i in range(n_blocks):
+        key = keys[i] = h(buf[i * step:(i + 1) * step], key)
+    return keys
