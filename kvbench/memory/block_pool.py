@@ -155,16 +155,24 @@ class BlockPool:
                 free.extend(victims[k:])
                 self.evictions += len(victims) - k
                 del victims[k:]
-            for b in victims:
-                if on_evict is not None:
-                    on_evict(b)
-                if self.kids is not None:
-                    self._leaf_gone(b)
-                del index[key[b]]
-                key[b] = None
-                fill[b] = 0
-                refcnt[b] = 1
-                table.append(b)
+            if on_evict is None and self.kids is None:  # hash mode: the victims are only forgotten
+                for b in victims:
+                    del index[key[b]]
+                    key[b] = None
+                    fill[b] = 0
+                    refcnt[b] = 1
+                table.extend(victims)
+            else:
+                for b in victims:
+                    if on_evict is not None:
+                        on_evict(b)
+                    if self.kids is not None:
+                        self._leaf_gone(b)
+                    del index[key[b]]
+                    key[b] = None
+                    fill[b] = 0
+                    refcnt[b] = 1
+                    table.append(b)
             self.evictions += k
             self.num_used += k
             need -= k
@@ -262,6 +270,8 @@ class BlockPool:
         if not self.enable_cache or not blocks:
             return 0
         index, key_of, parent_of = self.index, self.key, self.parent
+        if self.kids is None and self.nodes is None:  # hash mode: no tree to keep
+            return self._register_flat(blocks, keys, parent_key, tokens, next_uses)
         rows = []
         again = []  # rows whose key another block caches: this copy stays private
         kids, nodes = self.kids, self.nodes
@@ -294,17 +304,50 @@ class BlockPool:
             self.policy.on_recompute_many([index[keys[i]] for i in again], self.clock,
                                           [int(next_uses[i]) for i in again])
         if rows:
-            if self.events is not None:
-                self.events.append((True, [keys[i] for i in rows]))
-            self.policy.on_insert_many([blocks[i] for i in rows], self.clock,
-                                       None if next_uses is None else [int(next_uses[i]) for i in rows])
-            bs = self.block_size
-            t = tokens.reshape(-1, bs)
-            if len(rows) == len(blocks):
-                self.tokens[blocks] = t
-            else:
-                self.tokens[[blocks[i] for i in rows]] = t[rows]
+            self._indexed(blocks, keys, tokens, next_uses, rows)
         return len(rows)
+
+    def _register_flat(self, blocks: list[int], keys: list[int], parent_key: int, tokens: np.ndarray,
+                       next_uses) -> int:
+        """``register_run`` without radix links: the same rule, one pass of comprehensions. Keys are
+        chained, so no key repeats within a run."""
+        index, key_of, parent_of = self.index, self.key, self.parent
+        parents = [parent_key, *keys[:-1]]
+        fresh = [i for i, b in enumerate(blocks) if key_of[b] is None]
+        if len(fresh) == len(blocks):
+            again = [i for i, k in enumerate(keys) if k in index]
+        else:
+            again = [i for i in fresh if keys[i] in index]
+        if again:
+            skip = set(again)
+            rows = [i for i in fresh if i not in skip]
+        else:
+            rows = fresh
+        if not rows and not again:
+            return 0
+        for i in rows:
+            b, k = blocks[i], keys[i]
+            index[k] = b
+            key_of[b] = k
+            parent_of[b] = parents[i]
+        if again and next_uses is not None:
+            self.policy.on_recompute_many([index[keys[i]] for i in again], self.clock,
+                                          [int(next_uses[i]) for i in again])
+        if rows:
+            self._indexed(blocks, keys, tokens, next_uses, rows)
+        return len(rows)
+
+    def _indexed(self, blocks, keys, tokens, next_uses, rows) -> None:
+        """Newly indexed rows of a registered run: KV events, the policy, the token rows."""
+        if self.events is not None:
+            self.events.append((True, [keys[i] for i in rows]))
+        self.policy.on_insert_many([blocks[i] for i in rows] if len(rows) < len(blocks) else blocks, self.clock,
+                                   None if next_uses is None else [int(next_uses[i]) for i in rows])
+        t = tokens.reshape(-1, self.block_size)
+        if len(rows) == len(blocks):
+            self.tokens[blocks] = t
+        else:
+            self.tokens[[blocks[i] for i in rows]] = t[rows]
 
     def match(self, keys: list[int], tokens: np.ndarray, n_max: int, parent_key: int) -> list[int]:
         """The blocks caching the longest run of ``keys[:n_max]``, confirmed against tokens.
