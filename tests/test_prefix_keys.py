@@ -22,6 +22,7 @@ from kvbench.trace.ideal import (
     dense_block_ids,
     ideal_hit_blocks,
     lookup_blocks,
+    parent_block_ids,
 )
 from kvbench.trace.importers import convert
 from kvbench.trace.tokens import FEW_BLOCKS, ROOT_KEY, TokenStreams, block_keys
@@ -91,12 +92,20 @@ def test_dense_ids_are_pandas_factorize():
 
 
 def check_ideal(reqs, bs):
-    """ideal_hit_blocks over dense ids gives IdealCounter's hits, request by request."""
+    """ideal_hit_blocks over dense ids gives IdealCounter's hits, request by request; parent_block_ids
+    the parents as numpy's scatter gives them."""
     keys_of = PrefixKeys(bs)
     keys_of.count_once(reqs)
     flat, starts, prompt_lens = keys_of.many(reqs)
     lookups = np.minimum(lookup_blocks(prompt_lens, bs), np.diff(starts))
-    hits = ideal_hit_blocks(dense_block_ids(flat)[0], starts, lookups)
+    ids, distinct = dense_block_ids(flat)
+    hits = ideal_hit_blocks(ids, starts, lookups)
+    parent = np.full(len(distinct), -1, dtype=np.int64)  # the numpy statement prepare made before
+    if len(ids):
+        before = np.concatenate(([-1], ids[:-1]))
+        before[starts[:-1][np.diff(starts) > 0]] = -1
+        parent[ids] = before
+    assert np.array_equal(parent_block_ids(ids, starts, len(distinct)), parent)
     counter = IdealCounter(bs)
     for i, r in enumerate(reqs):
         k, plen = keys_of(r)

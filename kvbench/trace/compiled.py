@@ -362,3 +362,16 @@ def ideal_hit_blocks(ids, starts, lookups):
         for k in range(s, e):
             seen = max(seen, ids[k] + 1)
     return hits
+
+
+@numba.njit(cache=True)
+def parent_ids(ids, starts, n_distinct):
+    """parent[d] = the id before block d in its request (-1 for a request's first block); where a
+    block appears more than once, the last appearance's (chained keys make them all equal)."""
+    parent = np.full(n_distinct, -1, dtype=np.int64)
+    for i in range(len(starts) - 1):
+        before = -1
+        for k in range(starts[i], starts[i + 1]):
+            parent[ids[k]] = before
+            before = ids[k]
+    return parent

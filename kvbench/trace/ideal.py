@@ -175,6 +175,13 @@ def dense_block_ids(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return compiled().dense_ids(np.ascontiguousarray(keys, dtype=np.uint64))
 
 
+def parent_block_ids(ids: np.ndarray, starts: np.ndarray, n_distinct: int) -> np.ndarray:
+    """int64 [n_distinct]: the dense id of the block before each block in the requests that hold it
+    (-1 for a first block); one id, since a chained key covers its parent's. Request i's blocks are
+    ``ids[starts[i]:starts[i+1]]``."""
+    return compiled().parent_ids(ids, starts, n_distinct)
+
+
 def ideal_hit_blocks(ids: np.ndarray, starts: np.ndarray, lookups: np.ndarray) -> np.ndarray:
     """The whole blocks each request hits in IdealCounter (the same figures), from dense ids numbered
     by first appearance (dense_block_ids): a block was seen before request i iff its id is below the

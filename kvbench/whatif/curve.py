@@ -79,6 +79,7 @@ from kvbench.trace.ideal import (
     dense_block_ids,
     ideal_hit_blocks,
     lookup_blocks,
+    parent_block_ids,
 )
 from kvbench.trace.tokens import TokenStreams
 
@@ -157,11 +158,7 @@ def prepare(requests: Sequence[Request], block_size: int, warmup: float = 0.0, *
     ids, distinct = dense_block_ids(flat)
     start = window_start(len(requests), warmup)
     hit_blocks = ideal_hit_blocks(ids, starts, lookups)  # IdealCounter's figures
-    parent = np.full(len(distinct), -1, dtype=np.int64)
-    if len(ids):
-        before = np.concatenate(([-1], ids[:-1]))
-        before[starts[:-1][blocks > 0]] = -1  # a request's first block has no parent
-        parent[ids] = before
+    parent = parent_block_ids(ids, starts, len(distinct))
     answers = np.fromiter((r.output_len - 1 if r.output is not None and r.output_len > 1 else 0 for r in requests),
                           dtype=np.int64, count=len(requests))  # a named answer's computed part is cached too
     bt = BlockTrace(block_size, ids, starts, lookups, prompt_lens, len(distinct), start,
