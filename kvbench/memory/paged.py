@@ -200,19 +200,19 @@ class PagedKV:
         the sequence will fork; they share its blocks, so they need none now.
         """
         p, bs = self.pool, self.block_size
+        table = s.table
+        if table and not hits and not must_fit:  # fast path (every decode step): room in an unshared tail
+            total = s.num_kv + num_new
+            if total <= len(table) * bs and (s.num_kv % bs == 0 or num_new == 0 or p.refcnt[table[-1]] == 1):
+                if total // bs > s.num_registered:
+                    self._register_upto(s, total, num_new == 1)
+                return True
         n_hit = len(hits)
-        fresh = not s.table and s.num_kv == 0
+        fresh = not table and s.num_kv == 0
         part = s.partial_len if fresh else 0  # radix: tokens copied from a partly matching block
         m = s.tier_match if fresh else None
         n_load = len(m) if m else 0  # blocks loaded from the tiers
         self.last_loaded = None
-        if not n_hit and not part and not must_fit and m is None:  # fast path (every decode step): room in an unshared tail
-            total = s.num_kv + num_new
-            if total <= len(s.table) * bs and (s.num_kv % bs == 0 or num_new == 0
-                                               or p.refcnt[s.table[-1]] == 1):
-                if total // bs > s.num_registered:
-                    self._register_upto(s, total, num_new == 1 and not fresh)
-                return True
         have = len(s.table) + n_hit
         total = s.num_kv + (n_hit + n_load) * bs + part + num_new
         need = max(0, -(-total // bs) - have)
