@@ -15,6 +15,7 @@
 #    each policy keeps measured (groups of their own: another model, executor and request count).
 #  - chat: the cache what-if curve (hit rate against KV budget and policy).
 #  - chat at 20x on 1, 2 and 4 replicas, three routers: the routing chart.
+#  - chat at 10x in 2 GiB with a CPU tier of 0, 4 or 16 GiB, write-through or write-back: the tiers chart.
 # The run directories (about 20 MB of parquet) go to runs/example, which git ignores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +42,9 @@ kvbench trace whatif traces/chat.jsonl --block-size 16 --model llama-3-8b \
 # routing: the chat trace at 20x its rate on 1, 2 and 4 replicas of 2 GiB each, three routers
 kvbench sweep traces/chat.jsonl "${SIM[@]}" --max-model-len 8192 --kv-mem 2GiB --time-scale 0.05 \
     --replicas 1,2,4 --router round-robin,least-loaded,kv-aware -j "$JOBS" --out "$RUNS/chat-routing"
+# prefix-cache tiers: a CPU tier of 4 or 16 GiB behind a 2 GiB pool, written through or back: the tiers chart
+kvbench sweep traces/chat.jsonl "${SIM[@]}" --max-model-len 8192 --kv-mem 2GiB --time-scale 0.1 \
+    --cpu-kv-mem 0,4GiB,16GiB --offload write-through,write-back -j "$JOBS" --out "$RUNS/chat-tiers"
 kvbench report "$RUNS/chat" "$RUNS/agent" "$RUNS/agent-eviction" "$RUNS/agent-eviction-model" \
-    "$RUNS/chat-eviction-model" "$RUNS/chat-whatif" "$RUNS/chat-routing" --out "$OUT" \
+    "$RUNS/chat-eviction-model" "$RUNS/chat-whatif" "$RUNS/chat-routing" "$RUNS/chat-tiers" --out "$OUT" \
     --title "kvbench example: paged vs slab, block size, prefix caching (sim, Llama-3-8B, H200)"
