@@ -12,6 +12,7 @@ import click
 
 from kvbench.cli.replay import REPLAY_OPTIONS
 from kvbench.cli.types import Count, Finite
+from kvbench.engine.config import has_tiers
 from kvbench.errors import RunError
 from kvbench.jsonio import dumps
 from kvbench.sweep import (Event, add_comparisons, compares, default_sweep_dir, expand, import_ray, make_sweep_dir,
@@ -24,6 +25,9 @@ TABLE = [("output_tok_per_s", "tok/s", "{:.0f}"), ("ttft_ms_p50", "TTFT p50 ms",
 # shown when some configuration evicts tokens
 EVICTION_TABLE = [("evicted_tokens", "evicted", "{:,.0f}"), ("recalled_tokens", "recalled", "{:,.0f}"),
                   ("attention_mass_kept", "attn mass kept", "{:.3f}")]
+# shown when some configuration has prefix-cache tiers
+TIER_TABLE = [("hit_rate_cpu", "CPU tier hits", "{:.3f}"), ("hit_rate_disk", "disk tier hits", "{:.3f}"),
+              ("load_s", "tier load s", "{:.1f}")]
 
 
 def grid_options(fn):
@@ -91,6 +95,8 @@ def _print_table(state, out_dir: str, grid: dict) -> None:
     columns = list(TABLE)
     if any(c.settings.get("eviction", "none") != "none" for c in state.configs):
         columns += EVICTION_TABLE
+    if any(has_tiers(c.settings) for c in state.configs):
+        columns += TIER_TABLE
     done = [s for s in summaries if s]
     varying = [n for n, values in grid.items() if len(values) > 1]
     notes = []
