@@ -112,19 +112,22 @@ class Scheduler:
         plan = StepPlan()
         budget = cfg.max_batched_tokens
         running = self.running
+        allocate, seqs, nums = kv.allocate, plan.seqs, plan.num_new  # per running sequence: bound once
         i = 0
         while i < len(running) and budget > 0:
             s = running[i]
-            num_new = min(s.num_tokens - s.num_kv - s.dropped, budget)
-            while not kv.allocate(s, num_new):
+            num_new = s.num_tokens - s.num_kv - s.dropped
+            if num_new > budget:
+                num_new = budget
+            while not allocate(s, num_new):
                 victim = running.pop()  # the last admitted (vLLM: self.running.pop())
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is s:
                     break
             else:
-                plan.seqs.append(s)
-                plan.num_new.append(num_new)
+                seqs.append(s)
+                nums.append(num_new)
                 budget -= num_new
                 i += 1
                 continue
@@ -205,12 +208,13 @@ class Scheduler:
             batch.tier_pre, batch.tier_post = self.kv.take_tier_ops()
         self.evictor.fill_batch(batch)
         tokens = self.needs_tokens
+        ids, positions, slots = batch.decode_seq_ids.append, batch.decode_positions.append, batch.decode_slots.append
         for s, n in zip(plan.seqs, plan.num_new):
             start = s.num_kv + s.dropped
-            if start + n == s.num_tokens and start == s.num_tokens - 1 and s.num_out > 0:
-                batch.decode_seq_ids.append(s.seq_id)
-                batch.decode_positions.append(start)
-                batch.decode_slots.append(s.num_kv)
+            if n == 1 and start == s.num_tokens - 1 and s.num_out > 0:  # a decode
+                ids(s.seq_id)
+                positions(start)
+                slots(s.num_kv)
                 if tokens:
                     batch.decode_tokens.append(s.last_token)
             else:
@@ -234,16 +238,16 @@ class Scheduler:
     # -- after the executor ran ----------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult, now_s: float) -> list[RequestState]:
         """Commit the step (KV written, tokens sampled, forks, finishes); return finished requests."""
-        kv = self.kv
+        commit, emit = self.kv.commit, self._emit
         finished: list[RequestState] = []
         done_seqs = False
         for s, n in zip(plan.seqs, plan.num_new):
-            kv.commit(s, n)
+            commit(s, n)
             if s.num_kv + s.dropped < s.num_tokens:
                 continue  # a prefill chunk that did not reach the end
             rs = s.rs
             req = rs.req
-            self._emit(s)
+            emit(s)
             rs.output_tokens += 1
             if s.num_out == 1 and rs.first_token_s != rs.first_token_s:
                 rs.first_token_s = now_s
