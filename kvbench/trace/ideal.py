@@ -70,8 +70,9 @@ class PrefixKeys:
     length), so a real trace's repeated segments (Mooncake's hash ids are prefix-chained: the same
     segment follows the same parent) are neither generated nor hashed again. Streams only one request
     uses (count_once), unique and literal segments are never stored. Bounded: at most
-    ``memo_keys`` keys (8 bytes each) in at most ``memo_entries`` / 2 segments (32 bytes each), the
-    whole memo flushed when either is full; 16 MB + 2 MB by default."""
+    ``memo_keys`` keys (8 bytes each) in at most ``memo_entries`` / 2 segments, in a table of
+    ``memo_entries`` slots (32 bytes each), the whole memo flushed when either is full: 16 MB + 4 MB
+    by default (Mooncake: 44,000 segments, 105,000 hits, no flush at block 512 or 16)."""
 
     def __init__(self, block_size: int, streams: TokenStreams | None = None, *,
                  memo_keys: int = 2**21, memo_entries: int = 2**17):
