@@ -32,7 +32,8 @@ time, and read keys and parents through DenseView. Each row carries the share of
 gap the policy closes at its budget (``gap_closed``).
 
 Shared with the replay, not copied: the block keys (kvbench.trace.ideal.PrefixKeys), the lookup rule
-(lookup_blocks), the ceiling (IdealCounter) and the eviction decisions: the kvbench.memory.policies
+(lookup_blocks), the ceiling (IdealCounter's rule, over dense ids: kvbench.trace.compiled.ideal_hit_blocks,
+held equal to it) and the eviction decisions: the kvbench.memory.policies
 classes, driven through their batch calls in the order PagedKV drives them. Two restatements are
 compiled (numba) for speed, and tests/test_whatif_curve.py holds each to its original: fifo, lfu and
 belady by name (``_run_compiled``; a policy object, e.g. a test's, still drives the class), request
@@ -49,8 +50,9 @@ factorised into one flat int array of dense ids and shared by all (budget, polic
 workers inherit it); belady's next uses come from one backward pass (another only for a budget below
 some request's lookups: it looks up only its first B there); the other policies are driven once per
 request per kind of call (a batch); points run in processes (``jobs``), the lru pass in the parent
-meanwhile. On the whole Mooncake trace the preparation (hashing the blocks' tokens, the ceiling,
-belady's future) is now most of the time.
+meanwhile. The keys of a whole trace come from one compiled pass (kvbench.trace.compiled.trace_keys:
+token streams, xxh3 and a memo of the segments that recur after the same parent); on the whole Mooncake
+trace at block 512 reading the trace now takes longer than preparing and running every point.
 """
 from __future__ import annotations
 
