@@ -298,3 +298,39 @@ def test_replay_tells_the_learned_policy_engine_time(tmp_path):
     assert summary["cache_evictions"] > 0
     seen = [pol._insert_s[b] for b in range(pol.num_blocks) if rp.replicas[0].kv.pool.key[b] is not None]
     assert len(set(seen)) > 5 and max(seen) > 1.0  # insert times from the engine clock
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"coef": [1e300] * 7}, "coef and intercept"),
+    ({"intercept": -1e9}, "coef and intercept"),
+    ({"scale": [1e-300] * 7}, "scales"),
+    ({"mean": [1e300] * 7}, "means"),
+    ({"window_s": 1e300}, "window_s"),
+])
+def test_a_learned_policy_whose_logits_could_overflow_is_refused(tmp_path, change, words):
+    """Finite but extreme numbers would make inf - inf = NaN priorities in the policy's heap: refused
+    in one line when the file is read."""
+    from kvbench.engine.config import ReplayConfig
+    from kvbench.errors import InputError
+    from kvbench.memory.learned import DEFAULT_MODEL, LearnedModel
+
+    LearnedModel.from_dict(DEFAULT_MODEL)
+    bad = tmp_path / "extreme.json"
+    bad.write_text(json.dumps({**DEFAULT_MODEL, **change}))
+    with pytest.raises(InputError, match=words):
+        ReplayConfig(cache_policy=f"learned:{bad}").validate()
+
+
+def test_fit_ignores_the_rounding_noise_of_a_constant_feature():
+    """A feature constant in the training rows up to rounding has a scale of ~1e-16: standardising by it
+    would blow that feature's values up. It is treated as constant (scale 1); real spread is kept."""
+    from kvbench.memory.learned import LearnedModel, MIN_SCALE
+    from kvbench.whatif.fit import fit, standardise
+
+    X = np.array([[0.1 + 0.2, 5.0, 1e6], [0.3, 6.0, 1e6 + 1e-9], [0.30000000000000004, 7.0, 1e6]])
+    mean, scale = standardise(X)
+    assert scale[0] == 1.0 and scale[2] == 1.0 and scale[1] == pytest.approx(np.std([5.0, 6.0, 7.0]))
+    reqs = load_trace(str(REPO / "traces/chat.jsonl"), limit=60)
+    m = fit(reqs, 16, warmup=0.5, trace="chat")
+    assert min(m.scale) >= MIN_SCALE
+    LearnedModel.from_dict(m.to_dict())  # what fit writes, the policy reads

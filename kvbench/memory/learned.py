@@ -37,6 +37,11 @@ from kvbench.memory.policies import _ReleaseKeyed
 
 FEATURES = ("depth", "hits", "prompt", "continuations", "span", "gap", "age")
 KIND = "kvbench-learned-policy"
+# what a model file may hold: |coef|, |intercept| <= MAX_COEF, |mean| and scale <= MAX_FEATURE, scale
+# >= MIN_SCALE, so every logit is finite (features are counts and seconds far below MAX_FEATURE)
+MAX_COEF = 1e6
+MAX_FEATURE = 1e12
+MIN_SCALE = 1e-9
 
 
 @dataclass(slots=True)
@@ -74,6 +79,13 @@ class LearnedModel:
         if not all(math.isfinite(x) for x in [*m.mean, *m.coef, m.intercept, m.window_s]) \
                 or not all(math.isfinite(x) and x > 0 for x in m.scale) or m.block_size < 1:
             raise ValueError("coefficients must be finite, scales and block size positive")
+        # bounds under which a logit of any feature row stays a finite number (never inf - inf = NaN)
+        if any(abs(x) > MAX_COEF for x in [*m.coef, m.intercept]):
+            raise ValueError(f"coef and intercept must lie within ±{MAX_COEF:g}")
+        if any(abs(x) > MAX_FEATURE for x in m.mean) or not all(MIN_SCALE <= x <= MAX_FEATURE for x in m.scale):
+            raise ValueError(f"means must lie within ±{MAX_FEATURE:g} and scales in [{MIN_SCALE:g}, {MAX_FEATURE:g}]")
+        if not 0 < m.window_s <= MAX_FEATURE:
+            raise ValueError(f"window_s must be in (0, {MAX_FEATURE:g}] seconds")
         return m
 
     @classmethod

@@ -105,6 +105,15 @@ def auc(score: np.ndarray, y: np.ndarray) -> float:
     return float((ranks[y == 1].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
+def standardise(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each feature's (mean, scale). A feature (nearly) constant in the rows carries nothing, and a scale
+    of rounding noise would blow its standardised values up: its scale is 1 (the test is relative to
+    the feature's size, so no scale is below 1e-9)."""
+    mean, scale = X.mean(axis=0), X.std(axis=0)
+    scale[scale <= 1e-9 * np.maximum(1.0, np.abs(mean))] = 1.0
+    return mean, scale
+
+
 def fit(requests: Sequence[Request], block_size: int, *, warmup: float = 0.5, window_s: float | None = None,
         samples_per_request: int = 16, seed: int = 0, trace: str = "",
         streams: TokenStreams | None = None) -> LearnedModel:
@@ -124,8 +133,7 @@ def fit(requests: Sequence[Request], block_size: int, *, warmup: float = 0.5, wi
     if y.min() == y.max():
         raise ValueError(f"every training row is {'a reuse' if y[0] else 'no reuse'} within {window_s:g} s: "
                          "nothing to learn (try another --window-s)")
-    mean, scale = X.mean(axis=0), X.std(axis=0)
-    scale[scale == 0] = 1.0
+    mean, scale = standardise(X)
     Z = (X - mean) / scale
     held = at >= int(len(train) * 0.8)
     scores = {}
