@@ -460,3 +460,23 @@ def test_fuzz_at_length():
                        cwd=ROOT, capture_output=True, text=True, timeout=3600,
                        env={**os.environ, "KVBENCH_FUZZ_EXAMPLES": "1500"})
     assert r.returncode == 0, r.stdout[-3000:]
+
+
+def test_token_ids_outside_the_models_vocabulary_are_refused(worker, tmp_path):
+    """The model executor embeds every id: a local model whose vocabulary is smaller than the ids
+    kvbench draws, or a literal id past the vocabulary, is one line naming --model or the trace line
+    (it was an IndexError mid-run)."""
+    d = tmp_path / "small-vocab"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100,
+        "intermediate_size": 128}))
+    check_refused(worker.run(["replay", TRACE, "--executor", "model", "--device", "cpu", "--limit", "2",
+                              "--model", d, "--out", tmp_path / "r"], tmp_path), "--model", "vocabulary")
+    trace = tmp_path / "ids.jsonl"
+    trace.write_text('{"t": 0, "output_len": 1, "prompt": [{"tokens": [5, 6]}]}\n'
+                     '{"t": 1, "output_len": 1, "prompt": [{"tokens": [5, 40000]}]}\n')
+    r = worker.run(["replay", trace, "--executor", "model", "--device", "cpu", "--out", tmp_path / "r2"], tmp_path)
+    check_refused(r, "ids.jsonl:2:", "prompt[0].tokens")
+    r = worker.run(["replay", trace, "--executor", "sim", "--out", tmp_path / "r3"], tmp_path)  # the sim embeds nothing
+    assert r["code"] == 0, r["stderr"][-300:]

@@ -322,3 +322,17 @@ def test_a_replica_never_steps_before_its_last_step_ended(tmp_path, replicas):
     for _, g in steps.groupby("replica"):
         end = (g["t_s"] + g["dur_ms"] / 1e3).to_numpy()
         assert (g["t_s"].to_numpy()[1:] >= end[:-1] - 1e-12).all()
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_kv_aware_router_over_slabs_runs(tmp_path, replicas):
+    """A slab has no block pool to publish KV events from: the kv-aware router then sees no cache
+    (it was an AttributeError), and a replay says when --router does nothing."""
+    from kvbench.cli.replay import unused_options
+
+    cfg = ReplayConfig(executor="sim", model="llama-3-8b", layout="slab", router="kv-aware", replicas=replicas,
+                       max_model_len=4096, limit=20)
+    s = Replay(str(ROOT / "traces/chat.jsonl"), cfg, str(tmp_path / "r")).run()
+    assert s["completed"] == 20
+    notes = unused_options(ReplayConfig(router="kv-aware", replicas=replicas))
+    assert notes == ([] if replicas > 1 else ["--router has no effect with --replicas 1"])

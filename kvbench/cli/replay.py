@@ -154,6 +154,29 @@ def print_summary(summary: dict, run_dir: str) -> None:
         console.print(r)
 
 
+def unused_options(cfg: ReplayConfig) -> list[str]:
+    """Options given away from their default that this configuration does not use (the sweep's
+    collapse rule, kvbench.sweep.grid.not_applicable), one line each: a replay says so rather than
+    ignore them silently."""
+    from kvbench.sweep.grid import NOT_APPLICABLE, TIER_SETTINGS, not_applicable
+
+    settings = cfg.to_dict()
+    notes = []
+    for n in sorted(not_applicable(settings)):
+        if settings[n] == getattr(DEFAULTS, n):
+            continue
+        why = [f"--{k.replace('_', '-')} {_word(v)}" for (k, v), unused in NOT_APPLICABLE.items()
+               if n in unused and settings.get(k) == v]
+        if not why and n in TIER_SETTINGS:
+            why = ["no --cpu-kv-mem or --disk-kv-mem"]
+        notes.append(f"--{n.replace('_', '-')} has no effect with {' and '.join(why) or 'these settings'}")
+    return notes
+
+
+def _word(v) -> str:
+    return {True: "on", False: "off", None: "unset"}.get(v, str(v)) if isinstance(v, (bool, type(None))) else str(v)
+
+
 def run_with_progress(trace: str, cfg: ReplayConfig, out: str | None, quiet: bool = False,
                       force: bool = False):
     """Replay with a rich progress bar on stderr when stderr is a terminal; (summary, run dir).
@@ -207,7 +230,10 @@ Examples:
 def replay(trace, out, force, as_json, **opts):
     """Replay TRACE under one configuration and write a run directory (config.json, summary.json,
     requests.parquet, steps.parquet)."""
+    given = ReplayConfig(**opts)  # as the user gave it (validate turns a slab's prefix cache off)
     cfg = ReplayConfig(**opts).validate()
+    for note in unused_options(given):
+        click.echo(f"kvbench: note: {note}", err=True)
     summary, out = run_with_progress(trace, cfg, out, quiet=as_json, force=force)
     if summary["rejected"] * 2 > summary["requests"]:
         click.echo(f"kvbench: warning: {summary['rejected']:,} of {summary['requests']:,} requests were rejected: "

@@ -34,7 +34,7 @@ from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig
 from kvbench.trace.format import Request, load_trace
 from kvbench.trace.ideal import (IdealCounter, PrefixKeys, RadixIdealCounter, ideal_hits, lookup_blocks,
                                  radix_ideal_hits, sequence_tokens)
-from kvbench.trace.tokens import TokenStreams
+from kvbench.trace.tokens import TOKEN_HI, TokenStreams
 
 KV_MEM_FRACTION = 0.9  # share of free device memory given to the KV pool when no size is asked
 
@@ -136,6 +136,23 @@ def check_model_memory(cfg: ReplayConfig, model) -> None:
                          field="--kv-mem" if kv and weights <= avail else "--model")
 
 
+def check_token_ids(requests: list[Request], vocab_size: int, trace_path: str) -> None:
+    """The model executor embeds every token id: one outside the model's vocabulary is refused up
+    front (InputError naming the trace line, or --model when the ids kvbench draws for shared and
+    unique segments do not fit), not met as an IndexError in the middle of a run."""
+    drawn = any(seg.kind in ("shared", "unique") for r in requests for seg in r.prompt) or any(
+        r.output_len > 1 for r in requests)  # generated tokens are drawn too
+    if drawn and vocab_size < TOKEN_HI:
+        raise InputError(f"the model's vocabulary has {vocab_size:,} tokens; kvbench draws the ids of shared, "
+                         f"unique and generated tokens below {TOKEN_HI:,}: use a model with a vocabulary of at "
+                         f"least {TOKEN_HI:,}", field="--model")
+    for r in requests:
+        for j, seg in enumerate(r.prompt):
+            if seg.kind == "tokens" and max(seg.tokens) >= vocab_size:
+                raise InputError(f"token id {max(seg.tokens)} is outside the model's vocabulary of {vocab_size:,}",
+                                 file=trace_path, line=r.line, field=f"prompt[{j}].tokens")
+
+
 def slab_reserve_tokens(requests: list[Request], cfg: ReplayConfig, max_len: int) -> int:
     """The slab baseline's reservation per sequence (``--slab-reserve max``): --max-model-len when
     given, else the longest request this run admits (prompt + output) rounded up to a block, so a
@@ -201,6 +218,8 @@ class Replay:
         self.slab_reserve_tokens = self._slab_reserve_tokens()
         self.streams = TokenStreams()
         check_model_memory(cfg, self.model)
+        if cfg.executor == "model":
+            check_token_ids(self.requests, self.model.vocab_size, self.trace_path)
         executor = make_executor(cfg, self.model)
         self.num_blocks = pool_blocks(cfg, executor, self.model)  # per replica
         self._block_bytes = executor.kv_bytes_per_token() * cfg.block_size
@@ -373,9 +392,9 @@ class Replay:
                 self._record_step(writer, rep, start_s, result, batch, plan)
                 rep.steps += 1
                 step += 1
-                if index is not None and rep.kv.pool.events:
-                    index.publish(rep.index, rep.clock, rep.kv.pool.events)
-                    rep.kv.pool.events = []
+                if index is not None and pool is not None and pool.events:  # a slab has no pool to index
+                    index.publish(rep.index, rep.clock, pool.events)
+                    pool.events = []
                 if self.finished is not None:
                     self.finished.extend(finished)
                 for rs in finished:
