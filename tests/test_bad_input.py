@@ -469,8 +469,8 @@ def test_token_ids_outside_the_models_vocabulary_are_refused(worker, tmp_path):
     d = tmp_path / "small-vocab"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({
-        "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100,
-        "intermediate_size": 128}))
+        "hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100,
+        "intermediate_size": 512}))
     check_refused(worker.run(["replay", TRACE, "--executor", "model", "--device", "cpu", "--limit", "2",
                               "--model", d, "--out", tmp_path / "r"], tmp_path), "--model", "vocabulary")
     trace = tmp_path / "ids.jsonl"

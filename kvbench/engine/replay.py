@@ -218,7 +218,7 @@ class Replay:
         self.slab_reserve_tokens = self._slab_reserve_tokens()
         self.streams = TokenStreams()
         check_model_memory(cfg, self.model)
-        if cfg.executor == "model":
+        if cfg.executor == "model" and not self.model.is_moe:  # (the executor refuses a mixture of experts)
             check_token_ids(self.requests, self.model.vocab_size, self.trace_path)
         executor = make_executor(cfg, self.model)
         self.num_blocks = pool_blocks(cfg, executor, self.model)  # per replica
