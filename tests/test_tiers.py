@@ -394,3 +394,23 @@ def test_the_report_stacks_each_tiers_hits_and_only_where_a_run_had_tiers(tmp_pa
     # a group without tiers gets no tiers chart
     section.runs = section.runs[:1]
     assert tiers_chart(section) is None
+
+
+def test_the_report_stacks_a_tiered_what_ifs_hits(tmp_path):
+    from kvbench.report.charts import whatif_tiers
+    from kvbench.report.data import load_inputs
+    from kvbench.report.html import build_report
+
+    main(["trace", "whatif", "traces/chat.jsonl", "--block-size", "16", "--model", "llama-3-8b",
+          "--tiers", "gpu=512MiB,cpu=0,2GiB,disk=0,32GiB", "--policies", "lru", "--out", str(tmp_path / "wi")])
+    build_report([str(tmp_path / "wi")], str(tmp_path / "rep"))
+    assert "stacked by the tier that served it" in (tmp_path / "rep" / "index.html").read_text()
+    (w,) = load_inputs([str(tmp_path / "wi")]).whatifs
+    fig = whatif_tiers(w)
+    df = w.table.sort_values(["policy", "gpu_bytes", "cpu_bytes", "disk_bytes"], kind="stable")
+    n = len(df)
+    bars = fig.axes[0].patches
+    for k, key in enumerate(("hit_rate_gpu", "hit_rate_cpu", "hit_rate_disk")):
+        widths = [b.get_width() for b in bars[k * n:(k + 1) * n]]
+        assert widths == pytest.approx(list(100 * df[key]))
+    assert {t.get_text() for t in fig.axes[0].get_yticklabels()} >= {"lru: gpu 512MiB", "lru: gpu 512MiB + cpu 2GiB"}

@@ -659,6 +659,51 @@ def whatif(w: WhatIf) -> Figure | None:
     return fig
 
 
+def tiered(df) -> bool:
+    """A what-if table with tiers behind the GPU (``kvbench trace whatif --tiers``)."""
+    return {"hit_rate_gpu", "hit_rate_cpu", "hit_rate_disk"} <= set(df.columns) and any(
+        c in df.columns and df[c].fillna(0).astype(float).any() for c in ("cpu_bytes", "disk_bytes"))
+
+
+def whatif_tiers(w: WhatIf) -> Figure | None:
+    """What-if with tiers: one row per policy and budget combination, the hit rate each tier serves
+    stacked, the ceiling drawn."""
+    df = w.table
+    if df.empty or not tiered(df):
+        return None
+    sizes = [c for c in ("gpu", "cpu", "disk") if f"{c}_bytes" in df.columns]
+    df = df.sort_values(["policy", *(f"{c}_bytes" for c in sizes)], kind="stable").reset_index(drop=True)
+    n = len(df)
+    fig = _figure(10, 1.6 + 0.28 * n)
+    ax = fig.subplots()
+    y = np.arange(n)[::-1]
+    left = np.zeros(n)
+    handles = []
+    for key, name, color in TIER_PARTS:
+        part = 100 * df[key].fillna(0).to_numpy(dtype=float)
+        ax.barh(y, part, 0.7, left=left, color=color, alpha=0.85)
+        handles.append(Line2D([], [], color=color, lw=8, label=f"served by the {name}"))
+        left += part
+    for yi, total in zip(y, left):
+        ax.text(total + 1, yi, f"{total:.1f}%", va="center", fontsize=8, color="#222")
+    if "ceiling" in df.columns:
+        c = float(df["ceiling"].max())
+        handles.append(ax.axvline(100 * c, label=f"ceiling (infinite cache) {c:.1%}", **CEILING_STYLE))
+
+    def label(row) -> str:
+        parts = [f"{t} {row[t]}" for t in sizes if t in row and str(row[t]) not in ("0", "None", "nan")]
+        return f"{row['policy']}: " + " + ".join(parts)
+    ax.set_yticks(y, [label(r) for _, r in df.iterrows()])
+    ax.set_ylim(-0.6, n - 0.4)
+    ax.set_xlim(0, 105)
+    ax.set_xlabel("prefix hit rate (% of prompt tokens, higher is better)")
+    ax.grid(axis="y", visible=False)
+    ax.tick_params(axis="y", length=0)
+    ax.set_title(f"What-if with tiers: hit rate served by each tier ({w.label})", weight="bold")
+    _legend_below(fig, handles)
+    return fig
+
+
 # (file stem, caption, chart): the order they appear in a section
 SECTION_CHARTS = [
     ("overview", ("The four questions in one picture: internal fragmentation, prefix hit rate against "

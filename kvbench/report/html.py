@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from kvbench import __version__
 from kvbench.errors import InputError
-from kvbench.report.charts import SECTION_CHARTS, assign_styles, render, whatif
+from kvbench.report.charts import SECTION_CHARTS, assign_styles, render, tiered, whatif, whatif_tiers
 from kvbench.report.data import BASELINE, COMPARABLE, Inputs, Run, Section, load_inputs
 from kvbench.report.words import rows_identical, setting_words, why_identical
 
@@ -99,10 +99,15 @@ def build_report(paths: list[str], out_dir: str, title: str = "kvbench report", 
     for i, w in enumerate(inputs.whatifs):
         png = f"whatif-{i + 1}.png"
         body.append(f"<h2 id=whatif-{i + 1}>What-if: {_e(w.label)}</h2>")
-        if render(whatif, w, os.path.join(out_dir, png)):
+        tiers = tiered(w.table)
+        if render(whatif_tiers if tiers else whatif, w, os.path.join(out_dir, png)):
             report.charts.append(png)
-            body.append(_figure(out_dir, png, "Prefix hit rate each cache policy would reach with a "
-                                "given cache budget; the dash-dot line is the ceiling (infinite cache)."))
+            body.append(_figure(out_dir, png, (
+                "Prefix hit rate per GPU budget, tier sizes and policy, stacked by the tier that served it "
+                "(the GPU pool's prefix hit, then the continuation from the CPU and disk tiers); the dash-dot "
+                "line is the ceiling (infinite cache)." if tiers else
+                "Prefix hit rate each cache policy would reach with a given cache budget; the dash-dot line "
+                "is the ceiling (infinite cache).")))
         else:
             body.append("<p>This table has no budget_bytes and hit_rate columns to chart.</p>")
         body.append(_gap_table(w.table))
