@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbench.memory.policies import NEVER, CacheView, make_policy
+from kvbench.memory.policies import NEVER, CacheView, LRUPolicy, make_policy
 
 TIER_NAMES = ("cpu", "disk")  # in lookup order: fastest first
 OFFLOADS = ("write-through", "write-back")
@@ -85,6 +85,7 @@ class Tier:
         self.slots = n
         self.policy = make_policy(spec.policy, n, n)
         self.policy.bind(_TierView(self))
+        self._lru = type(self.policy) is LRUPolicy  # store_run's batch path
         self.slot_of: dict[int, int] = {}
         self.key: list[int | None] = [None] * n
         self.parent: list[int] = [0] * n
@@ -123,6 +124,10 @@ class Tier:
         """``store`` each key in order (write-through's run of computed blocks); the slots stored
         into, -1 where nothing was. The per-block policy calls of ``store``, with the lookups bound once."""
         slot_of, key_of, parent_of, pins, policy = self.slot_of, self.key, self.parent, self.pins, self.policy
+        if self._lru:
+            fast = self._store_new_lru(keys, parents)
+            if fast is not None:
+                return fast
         reuse, on_use, release, on_insert = policy.reuse, policy.on_use, policy.release, policy.on_insert
         clock, n = self.clock, self.slots
         out = []
@@ -154,6 +159,36 @@ class Tier:
             self.stored_blocks += 1
             out.append(s)
         return out
+
+    def _store_new_lru(self, keys: list[int], parents: list[int]) -> list[int] | None:
+        """``store_run`` when the policy is lru and no key of the run is held yet (computed blocks
+        usually are new): the victims popped at once from the least recent end, which is what popping
+        them one by one gives as long as the tier holds more evictable blocks than the run needs (each
+        new block goes to the most recent end). None where that does not hold: the general loop."""
+        slot_of, policy = self.slot_of, self.policy
+        if any(k in slot_of for k in keys) or len(set(keys)) < len(keys):
+            return None
+        free = min(len(keys), self.slots - self._next)
+        rest = len(keys) - free
+        if rest > len(policy):
+            return None
+        slots = list(range(self._next, self._next + free))
+        self._next += free
+        if rest:
+            key_of = self.key
+            victims = policy.pop_many(rest)
+            for v in victims:
+                del slot_of[key_of[v]]
+            self.evicted_blocks += rest
+            slots += victims
+        key_of, parent_of = self.key, self.parent
+        for sl, k, p in zip(slots, keys, parents):
+            slot_of[k] = sl
+            key_of[sl] = k
+            parent_of[sl] = p
+        policy.release_many(slots)  # lru's on_insert does nothing: order is release order
+        self.stored_blocks += len(keys)
+        return slots
 
     def store(self, key: int, parent: int, next_use: int = NEVER) -> tuple[int, int | None, int | None]:
         """Put ``key`` in the tier. Returns (slot, victim key, victim parent), the victim's key None
