@@ -302,6 +302,27 @@ class PagedKV:
             p.tokens_live += n
         s.num_kv = end
 
+    def commit_all(self, seqs, nums) -> None:
+        """``commit`` for each (sequence, tokens) of a step, with the lookups bound once (the step's
+        hot path: one call per running sequence)."""
+        p, bs = self.pool, self.block_size
+        fill = p.fill
+        live = 0
+        for s, n in zip(seqs, nums):
+            start = s.num_kv
+            if n == 1:  # decode
+                fill[s.table[start // bs]] += 1
+            else:
+                end, table, j = start + n, s.table, start // bs
+                while start < end:
+                    take = min(end, (j + 1) * bs) - start
+                    fill[table[j]] += take
+                    start += take
+                    j += 1
+            s.num_kv += n
+            live += n
+        p.tokens_live += live
+
     def _register_upto(self, s: SeqKV, end: int, decode: bool = False) -> None:
         """Register the full blocks of the sequence's first ``end`` tokens not registered yet, where
         their tokens are known: vLLM's ``cache_blocks(request, num_computed + num_new)``.

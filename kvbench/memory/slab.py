@@ -106,6 +106,11 @@ class SlabKV:
         s.num_kv += n
         self.tokens_live += n
 
+    def commit_all(self, seqs, nums) -> None:
+        for s, n in zip(seqs, nums):
+            s.num_kv += n
+        self.tokens_live += sum(nums)
+
     def free(self, s: SeqKV) -> None:
         if s.base >= 0:
             n = len(s.table)

@@ -238,16 +238,20 @@ class Scheduler:
     # -- after the executor ran ----------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult, now_s: float) -> list[RequestState]:
         """Commit the step (KV written, tokens sampled, forks, finishes); return finished requests."""
-        commit, emit = self.kv.commit, self._emit
+        emit = self._emit
         finished: list[RequestState] = []
         done_seqs = False
-        for s, n in zip(plan.seqs, plan.num_new):
-            commit(s, n)
+        self.kv.commit_all(plan.seqs, plan.num_new)  # (commits touch only each sequence's own tail)
+        for s in plan.seqs:
             if s.num_kv + s.dropped < s.num_tokens:
                 continue  # a prefill chunk that did not reach the end
             rs = s.rs
             req = rs.req
-            emit(s)
+            if s.out_tokens is None:  # _emit, for executors that take no tokens (the sim)
+                s.num_out += 1
+                s.num_tokens += 1
+            else:
+                emit(s)
             rs.output_tokens += 1
             if s.num_out == 1 and rs.first_token_s != rs.first_token_s:
                 rs.first_token_s = now_s
