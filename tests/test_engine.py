@@ -231,3 +231,28 @@ def test_a_pool_larger_than_the_trace_holds_only_what_the_trace_can_use(tmp_path
     assert {k: v for k, v in a.items() if k != "wall_s"} == {k: v for k, v in b.items() if k != "wall_s"}
     for f in ("requests.parquet", "steps.parquet"):
         pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "bounded" / f), pd.read_parquet(tmp_path / "whole" / f))
+
+
+@pytest.mark.parametrize("layout", ["paged", "slab"])
+def test_the_pools_counters_match_a_recount_after_every_step(tmp_path, layout):
+    """tokens_live and the block counts kept incrementally (commit, allocate, free, preemption) equal a
+    recount from the blocks' own state after every step, and a finished run holds nothing."""
+    cfg = ReplayConfig(executor="sim", model="llama-3-8b", layout=layout, num_blocks=300, limit=60,
+                       max_model_len=4096, max_batched_tokens=512)
+    rp = Replay(str(TRACES / "chat.jsonl"), cfg, str(tmp_path / "r"))
+    kv = rp.kv
+    checked = []
+    execute = rp.executor.execute
+
+    def checking(batch):
+        if layout == "paged":
+            counts = kv.pool.recount()
+            assert counts["tokens_live"] == kv.pool.tokens_live and counts["num_used"] == kv.pool.num_used
+        else:
+            assert kv.tokens_live == sum(s.num_kv for s in rp.sched.running)
+        checked.append(1)
+        return execute(batch)
+    rp.executor.execute = checking
+    s = rp.run()
+    assert s["completed"] == 60 and len(checked) == s["steps"]
+    assert (kv.pool.tokens_live if layout == "paged" else kv.tokens_live) == 0
