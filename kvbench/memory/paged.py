@@ -312,13 +312,19 @@ class PagedKV:
             start = s.num_kv
             if n == 1:  # decode
                 fill[s.table[start // bs]] += 1
-            else:
-                end, table, j = start + n, s.table, start // bs
-                while start < end:
-                    take = min(end, (j + 1) * bs) - start
+            else:  # a prefill chunk: the rest of a partial block, whole blocks, a partial one
+                table, end = s.table, start + n
+                j, off = divmod(start, bs)
+                if off:
+                    take = min(n, bs - off)
                     fill[table[j]] += take
                     start += take
                     j += 1
+                whole = (end - start) // bs
+                for b in table[j:j + whole]:
+                    fill[b] += bs
+                if end - start > whole * bs:
+                    fill[table[j + whole]] += end - start - whole * bs
             s.num_kv += n
             live += n
         p.tokens_live += live
