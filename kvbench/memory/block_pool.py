@@ -300,11 +300,7 @@ class BlockPool:
             parent_block = b
         if links:
             nodes.link_run(links, extend)
-        if again and next_uses is not None:
-            self.policy.on_recompute_many([index[keys[i]] for i in again], self.clock,
-                                          [int(next_uses[i]) for i in again])
-        if rows:
-            self._indexed(blocks, keys, tokens, next_uses, rows)
+        self._indexed(blocks, keys, tokens, next_uses, rows, again)
         return len(rows)
 
     def _register_flat(self, blocks: list[int], keys: list[int], parent_key: int, tokens: np.ndarray,
@@ -314,31 +310,24 @@ class BlockPool:
         index, key_of, parent_of = self.index, self.key, self.parent
         parents = [parent_key, *keys[:-1]]
         fresh = [i for i, b in enumerate(blocks) if key_of[b] is None]
-        if len(fresh) == len(blocks):
-            again = [i for i, k in enumerate(keys) if k in index]
-        else:
-            again = [i for i in fresh if keys[i] in index]
-        if again:
-            skip = set(again)
-            rows = [i for i in fresh if i not in skip]
-        else:
-            rows = fresh
-        if not rows and not again:
-            return 0
+        again = [i for i in fresh if keys[i] in index]
+        rows = [i for i in fresh if keys[i] not in index] if again else fresh
         for i in rows:
             b, k = blocks[i], keys[i]
             index[k] = b
             key_of[b] = k
             parent_of[b] = parents[i]
-        if again and next_uses is not None:
-            self.policy.on_recompute_many([index[keys[i]] for i in again], self.clock,
-                                          [int(next_uses[i]) for i in again])
-        if rows:
-            self._indexed(blocks, keys, tokens, next_uses, rows)
+        self._indexed(blocks, keys, tokens, next_uses, rows, again)
         return len(rows)
 
-    def _indexed(self, blocks, keys, tokens, next_uses, rows) -> None:
-        """Newly indexed rows of a registered run: KV events, the policy, the token rows."""
+    def _indexed(self, blocks, keys, tokens, next_uses, rows, again) -> None:
+        """A registered run's rows now indexed (KV events, the policy, the token rows), and the rows
+        whose key another block caches (the policy hears they were computed again)."""
+        if again and next_uses is not None:
+            self.policy.on_recompute_many([self.index[keys[i]] for i in again], self.clock,
+                                          [int(next_uses[i]) for i in again])
+        if not rows:
+            return
         if self.events is not None:
             self.events.append((True, [keys[i] for i in rows]))
         self.policy.on_insert_many([blocks[i] for i in rows] if len(rows) < len(blocks) else blocks, self.clock,
