@@ -101,11 +101,6 @@ class Tier:
     def __len__(self) -> int:
         return len(self.slot_of)
 
-    def find(self, key: int, parent: int) -> int:
-        """The slot holding ``key`` after ``parent``, or -1."""
-        s = self.slot_of.get(key, -1)
-        return s if s >= 0 and self.parent[s] == parent else -1
-
     def pin(self, slot: int, next_use: int = NEVER) -> None:
         """A load reads the slot this step: a use, and not evictable until ``unpin_all``."""
         c = self.pins.get(slot, 0)
@@ -122,43 +117,14 @@ class Tier:
 
     def store_run(self, keys: list[int], parents: list[int], next_uses=None) -> list[int]:
         """``store`` each key in order (write-through's run of computed blocks); the slots stored
-        into, -1 where nothing was. The per-block policy calls of ``store``, with the lookups bound once."""
-        slot_of, key_of, parent_of, pins, policy = self.slot_of, self.key, self.parent, self.pins, self.policy
+        into, -1 where nothing was. An lru tier takes a run of new keys in one batch."""
         if self._lru:
-            fast = self._store_new_lru(keys, parents)
-            if fast is not None:
-                return fast
-        reuse, on_use, release, on_insert = policy.reuse, policy.on_use, policy.release, policy.on_insert
-        clock, n = self.clock, self.slots
-        out = []
-        for j, k in enumerate(keys):
-            nu = NEVER if next_uses is None else next_uses[j]
-            s = slot_of.get(k, -1)
-            if s >= 0:  # held already: a use
-                if s not in pins:
-                    reuse(s)
-                    on_use(s, clock, nu)
-                    release(s)
-                out.append(-1)
-                continue
-            if self._next < n:
-                s = self._next
-                self._next += 1
-            elif len(policy):
-                s = policy.pop()
-                del slot_of[key_of[s]]
-                self.evicted_blocks += 1
-            else:
-                self.dropped_stores += 1
-                out.append(-1)
-                continue
-            slot_of[k] = s
-            key_of[s], parent_of[s] = k, parents[j]
-            on_insert(s, clock, nu)
-            release(s)
-            self.stored_blocks += 1
-            out.append(s)
-        return out
+            slots = self._store_new_lru(keys, parents)
+            if slots is not None:
+                return slots
+        store = self.store
+        return [store(k, p, NEVER if next_uses is None else next_uses[j])[0]
+                for j, (k, p) in enumerate(zip(keys, parents))]
 
     def _store_new_lru(self, keys: list[int], parents: list[int]) -> list[int] | None:
         """``store_run`` when the policy is lru and no key of the run is held yet (computed blocks
@@ -274,7 +240,7 @@ class Tiers:
                 parent = k
             found_tiers.extend([0] * len(found_slots))
             return self._cut(m, start, block_size, prompt_tokens)
-        held = [(i, t.slot_of.get, t.parent) for i, t in enumerate(self.tiers)]  # Tier.find, inlined
+        held = [(i, t.slot_of.get, t.parent) for i, t in enumerate(self.tiers)]  # a slot, and its chain
         for j in range(start, n_max):
             k = keys[j]
             for i, get, parent_of in held:
@@ -295,11 +261,6 @@ class Tiers:
                 m.declined = len(m) - keep
                 del m.tiers[keep:], m.slots[keep:]
         return m
-
-    def load_seconds(self, tiers: list[int]) -> float:
-        """Nominal seconds to load one block from each tier listed."""
-        bb = self.block_bytes
-        return sum(bb / self.tiers[i].bandwidth for i in tiers)
 
     def _worth(self, m: TierMatch, start_tokens: int, bs: int, prompt_tokens: int) -> int:
         """How many of the run's blocks to load: of the prefixes ending where the tier changes or at
@@ -370,15 +331,6 @@ class Tiers:
         for t in self.tiers:
             t.unpin_all()
         return pre, post
-
-    # -- figures ---------------------------------------------------------------------------------
-    def counters(self) -> dict:
-        out = {}
-        for t in self.tiers:
-            out[t.name] = {"stored_blocks": t.stored_blocks, "loaded_blocks": t.loaded_blocks,
-                           "evicted_blocks": t.evicted_blocks, "dropped_stores": t.dropped_stores,
-                           "blocks_held": len(t), "capacity_blocks": t.capacity}
-        return out
 
 
 def op_bytes(ops: list[tuple], block_bytes: int) -> dict[str, list[int]]:
