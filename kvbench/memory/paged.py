@@ -284,27 +284,11 @@ class PagedKV:
     def commit(self, s: SeqKV, n: int) -> None:
         """The step wrote KV for the next ``n`` tokens of the sequence (its blocks were registered
         when allocated)."""
-        p, bs = self.pool, self.block_size
-        start = s.num_kv
-        end = start + n
-        table = s.table
-        if n == 1:  # decode
-            p.fill[table[start // bs]] += 1
-            p.tokens_live += 1
-        else:
-            fill = p.fill
-            j = start // bs
-            while start < end:
-                take = min(end, (j + 1) * bs) - start
-                fill[table[j]] += take
-                start += take
-                j += 1
-            p.tokens_live += n
-        s.num_kv = end
+        self.commit_all((s,), (n,))
 
     def commit_all(self, seqs, nums) -> None:
-        """``commit`` for each (sequence, tokens) of a step, with the lookups bound once (the step's
-        hot path: one call per running sequence)."""
+        """``commit`` each (sequence, tokens) of a step: one call a step, not one a sequence (the
+        hot path)."""
         p, bs = self.pool, self.block_size
         fill = p.fill
         live = 0

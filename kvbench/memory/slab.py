@@ -103,8 +103,7 @@ class SlabKV:
         return True
 
     def commit(self, s: SeqKV, n: int) -> None:
-        s.num_kv += n
-        self.tokens_live += n
+        self.commit_all((s,), (n,))
 
     def commit_all(self, seqs, nums) -> None:
         for s, n in zip(seqs, nums):
