@@ -224,6 +224,7 @@ class Replay:
         self.num_blocks = pool_blocks(cfg, executor, self.model)  # per replica
         self._block_bytes = executor.kv_bytes_per_token() * cfg.block_size
         self.physical_blocks = self._physical_blocks()
+        self._tier_bound = self._run_blocks() if cfg.tier_sizes() else None
         self.replicas = [self._replica(i, executor if i == 0 else make_executor(cfg, self.model))
                          for i in range(cfg.replicas)]
         # the single engine's parts (replica 0), as tests and selfcheck read them
@@ -267,10 +268,7 @@ class Replay:
         """The tiers behind a replica's pool (--cpu-kv-mem, --disk-kv-mem), each as many blocks as
         its bytes hold, and no more state than the run's blocks can fill."""
         cfg = self.cfg
-        bs = cfg.block_size
-        block = executor.kv_bytes_per_token() * bs
-        bound = sum(r.n * ((r.prompt_len + r.output_len) // bs + 1)
-                    for r in self.requests if self._reject_reason(r) is None)
+        bs, block = cfg.block_size, self._block_bytes
         specs = []
         for name, nbytes in cfg.tier_sizes().items():
             n = nbytes // block
@@ -278,7 +276,7 @@ class Replay:
                 raise InputError(f"a {name} tier of {nbytes} bytes holds no block of {block} bytes "
                                  f"({bs} tokens x {executor.kv_bytes_per_token()} bytes)", field=f"--{name}-kv-mem")
             specs.append(TierSpec(name, n, getattr(cfg, f"{name}_bw") * 1e9, getattr(cfg, f"{name}_cache_policy")))
-        tiers = Tiers(specs, cfg.offload, cfg.load_policy, block_bytes=block, physical=bound)
+        tiers = Tiers(specs, cfg.offload, cfg.load_policy, block_bytes=block, physical=self._tier_bound)
         tiers.recompute_s = executor.recompute_s
         kv.attach_tiers(tiers)
         executor.bind_tiers({t.name: t.bandwidth for t in tiers.tiers}, {t.name: t.slots for t in tiers.tiers})
@@ -292,10 +290,15 @@ class Replay:
         cfg = self.cfg
         if cfg.layout != "paged" or cfg.eviction != "none":
             return None
-        bs = cfg.block_size
-        bound = sum(r.n * (-(-(r.prompt_len + r.output_len) // bs) + 2)
-                    for r in self.requests if self._reject_reason(r) is None)
+        bound = self._run_blocks()
         return bound if bound < self.num_blocks else None
+
+    def _run_blocks(self) -> int:
+        """Every block of every admitted request (each sample's prompt and output, a copied partial
+        block and a spare each): no pool or tier of this run ever holds more."""
+        bs = self.cfg.block_size
+        return sum(r.n * (-(-(r.prompt_len + r.output_len) // bs) + 2)
+                   for r in self.requests if self._reject_reason(r) is None)
 
     # -- checks before the run ----------------------------------------------------------------
     def _reject_reason(self, r: Request) -> str | None:
