@@ -44,12 +44,15 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
-def parse_size(text: str, field: str = "--kv-mem") -> int:
-    """'80GiB', '16GB', '512MiB', '1e9'-free plain bytes -> bytes. InputError when not a size."""
+def parse_size(text: str, field: str = "--kv-mem", allow_zero: bool = False) -> int:
+    """'80GiB', '16GB', '512MiB', '1e9'-free plain bytes -> bytes. InputError when not a size.
+    ``allow_zero``: 0 (in any unit) is a size too."""
     m = _SIZE.match(str(text))
     if not m or (m.group(2) or "").lower() not in _UNITS:
         raise InputError(f"not a size: {text!r} (e.g. 16GiB, 512MiB, 80GB)", field=field)
     value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+    if allow_zero and value == 0:
+        return 0
     if not value >= 1:
         raise InputError(f"must be at least one byte, got {text!r}", field=field)
     if value > MAX_KV_MEM_BYTES:
@@ -59,12 +62,7 @@ def parse_size(text: str, field: str = "--kv-mem") -> int:
 
 def tier_bytes(text, field: str) -> int:
     """A tier size (``--cpu-kv-mem``, ``--disk-kv-mem``) in bytes: None or 0 (any unit) is no tier."""
-    if text is None:
-        return 0
-    m = _SIZE.match(str(text))
-    if m and float(m.group(1)) == 0 and (m.group(2) or "").lower() in _UNITS:
-        return 0
-    return parse_size(text, field)
+    return 0 if text is None else parse_size(text, field, allow_zero=True)
 
 
 def has_tiers(settings: dict) -> bool:
