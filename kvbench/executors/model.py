@@ -365,6 +365,7 @@ class ModelExecutor:
                           mass_kept=mass, pcie_s=pcie_s, tier_s=tier_s, tier_post_s=tier_post_s)
 
     def _timed(self, fn, *args) -> float:
+        """Seconds ``fn(*args)`` takes, the device synchronised before and after (host<->device copies)."""
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
@@ -386,7 +387,6 @@ class ModelExecutor:
 
     def _kv_traffic(self, pool: torch.Tensor, batch: StepBatch) -> float:
         """Offload, slot moves, recall, release (in that order); returns the host<->device seconds."""
-        cuda = self.device.type == "cuda"
         pcie_s = 0.0
         if batch.offload and batch.offload_is_transfer:
             t0 = time.perf_counter()
@@ -398,13 +398,7 @@ class ModelExecutor:
             src, dst = (torch.as_tensor(a, device=self.device) for a in batch.slot_moves)
             move_slots(pool, src, dst)
         if batch.recall:
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            t0 = time.perf_counter()
-            self.host.recall(pool, batch.recall)
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            pcie_s += time.perf_counter() - t0
+            pcie_s += self._timed(self.host.recall, pool, batch.recall)
         if batch.host_release:
             self.host.release(batch.host_release)
         return pcie_s
