@@ -589,6 +589,25 @@ TIER_PARTS = (("hit_rate_gpu", "GPU pool", "#1f77b4"), ("hit_rate_cpu", "CPU tie
               ("hit_rate_disk", "disk tier", "#2ca02c"))
 
 
+def _stack_by_tier(ax, y, rates: dict) -> list:
+    """One horizontal bar per row, the hit rate each tier served (``rates``: TIER_PARTS key -> a
+    share per row) stacked in chain order, the total written beside it; a lower tier that served
+    nothing is left out. Returns the legend handles."""
+    left = np.zeros(len(y))
+    handles = []
+    for key, name, color in TIER_PARTS:
+        part = 100 * np.asarray(rates[key], dtype=float)
+        if key != "hit_rate_gpu" and not part.any():
+            continue
+        ax.barh(y, part, 0.7, left=left, color=color, alpha=0.85)
+        handles.append(Line2D([], [], color=color, lw=8, label=f"served by the {name}"))
+        left += part
+    for yi, total in zip(y, left):
+        ax.text(total + 1, yi, f"{total:.1f}%", va="center", fontsize=8, color="#222")
+    ax.set_xlim(0, 105)
+    return handles
+
+
 def tiers(section: Section) -> Figure | None:
     """Where runs had prefix-cache tiers behind the pool: the hit rate each tier served (stacked), the
     TTFT it bought and the bytes loaded, one row per run (runs without tiers drawn as the reference)."""
@@ -600,19 +619,9 @@ def tiers(section: Section) -> Figure | None:
     fig = _figure(12, 1.9 + 0.32 * n)
     hits, ttft, moved = fig.subplots(1, 3, sharey=True, width_ratios=[1.3, 1.2, 0.9])
     y = np.arange(n)[::-1]
-    left = np.zeros(n)
-    handles = []
-    for key, name, color in TIER_PARTS:
-        part = np.array([100 * (r.metric(key) if r.metric(key) is not None
-                                else (r.metric("prefix_hit_rate") if key == "hit_rate_gpu" else 0.0)) for r in runs])
-        if key != "hit_rate_gpu" and not part.any():
-            continue
-        hits.barh(y, part, 0.7, left=left, color=color, alpha=0.85)
-        handles.append(Line2D([], [], color=color, lw=8, label=f"served by the {name}"))
-        left += part
-    for yi, total in zip(y, left):
-        hits.text(total + 1, yi, f"{total:.1f}%", va="center", fontsize=8, color="#222")
-    hits.set_xlim(0, 105)
+    handles = _stack_by_tier(hits, y, {key: [r.metric(key) if r.metric(key) is not None else
+                                              (r.metric("prefix_hit_rate") if key == "hit_rate_gpu" else 0.0)
+                                              for r in runs] for key, _, _ in TIER_PARTS})
     handles += _hits_and_ttft(section, runs, y, hits, ttft, "Prefix hit rate by tier\n% of prompt tokens")
     gb = [None if r.metric("bytes_loaded") is None else r.metric("bytes_loaded") / 1e9 for r in runs]
     _hbars(moved, y, runs, gb, "{:,.0f} GB", max([g for g in gb if g is not None] or [1.0]) * 1.35,
@@ -677,15 +686,7 @@ def whatif_tiers(w: WhatIf) -> Figure | None:
     fig = _figure(10, 1.6 + 0.28 * n)
     ax = fig.subplots()
     y = np.arange(n)[::-1]
-    left = np.zeros(n)
-    handles = []
-    for key, name, color in TIER_PARTS:
-        part = 100 * df[key].fillna(0).to_numpy(dtype=float)
-        ax.barh(y, part, 0.7, left=left, color=color, alpha=0.85)
-        handles.append(Line2D([], [], color=color, lw=8, label=f"served by the {name}"))
-        left += part
-    for yi, total in zip(y, left):
-        ax.text(total + 1, yi, f"{total:.1f}%", va="center", fontsize=8, color="#222")
+    handles = _stack_by_tier(ax, y, {key: df[key].fillna(0).to_numpy(dtype=float) for key, _, _ in TIER_PARTS})
     if "ceiling" in df.columns:
         c = float(df["ceiling"].max())
         handles.append(ax.axvline(100 * c, label=f"ceiling (infinite cache) {c:.1%}", **CEILING_STYLE))
@@ -695,7 +696,6 @@ def whatif_tiers(w: WhatIf) -> Figure | None:
         return f"{row['policy']}: " + " + ".join(parts)
     ax.set_yticks(y, [label(r) for _, r in df.iterrows()])
     ax.set_ylim(-0.6, n - 0.4)
-    ax.set_xlim(0, 105)
     ax.set_xlabel("prefix hit rate (% of prompt tokens, higher is better)")
     ax.grid(axis="y", visible=False)
     ax.tick_params(axis="y", length=0)
