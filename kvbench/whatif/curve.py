@@ -694,8 +694,9 @@ def run_points(bt: BlockTrace, budget_blocks: Sequence[int], policies: Sequence[
 
 
 @dataclass(slots=True)
-class WhatIf:
-    """The curve and its settings: what ``--json``, the table, the parquet and the PNG show."""
+class WhatIfHead:
+    """What every what-if result opens with (WhatIf, kvbench.whatif.tiers.TieredWhatIf): the
+    settings and the prepared trace's counts. ``head`` fills it."""
 
     trace: str
     model: str
@@ -709,6 +710,24 @@ class WhatIf:
     distinct_blocks: int
     ceiling: float
     ceiling_hit_tokens: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def head(bt: BlockTrace, *, trace: str, model: str, kv_dtype: str, kv_bytes_per_token: int, block_size: int,
+         warmup: float) -> dict:
+    """WhatIfHead's fields for a prepared trace: the settings given and the trace's counts."""
+    return {"trace": trace, "model": model, "kv_dtype": kv_dtype, "kv_bytes_per_token": kv_bytes_per_token,
+            "block_size": block_size, "warmup": warmup, "requests": bt.requests,
+            "window_requests": bt.requests - bt.window_start, "window_prompt_tokens": bt.window_prompt_tokens,
+            "distinct_blocks": bt.distinct_blocks, "ceiling": bt.ceiling, "ceiling_hit_tokens": bt.ceiling_hit_tokens}
+
+
+@dataclass(slots=True)
+class WhatIf(WhatIfHead):
+    """The curve and its settings: what ``--json``, the table, the parquet and the PNG show."""
+
     rows: list[dict]
     prefix_mode: str = "hash"
     # lru at every budget between the smallest and the largest asked for (log-spaced, at most
@@ -718,9 +737,6 @@ class WhatIf:
     router: str | None = None
     replica_requests: list[int] | None = None  # requests each replica was sent
     replicas_ceiling: float | None = None  # one infinite cache per replica: the routed ceiling
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def whatif(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str,
@@ -768,10 +784,10 @@ def whatif(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str
                          "ceiling": bt.ceiling, "hit_tokens": pt.hit_tokens,
                          "gap_closed": gap_closed(points, b.blocks, p),
                          "evicted_blocks": pt.evicted_blocks, "too_large_requests": pt.too_large})
-    return WhatIf(trace, model, kv_dtype, kv_bytes_per_token, block_size, warmup, bt.requests,
-                  bt.requests - bt.window_start, prompt, bt.distinct_blocks, bt.ceiling,
-                  bt.ceiling_hit_tokens, rows, prefix_mode,
-                  _full_curve(curves[0], budgets, kv_bytes_per_token * block_size) if curves else None,
+    return WhatIf(**head(bt, trace=trace, model=model, kv_dtype=kv_dtype, kv_bytes_per_token=kv_bytes_per_token,
+                         block_size=block_size, warmup=warmup),
+                  rows=rows, prefix_mode=prefix_mode,
+                  lru_curve=_full_curve(curves[0], budgets, kv_bytes_per_token * block_size) if curves else None,
                   **cluster)
 
 

@@ -43,7 +43,7 @@ import itertools
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -318,27 +318,12 @@ TIER_COLUMNS = ["budget_bytes", "budget_blocks", "policy", "hit_rate", "ceiling"
 
 
 @dataclass(slots=True)
-class TieredWhatIf:
+class TieredWhatIf(wi.WhatIfHead):
     """The tiered table and its settings: what ``--json``, the table and the parquet show."""
 
-    trace: str
-    model: str
-    kv_dtype: str
-    kv_bytes_per_token: int
-    block_size: int
-    warmup: float
-    requests: int
-    window_requests: int
-    window_prompt_tokens: int
-    distinct_blocks: int
-    ceiling: float
-    ceiling_hit_tokens: int
     tier_policy: str
     offload: str
     rows: list[dict]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def whatif_tiers(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str,
@@ -365,9 +350,9 @@ def whatif_tiers(requests: Sequence[Request], *, trace: str, model: str, kv_dtyp
                 row |= {f"hit_rate_{name}": r, f"{name}_bytes": x[0], f"{name}_blocks": b, f"{name}": x[1],
                         f"hit_tokens_{name}": h, f"evicted_blocks_{name}": e}
             rows.append(row | {"tier_policy": tier_policy, "offload": offload})
-    return TieredWhatIf(trace, model, kv_dtype, kv_bytes_per_token, block_size, warmup, bt.requests,
-                        bt.requests - bt.window_start, prompt, bt.distinct_blocks, bt.ceiling,
-                        bt.ceiling_hit_tokens, tier_policy, offload, rows)
+    return TieredWhatIf(**wi.head(bt, trace=trace, model=model, kv_dtype=kv_dtype,
+                                  kv_bytes_per_token=kv_bytes_per_token, block_size=block_size, warmup=warmup),
+                        tier_policy=tier_policy, offload=offload, rows=rows)
 
 
 def whatif_cache(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str,
@@ -388,9 +373,9 @@ def whatif_cache(requests: Sequence[Request], *, trace: str, model: str, kv_dtyp
                          "hit_tokens": pt.hit_tokens, "gap_closed": wi.gap_closed(points, b.blocks, p),
                          "evicted_blocks": pt.evicted_blocks, "too_large_requests": 0,
                          "budget_counts": "cache"})
-    return wi.WhatIf(trace, model, kv_dtype, kv_bytes_per_token, block_size, warmup, bt.requests,
-                     bt.requests - bt.window_start, prompt, bt.distinct_blocks, bt.ceiling,
-                     bt.ceiling_hit_tokens, rows)
+    return wi.WhatIf(**wi.head(bt, trace=trace, model=model, kv_dtype=kv_dtype,
+                               kv_bytes_per_token=kv_bytes_per_token, block_size=block_size, warmup=warmup),
+                     rows=rows)
 
 
 def to_frame(w: TieredWhatIf):
