@@ -317,10 +317,7 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     Budgets in bytes become blocks through the model's KV bytes per token
     (layers x KV heads x head dim x 2 x dtype bytes).
     """
-    from rich.console import Console
 
-    from kvbench.engine.config import parse_size
-    from kvbench.errors import InputError
     from kvbench.executors.presets import get_model
     from kvbench.memory.policies import CACHE_POLICIES, check_policy
     from kvbench.trace.format import load_trace
@@ -345,8 +342,36 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     if budgets is not None and budget_blocks is not None:
         raise click.UsageError("give --budgets or --budget-blocks, not both")
     if tiers_text is not None or budget_counts == "cache":
-        return _whatif_stores(trace_path, spec, kv_dtype, block_size, chosen, warmup, budgets, budget_blocks,
-                              prefix_mode, replicas, budget_counts, tiers_text, tier_policy, offload, as_json, out)
+        return _whatif_stores(trace_path, spec, kv_dtype, per_token, block_size, chosen, warmup, budgets,
+                              budget_blocks, prefix_mode, replicas, budget_counts, tiers_text, tier_policy, offload,
+                              as_json, out)
+    plan = _budget_plan(budgets, budget_blocks, block_size, block_bytes)
+    _note(f"{spec.name} {kv_dtype}: {per_token:,} bytes of KV per token ({wi.format_bytes(per_token)}); "
+          f"a block of {block_size} tokens is {wi.format_bytes(block_bytes)}")
+    reqs = load_trace(trace_path)
+    result = wi.whatif(reqs, trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
+                       kv_bytes_per_token=per_token, block_size=block_size, budgets=plan,
+                       policies=chosen, warmup=warmup, jobs=jobs, prefix_mode=prefix_mode,
+                       replicas=replicas, router=router, router_prefix_blocks=router_prefix_blocks)
+    if not _show(result, wi.write_outputs(result, out) if out else [], as_json, wi.table, wi.gap_table):
+        return
+    if result.replicas > 1:
+        _note(f"{result.replicas} replicas with a cache of the budget each, router {result.router}: requests "
+              f"per replica {', '.join(f'{n:,}' for n in result.replica_requests)}; ceiling with one infinite "
+              f"cache per replica {result.replicas_ceiling:.4f} (one shared: {result.ceiling:.4f})")
+    too_large = {(r["budget_bytes"], r["budget"]): r["too_large_requests"] for r in result.rows
+                 if r["too_large_requests"]}
+    for (_, label), n in sorted(too_large.items()):
+        _note(f"at {label}, {n} counted requests have more whole blocks than the budget: each ran as "
+              "its first blocks that fit (an engine with this pool would refuse it)")
+
+
+def _budget_plan(budgets, budget_blocks, block_size: int, block_bytes: int):
+    """--budgets (bytes) or --budget-blocks -> curve.Budget list, each holding a block; InputError
+    otherwise."""
+    from kvbench.engine.config import parse_size
+    from kvbench.whatif import curve as wi
+
     if budget_blocks is not None:
         counts = []
         for x in _split(budget_blocks):
@@ -363,42 +388,31 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
         if b.blocks < 1:
             raise InputError(f"{wi.format_bytes(b.bytes)} holds no block of {block_size} tokens "
                              f"({wi.format_bytes(block_bytes)})", field="--budgets")
-    _note(f"{spec.name} {kv_dtype}: {per_token:,} bytes of KV per token ({wi.format_bytes(per_token)}); "
-          f"a block of {block_size} tokens is {wi.format_bytes(block_bytes)}")
-    reqs = load_trace(trace_path)
-    result = wi.whatif(reqs, trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
-                       kv_bytes_per_token=per_token, block_size=block_size, budgets=plan,
-                       policies=chosen, warmup=warmup, jobs=jobs, prefix_mode=prefix_mode,
-                       replicas=replicas, router=router, router_prefix_blocks=router_prefix_blocks)
-    if out:
-        for path in wi.write_outputs(result, out):
-            _note(f"wrote {path}")
-    if as_json:
-        click.echo(dumps(result.to_dict()))
-        return
-    width = None if sys.stdout.isatty() else 110
-    console = Console(file=sys.stdout, width=width)
-    console.print(wi.table(result))
-    gaps = wi.gap_table(result)
-    if gaps is not None:
-        console.print(gaps)
-    if result.replicas > 1:
-        _note(f"{result.replicas} replicas with a cache of the budget each, router {result.router}: requests "
-              f"per replica {', '.join(f'{n:,}' for n in result.replica_requests)}; ceiling with one infinite "
-              f"cache per replica {result.replicas_ceiling:.4f} (one shared: {result.ceiling:.4f})")
-    too_large = {(r["budget_bytes"], r["budget"]): r["too_large_requests"] for r in result.rows
-                 if r["too_large_requests"]}
-    for (_, label), n in sorted(too_large.items()):
-        _note(f"at {label}, {n} counted requests have more whole blocks than the budget: each ran as "
-              "its first blocks that fit (an engine with this pool would refuse it)")
+    return plan
 
 
-def _whatif_stores(trace_path, spec, kv_dtype, block_size, chosen, warmup, budgets, budget_blocks, prefix_mode,
-                   replicas, budget_counts, tiers_text, tier_policy, offload, as_json, out):
-    """``whatif --tiers`` and ``whatif --budget-counts cache`` (kvbench.whatif.tiers)."""
+def _show(result, paths: list[str], as_json: bool, *tables) -> bool:
+    """Note the files written, then print the result as JSON or as its tables (each ``table(result)``:
+    a rich Table, or None for none).
+    Returns whether the tables were printed (the notes after them are for a reader of tables)."""
     from rich.console import Console
 
-    from kvbench.engine.config import parse_size
+    for path in paths:
+        _note(f"wrote {path}")
+    if as_json:
+        click.echo(dumps(result.to_dict()))
+        return False
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 110)
+    for table in tables:
+        t = table(result)
+        if t is not None:
+            console.print(t)
+    return True
+
+
+def _whatif_stores(trace_path, spec, kv_dtype, per_token, block_size, chosen, warmup, budgets, budget_blocks,
+                   prefix_mode, replicas, budget_counts, tiers_text, tier_policy, offload, as_json, out):
+    """``whatif --tiers`` and ``whatif --budget-counts cache`` (kvbench.whatif.tiers)."""
     from kvbench.memory.policies import check_policy
     from kvbench.trace.format import load_trace
     from kvbench.whatif import curve as wi
@@ -409,9 +423,7 @@ def _whatif_stores(trace_path, spec, kv_dtype, block_size, chosen, warmup, budge
         raise InputError("block-hash prefixes only (give --prefix-mode hash)", field=what)
     if replicas > 1:
         raise InputError("one cache only (give --replicas 1)", field=what)
-    per_token = spec.kv_bytes_per_token(kv_dtype)
     block_bytes = per_token * block_size
-    reqs = None
     if tiers_text is not None:
         if budget_counts != "pool":
             raise InputError("the gpu tier is a pool and the tiers behind it are stores: drop --budget-counts",
@@ -428,40 +440,16 @@ def _whatif_stores(trace_path, spec, kv_dtype, block_size, chosen, warmup, budge
                 if (size or name == "gpu") and size < block_bytes:
                     raise InputError(f"{name}={label} holds no block of {block_size} tokens "
                                      f"({wi.format_bytes(block_bytes)})", field="--tiers")
-        reqs = load_trace(trace_path)
-        result = wt.whatif_tiers(reqs, trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
+        result = wt.whatif_tiers(load_trace(trace_path), trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
                                  kv_bytes_per_token=per_token, block_size=block_size, tiers=tiers,
                                  policies=chosen, tier_policy=tier_policy, offload=offload, warmup=warmup)
-        paths = wt.write_outputs(result, out) if out else []
-        render = wt.table
-    else:
-        if budget_blocks is not None:
-            counts = []
-            for x in _split(budget_blocks):
-                if not x.isdigit() or not 1 <= int(x) <= 2**31 - 1:
-                    raise InputError(f"not a block count in [1, 2^31): {x[:30]!r}", field="--budget-blocks")
-                counts.append(int(x))
-            plan = wi.budgets_from_blocks(counts, block_bytes)
-        else:
-            texts = _split(budgets or DEFAULT_BUDGETS)
-            plan = wi.budgets_from_bytes([parse_size(x, "--budgets") for x in texts], block_bytes, texts)
-        if not plan or any(b.blocks < 1 for b in plan):
-            raise InputError(f"every budget must hold a block of {block_size} tokens "
-                             f"({wi.format_bytes(block_bytes)})", field="--budget-blocks" if budget_blocks else "--budgets")
-        reqs = load_trace(trace_path)
-        result = wt.whatif_cache(reqs, trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
-                                 kv_bytes_per_token=per_token, block_size=block_size, budgets=plan,
-                                 policies=chosen, warmup=warmup)
-        paths = wi.write_outputs(result, out) if out else []
-        render = wi.table
-    for path in paths:
-        _note(f"wrote {path}")
-    if as_json:
-        click.echo(dumps(result.to_dict()))
+        _show(result, wt.write_outputs(result, out) if out else [], as_json, wt.table)
         return
-    width = None if sys.stdout.isatty() else 110
-    Console(file=sys.stdout, width=width).print(render(result))
-    if budget_counts == "cache":
+    plan = _budget_plan(budgets, budget_blocks, block_size, block_bytes)
+    result = wt.whatif_cache(load_trace(trace_path), trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
+                             kv_bytes_per_token=per_token, block_size=block_size, budgets=plan,
+                             policies=chosen, warmup=warmup)
+    if _show(result, wi.write_outputs(result, out) if out else [], as_json, wi.table):
         _note("budgets count cached blocks only (an external KV store): requests run outside them")
 
 
