@@ -370,6 +370,8 @@ def test_cli_tiers_table_json_and_out(tmp_path, capsys):
     (["--tiers", "gpu=0"], "at least one byte"),
     (["--tiers", "gpu=1GiB,cpu=1KiB"], "holds no block"),
     (["--tiers", "gpu=1GiB", "--tier-policy", "mru"], "unknown cache policy"),
+    (["--tiers", "gpu=1GiB,cpu=1GiB", "--tier-policy", "learned:/no/such/policy.json"], "cannot read learned policy"),
+    (["--budget-counts", "cache", "--budgets", "1KiB"], "holds no block"),
     (["--tiers", "gpu=1GiB", "--budgets", "1GiB"], "not both"),
     (["--budget-counts", "cache", "--replicas", "2"], "--replicas 1"),
     (["--budget-counts", "pool", "--offload", "sideways"], "--offload"),

@@ -432,7 +432,7 @@ def _whatif_stores(trace_path, spec, kv_dtype, per_token, block_size, chosen, wa
             raise click.UsageError("give --tiers or --budgets/--budget-blocks, not both")
         tiers = wt.parse_tiers(tiers_text)
         try:
-            check_policy(tier_policy)
+            check_policy(tier_policy, load=True)
         except ValueError as e:
             raise InputError(str(e), field="--tier-policy") from None
         for name, sizes in tiers.items():
