@@ -141,3 +141,19 @@ def splitmix_tokens(seed: int, start: int, length: int) -> np.ndarray:
 def test_stream_tokens_are_splitmix64(seed, start, length):
     from kvbench.trace.tokens import stream_tokens
     assert np.array_equal(stream_tokens(seed, start, length), splitmix_tokens(seed, start, length))
+
+
+def test_commands_that_never_hash_never_import_numba(tmp_path):
+    # numba costs ~0.2 s and ~60 MB to import: kvbench.trace.compiled is loaded on first use
+    # (tokens.compiled()), so importing kvbench, loading a trace and generating one must not pull it in
+    code = f"""
+import sys
+import kvbench, kvbench.cli, kvbench.trace.ideal, kvbench.memory.paged
+from kvbench.trace.format import load_trace
+load_trace({str(REPO / "traces" / "chat.jsonl")!r})
+kvbench.cli.main(["trace", "gen", "chat", "--requests", "5", "-o", {str(tmp_path / "t.jsonl")!r}])
+assert len(load_trace({str(tmp_path / "t.jsonl")!r})) == 5
+print(sorted(m for m in sys.modules if m == "numba" or m.startswith("numba.") or m == "kvbench.trace.compiled"))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
