@@ -322,6 +322,7 @@ def test_parse_tiers_lists_and_absent_tiers():
     assert [x for x, _ in t["gpu"]] == [16 << 30, 32 << 30]
     assert t["cpu"] == [(0, "0"), (128 << 30, "128GiB")] and t["disk"] == [(4 << 40, "4TiB")]
     assert parse_tiers("gpu=1GiB")["disk"] == [(0, "0")]
+    assert parse_tiers("gpu=1GiB,cpu=0KiB,disk=0.0") == parse_tiers("gpu=1GiB")  # 0 in any unit: no tier
 
 
 def _cli(capsys, *args):
@@ -368,6 +369,9 @@ def test_cli_tiers_table_json_and_out(tmp_path, capsys):
     (["--tiers", "4GiB,gpu=1GiB"], "names no tier"),
     (["--tiers", "gpu=1GiB,cpu=-4GiB"], "not a size"),
     (["--tiers", "gpu=0"], "at least one byte"),
+    (["--tiers", "gpu=0KiB,1GiB"], "at least one byte"),
+    (["--tiers", "gpu=1GiB,1024MiB"], "given twice"),
+    (["--tiers", "gpu=1GiB,cpu=0,0B"], "given twice"),
     (["--tiers", "gpu=1GiB,cpu=1KiB"], "holds no block"),
     (["--tiers", "gpu=1GiB", "--tier-policy", "mru"], "unknown cache policy"),
     (["--tiers", "gpu=1GiB,cpu=1GiB", "--tier-policy", "learned:/no/such/policy.json"], "cannot read learned policy"),

@@ -84,10 +84,10 @@ def parse_tiers(text: str, field: str = "--tiers") -> dict[str, list[tuple[int, 
         elif current is None:
             raise InputError(f"{item[:30]!r} names no tier: start with gpu=SIZE", field=field)
         size = size.strip()
-        if size in ("0", "0B") and current is not tiers.get("gpu"):
-            current.append((0, "0"))
-            continue
-        current.append((parse_size(size, field), size))
+        nbytes = parse_size(size, field, allow_zero=current is not tiers.get("gpu"))  # 0 in any unit: no tier
+        if any(nbytes == b for b, _ in current):
+            raise InputError(f"size {size[:30]!r} given twice in one tier (each combination is one row)", field=field)
+        current.append((nbytes, size if nbytes else "0"))
     if "gpu" not in tiers:
         raise InputError("no gpu tier: give gpu=SIZE first (e.g. gpu=16GiB,cpu=512GiB)", field=field)
     for name in LOWER:
