@@ -44,12 +44,17 @@ def lookup_blocks(prompt_len: int, block_size: int) -> int:
     return (prompt_len - 1) // block_size
 
 
+def cached_answer_len(req: Request) -> int:
+    """How many tokens of the answer a later request may hit: a named answer's computed part (its
+    first output_len - 1 tokens; the last is sampled, never fed back), 0 for an unnamed answer."""
+    return req.output_len - 1 if req.output is not None and req.output_len > 1 else 0
+
+
 def cached_sequence(req: Request, prompt: np.ndarray, streams: TokenStreams) -> np.ndarray:
     """The tokens a later request may hit once this one finishes: prompt, plus a named answer's
     computed part (the ideal hit rate's view: an unnamed answer is never re-sent)."""
-    if req.output is None or req.output_len <= 1:
-        return prompt
-    return np.concatenate([prompt, streams.output_tokens(req, req.output_len - 1)])
+    answer = cached_answer_len(req)
+    return np.concatenate([prompt, streams.output_tokens(req, answer)]) if answer else prompt
 
 
 def sequence_tokens(req: Request, prompt: np.ndarray, streams: TokenStreams, sample: int = 0) -> np.ndarray:
@@ -235,8 +240,8 @@ def _pieces(req: Request, streams: TokenStreams):
             yield seg.name, seg.length
         else:
             yield None, streams.segment(seg, req.id, i)
-    if req.output is not None and req.output_len > 1:
-        yield req.output, req.output_len - 1
+    if answer := cached_answer_len(req):
+        yield req.output, answer
 
 
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
@@ -285,7 +290,7 @@ def _flatten(requests: Sequence[Request], streams: TokenStreams, once: frozenset
                 literals.append(toks)
                 n_literal += len(toks)
                 prompt_len += len(toks)
-        answer = req.output_len - 1 if req.output is not None and req.output_len > 1 else 0
+        answer = cached_answer_len(req)
         if answer:
             add_seed(stable_hash(req.output))
             add_length(answer)
@@ -374,7 +379,7 @@ def radix_ideal_hits(requests: Sequence[Request], block_size: int,
         if not at:
             continue
         parents = [int(keys[p - 1]) if p else ROOT_KEY for p in at]
-        length = req.prompt_len + (req.output_len - 1 if req.output is not None and req.output_len > 1 else 0)
+        length = req.prompt_len + cached_answer_len(req)
         for p, parent in zip(at, parents):
             if p * bs < length:
                 _remember(conts, known, parent, _cached_tokens(req, streams, p * bs, min(length, (p + 1) * bs)))

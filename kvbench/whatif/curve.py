@@ -78,6 +78,7 @@ from kvbench.memory.radix import RadixNodes
 from kvbench.trace.format import Request
 from kvbench.trace.ideal import (
     PrefixKeys,
+    cached_answer_len,
     dense_block_ids,
     ideal_hit_blocks,
     lookup_blocks,
@@ -161,8 +162,7 @@ def prepare(requests: Sequence[Request], block_size: int, warmup: float = 0.0, *
     start = window_start(len(requests), warmup)
     hit_blocks = ideal_hit_blocks(ids, starts, lookups)  # IdealCounter's figures
     parent = parent_block_ids(ids, starts, len(distinct))
-    answers = np.fromiter((r.output_len - 1 if r.output is not None and r.output_len > 1 else 0 for r in requests),
-                          dtype=np.int64, count=len(requests))  # a named answer's computed part is cached too
+    answers = np.fromiter(map(cached_answer_len, requests), dtype=np.int64, count=len(requests))
     bt = BlockTrace(block_size, ids, starts, lookups, prompt_lens, len(distinct), start,
                     int(hit_blocks[start:].sum()) * block_size, partial=(prompt_lens + answers) % block_size != 0,
                     arrival_s=np.fromiter((r.t for r in requests), dtype=np.float64, count=len(requests)),
