@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from kvbench.trace.format import Request
 from kvbench.trace.tokens import (
@@ -261,8 +260,8 @@ def _flatten(requests: Sequence[Request], streams: TokenStreams, once: frozenset
     prompt_lens: list[int] = []
     answers: list[int] = []
     # the loop runs once per segment of the trace (Mooncake: 288,500): local names, no calls per
-    # shared segment but the name's hash
-    seed_of, add_seed, add_length = xxhash.xxh64_intdigest, seeds.append, lengths.append
+    # shared segment but the name's hash (stable_hash: TokenStreams.stream's seed, one rule)
+    add_seed, add_length = seeds.append, lengths.append
     add_at, add_memo = literal_at.append, memoise.append
     for req in requests:
         prompt_len = 0
@@ -270,7 +269,7 @@ def _flatten(requests: Sequence[Request], streams: TokenStreams, once: frozenset
             kind = seg.kind
             if kind == "shared":
                 name = seg.name
-                add_seed(seed_of(name.encode()))
+                add_seed(stable_hash(name))
                 add_length(seg.length)
                 add_at(-1)
                 add_memo(name not in once)
