@@ -6,24 +6,21 @@ combination behind it, timed apart.
         [--block-size 512] [--gpu 16GiB] [--cpu 0,128GiB,512GiB,2TiB] [--disk 0] [--policy lru]
         [--tier-policy lru] [--offload write-through] [--limit N]
 
-The trace is converted to kvbench's format first (not timed). Sizes are llama-3.1-8b bf16 bytes.
+The trace is converted to kvbench's format first, in a process of its own (bench_whatif.load_mooncake:
+neither timed nor counted in the peak RSS). Sizes are llama-3.1-8b bf16 bytes.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import resource
-import tempfile
 import time
-from pathlib import Path
+
+from bench_whatif import DEFAULT, load_mooncake  # beside this script (sys.path[0])
 
 from kvbench.executors.presets import get_model
-from kvbench.trace.format import load_trace
-from kvbench.trace.importers import convert
 from kvbench.whatif.curve import prepare
 from kvbench.whatif.tiers import gpu_stream, parse_tiers, simulate_tiers
-
-DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "traces" / "real" / "mooncake_conversation.jsonl"
 
 
 def main() -> None:
@@ -40,11 +37,7 @@ def main() -> None:
     a = ap.parse_args()
     tiers = parse_tiers(f"gpu={a.gpu},cpu={a.cpu},disk={a.disk}")
     block_bytes = get_model("llama-3.1-8b").kv_bytes_per_token("bf16") * a.block_size
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "mooncake.jsonl"
-        convert("mooncake", a.trace, path, limit=a.limit)
-        t0 = time.perf_counter()
-        reqs = load_trace(path)
+    reqs, t0 = load_mooncake(a.trace, a.limit)
     t1 = time.perf_counter()
     bt = prepare(reqs, a.block_size, 0.5, future="belady" in (a.policy, a.tier_policy))
     t2 = time.perf_counter()
@@ -55,12 +48,13 @@ def main() -> None:
     prompt = bt.window_prompt_tokens
     for (gb, gl) in tiers["gpu"]:
         t = time.perf_counter()
-        stream = gpu_stream(bt, gb // block_bytes, a.policy, victims=a.offload == "write-back")
+        gpu_blocks = gb // block_bytes
+        stream = gpu_stream(bt, gpu_blocks, a.policy, victims=a.offload == "write-back")
         gpu_s = time.perf_counter() - t
         for (cb, cl), (db, dl) in itertools.product(tiers["cpu"], tiers["disk"]):
-            pt = simulate_tiers(bt, [gb // block_bytes, cb // block_bytes, db // block_bytes], a.policy,
+            pt = simulate_tiers(bt, [gpu_blocks, cb // block_bytes, db // block_bytes], a.policy,
                                 a.tier_policy, a.offload, stream)
-            rates = [h / prompt for h in pt.hit_tokens]
+            rates = [h / prompt if prompt else 0.0 for h in pt.hit_tokens]
             print(f"{gl:>8} {cl:>8} {dl:>8} {gpu_s:7.2f} {pt.wall_s:8.2f} "
                   + " ".join(f"{r:7.4f}" for r in rates) + f" {sum(rates):7.4f}")
     print(f"  total {time.perf_counter() - t0:.1f} s, peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
