@@ -275,15 +275,20 @@ def run_stores(bt: wi.BlockTrace, gpu: GpuStream | None, stores: Sequence[Store 
 
 
 def simulate_tiers(bt: wi.BlockTrace, budgets: Sequence[int], policy: str, tier_policy: str = "lru",
-                   offload: str = "write-through", gpu: GpuStream | None = None) -> TierPoint:
+                   offload: str = "write-through", gpu: GpuStream | None = None,
+                   future: np.ndarray | None = None) -> TierPoint:
     """One point: a GPU pool of ``budgets[0]`` blocks evicting by ``policy`` and lower tiers of
     ``budgets[1:]`` blocks evicting by ``tier_policy`` (0: absent). ``gpu``: the GPU's stream at
-    this budget and policy, if already run (it does not depend on the lower tiers)."""
+    this budget and policy, if already run (it does not depend on the lower tiers); ``future``:
+    ``bt.future(budgets[0])``, if already computed (it depends on the GPU's budget alone)."""
     t0 = time.perf_counter()
     if gpu is None:
         gpu = gpu_stream(bt, budgets[0], policy, victims=offload == "write-back")
     belady = any(b > 0 for b in budgets[1:]) and tier_policy == "belady"
-    future = bt.future(budgets[0]) if belady else None
+    if not belady:
+        future = None
+    elif future is None:
+        future = bt.future(budgets[0])
     stores = [Store(b, tier_policy, bt) if b > 0 else None for b in budgets[1:]]
     lower = run_stores(bt, gpu, stores, offload, future)
     hit_blocks = [int(gpu.hits[bt.window_start:].sum())] + lower
@@ -335,21 +340,25 @@ def whatif_tiers(requests: Sequence[Request], *, trace: str, model: str, kv_dtyp
     future = "belady" in policies or tier_policy == "belady"
     bt = wi.prepare(requests, block_size, warmup, future=future, streams=streams)
     prompt = bt.window_prompt_tokens
+    lower = any(b for name in LOWER for b, _ in tiers[name])
     rows = []
-    for g, p in itertools.product(tiers["gpu"], policies):
+    for g in tiers["gpu"]:
         gpu_blocks = g[0] // block_bytes
-        stream = gpu_stream(bt, gpu_blocks, p, victims=offload == "write-back")
-        for c, d in itertools.product(tiers["cpu"], tiers["disk"]):
-            sizes = (g, c, d)
-            blocks = [x[0] // block_bytes for x in sizes]
-            pt = simulate_tiers(bt, blocks, p, tier_policy, offload, stream)
-            rates = [h / prompt if prompt else 0.0 for h in pt.hit_tokens]
-            row = {"budget_bytes": g[0], "budget_blocks": blocks[0], "policy": p,
-                   "hit_rate": sum(rates), "ceiling": bt.ceiling}
-            for name, r, x, b, h, e in zip(TIERS, rates, sizes, blocks, pt.hit_tokens, pt.evicted_blocks):
-                row |= {f"hit_rate_{name}": r, f"{name}_bytes": x[0], f"{name}_blocks": b, f"{name}": x[1],
-                        f"hit_tokens_{name}": h, f"evicted_blocks_{name}": e}
-            rows.append(row | {"tier_policy": tier_policy, "offload": offload})
+        # belady's next uses at this GPU budget: once, not per policy and lower-tier combination
+        next_uses = bt.future(gpu_blocks) if tier_policy == "belady" and lower else None
+        for p in policies:
+            stream = gpu_stream(bt, gpu_blocks, p, victims=offload == "write-back")
+            for c, d in itertools.product(tiers["cpu"], tiers["disk"]):
+                sizes = (g, c, d)
+                blocks = [x[0] // block_bytes for x in sizes]
+                pt = simulate_tiers(bt, blocks, p, tier_policy, offload, stream, next_uses)
+                rates = [h / prompt if prompt else 0.0 for h in pt.hit_tokens]
+                row = {"budget_bytes": g[0], "budget_blocks": blocks[0], "policy": p,
+                       "hit_rate": sum(rates), "ceiling": bt.ceiling}
+                for name, r, x, b, h, e in zip(TIERS, rates, sizes, blocks, pt.hit_tokens, pt.evicted_blocks):
+                    row |= {f"hit_rate_{name}": r, f"{name}_bytes": x[0], f"{name}_blocks": b, f"{name}": x[1],
+                            f"hit_tokens_{name}": h, f"evicted_blocks_{name}": e}
+                rows.append(row | {"tier_policy": tier_policy, "offload": offload})
     return TieredWhatIf(**wi.head(bt, trace=trace, model=model, kv_dtype=kv_dtype,
                                   kv_bytes_per_token=kv_bytes_per_token, block_size=block_size, warmup=warmup),
                         tier_policy=tier_policy, offload=offload, rows=rows)
