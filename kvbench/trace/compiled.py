@@ -2,10 +2,10 @@
 streams, xxh3_64, chained block keys, a trace's keys with a memo of shared segments, dense ids.
 
 Imported on first use (``tokens.compiled()``), so commands that never hash pay nothing for numba.
-Every function here computes exactly what its Python/C twin did before it (tests/test_tokens.py
-holds them equal): ``fill_stream`` splitmix64's finaliser as ``stream_tokens`` documents it, ``xxh3``
-the xxHash library's XXH3_64bits_withSeed (xxhash 0.8's algorithm, restated for inputs whose length
-is a multiple of 4 bytes: they are int32 tokens, read here as uint32 words).
+Every function here computes exactly what its Python/C twin did before it (tests/test_tokens.py and
+tests/test_prefix_keys.py hold them equal): ``fill_stream`` splitmix64's finaliser as ``stream_tokens``
+documents it, ``xxh3`` the xxHash library's XXH3_64bits_withSeed (xxhash 0.8's algorithm, restated for
+inputs whose length is a multiple of 4 bytes: they are int32 tokens, read here as uint32 words).
 
 Integer care: numba turns ``uint64 op int64`` into a float, so every constant is a ``_U`` and every
 shift count too.
@@ -18,7 +18,8 @@ import numpy as np
 _U = np.uint64
 _M32 = _U(0xFFFFFFFF)
 _S32 = _U(32)
-TOKEN_LO, TOKEN_HI = 16, 32000  # kvbench.trace.tokens's, restated: a global is a constant to numba
+TOKEN_LO, TOKEN_HI = 16, 32000  # kvbench.trace.tokens's, restated (tests/test_tokens.py holds them equal):
+# numba freezes a global into the code it caches, and its cache is stale only when this file changes
 _SPAN = _U(TOKEN_HI - TOKEN_LO)
 _GOLDEN, _M1, _M2 = _U(0x9E3779B97F4A7C15), _U(0xBF58476D1CE4E5B9), _U(0x94D049BB133111EB)
 
