@@ -272,6 +272,20 @@ def test_a_chain_broken_in_cpu_continues_in_disk_block_by_block():
     assert got == [[0, 0]]  # the first block is in no tier
 
 
+@pytest.mark.parametrize("name", ["chat", "agent"])
+def test_the_tiers_next_uses_are_the_gpu_budgets_without_recounting(name):
+    """simulate_tiers hands the lower tiers bt.next_use, not bt.future(gpu budget): they see only a
+    request's first gpu-budget blocks, where the two agree (a chained block has one depth)."""
+    bt = prepare(_shipped(name), 16, warmup=0.5)
+    depth = np.concatenate([np.arange(n) for n in np.diff(bt.starts)])
+    for gpu in (1, 3, 40):
+        assert (bt.future(gpu) != bt.next_use).any()  # the requests larger than the gpu look up less
+        within = depth < gpu
+        assert (bt.future(gpu)[within] == bt.next_use[within]).all(), gpu
+        for offload in ("write-through", "write-back"):
+            assert simulate_tiers(bt, [gpu, 50, 0], "lru", "belady", offload).hit_tokens[1] > 0
+
+
 @pytest.mark.parametrize("name", ["chat", "rag", "agent"])
 def test_a_tier_that_holds_everything_reaches_the_ceiling(name):
     bt = prepare(_shipped(name), 16, warmup=0.5)

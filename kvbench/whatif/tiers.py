@@ -275,20 +275,17 @@ def run_stores(bt: wi.BlockTrace, gpu: GpuStream | None, stores: Sequence[Store 
 
 
 def simulate_tiers(bt: wi.BlockTrace, budgets: Sequence[int], policy: str, tier_policy: str = "lru",
-                   offload: str = "write-through", gpu: GpuStream | None = None,
-                   future: np.ndarray | None = None) -> TierPoint:
+                   offload: str = "write-through", gpu: GpuStream | None = None) -> TierPoint:
     """One point: a GPU pool of ``budgets[0]`` blocks evicting by ``policy`` and lower tiers of
     ``budgets[1:]`` blocks evicting by ``tier_policy`` (0: absent). ``gpu``: the GPU's stream at
-    this budget and policy, if already run (it does not depend on the lower tiers); ``future``:
-    ``bt.future(budgets[0])``, if already computed (it depends on the GPU's budget alone)."""
+    this budget and policy, if already run (it does not depend on the lower tiers)."""
     t0 = time.perf_counter()
     if gpu is None:
         gpu = gpu_stream(bt, budgets[0], policy, victims=offload == "write-back")
     belady = any(b > 0 for b in budgets[1:]) and tier_policy == "belady"
-    if not belady:
-        future = None
-    elif future is None:
-        future = bt.future(budgets[0])
+    # the tiers only see a request's first budgets[0] blocks, and a chained block sits at one depth
+    # in every request, so their next uses are bt.future(budgets[0])'s without recounting
+    future = bt.next_use if belady else None
     stores = [Store(b, tier_policy, bt) if b > 0 else None for b in budgets[1:]]
     lower = run_stores(bt, gpu, stores, offload, future)
     hit_blocks = [int(gpu.hits[bt.window_start:].sum())] + lower
@@ -340,18 +337,15 @@ def whatif_tiers(requests: Sequence[Request], *, trace: str, model: str, kv_dtyp
     future = "belady" in policies or tier_policy == "belady"
     bt = wi.prepare(requests, block_size, warmup, future=future, streams=streams)
     prompt = bt.window_prompt_tokens
-    lower = any(b for name in LOWER for b, _ in tiers[name])
     rows = []
     for g in tiers["gpu"]:
         gpu_blocks = g[0] // block_bytes
-        # belady's next uses at this GPU budget: once, not per policy and lower-tier combination
-        next_uses = bt.future(gpu_blocks) if tier_policy == "belady" and lower else None
         for p in policies:
             stream = gpu_stream(bt, gpu_blocks, p, victims=offload == "write-back")
             for c, d in itertools.product(tiers["cpu"], tiers["disk"]):
                 sizes = (g, c, d)
                 blocks = [x[0] // block_bytes for x in sizes]
-                pt = simulate_tiers(bt, blocks, p, tier_policy, offload, stream, next_uses)
+                pt = simulate_tiers(bt, blocks, p, tier_policy, offload, stream)
                 rates = [h / prompt if prompt else 0.0 for h in pt.hit_tokens]
                 row = {"budget_bytes": g[0], "budget_blocks": blocks[0], "policy": p,
                        "hit_rate": sum(rates), "ceiling": bt.ceiling}
