@@ -223,6 +223,7 @@ def test_no_lower_tier_is_the_whatif(name, request):
         for offload in ("write-through", "write-back") if p in ("lru", "belady") else ("write-through",):
             tp = simulate_tiers(bt, [b, 0, 0], p, "lru", offload)
             assert tp.hit_tokens == (pt.hit_tokens, 0, 0), (name, b, p, offload)
+            assert tp.evicted_blocks == (pt.evicted_blocks, 0, 0), (name, b, p, offload)
 
 
 def test_a_block_the_gpu_evicted_is_a_cpu_hit():
@@ -244,7 +245,9 @@ def test_a_block_the_gpu_evicted_is_a_cpu_hit():
     bt = _trace([[0, 1, 2], [3, 4, 5, 6], [7, 8, 9, 10], [0, 1, 2]])
     wb = simulate_tiers(bt, [4, 1, 8], "lru", offload="write-back")
     assert wb.hit_tokens == (0, 0, 1 * BS), wb
-    assert wb.evicted_blocks == (0, 2, 0)  # r3 evicts r2 in turn: 8 displaces 3 (after r3 looked up)
+    # the GPU evicts r0's 3 for r1, r1's 4 for r2, 3 of r2's for r3; cpu: r3 evicts r2 in turn, 8
+    # displaces 3 (after r3 looked up)
+    assert wb.evicted_blocks == (3 + 4 + 3, 2, 0)
 
 
 def test_a_request_larger_than_the_gpu_runs_as_its_first_blocks_in_every_tier():

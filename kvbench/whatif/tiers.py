@@ -173,6 +173,7 @@ class GpuStream:
     hits: np.ndarray  # int64 [requests]
     ran: np.ndarray  # int64 [requests]
     victims: list[list[int]] | None = None  # None: not recorded (write-back then stores nothing)
+    evicted: int = 0  # blocks the pool evicted (simulate's evicted_blocks)
 
 
 def gpu_stream(bt: wi.BlockTrace, budget_blocks: int, policy: str, victims: bool = False) -> GpuStream:
@@ -199,9 +200,9 @@ def gpu_stream(bt: wi.BlockTrace, budget_blocks: int, policy: str, victims: bool
             return out
 
         pol.pop_many = recorded
-    wi.simulate(bt, budget_blocks, pol, on_request=on_request)
+    pt = wi.simulate(bt, budget_blocks, pol, on_request=on_request)
     ran = np.minimum(np.diff(bt.starts), budget_blocks)
-    return GpuStream(hits, ran, evicted if victims else None)
+    return GpuStream(hits, ran, evicted if victims else None, pt.evicted_blocks)
 
 
 # --------------------------------------------------------------------------------- one point
@@ -289,7 +290,7 @@ def simulate_tiers(bt: wi.BlockTrace, budgets: Sequence[int], policy: str, tier_
     stores = [Store(b, tier_policy, bt) if b > 0 else None for b in budgets[1:]]
     lower = run_stores(bt, gpu, stores, offload, future)
     hit_blocks = [int(gpu.hits[bt.window_start:].sum())] + lower
-    evicted = [0] + [s.evicted if s is not None else 0 for s in stores]
+    evicted = [gpu.evicted] + [s.evicted if s is not None else 0 for s in stores]
     return TierPoint(tuple(budgets), policy, tuple(h * bt.block_size for h in hit_blocks), tuple(evicted),
                      time.perf_counter() - t0)
 
