@@ -16,6 +16,7 @@ TRACES = Path(__file__).resolve().parents[1] / "traces"
 
 def _both(requests, bs):
     keys_of = PrefixKeys(bs)
+    keys_of.count_once(requests)  # shared streams one request uses are its own, as unique segments are
     kept, every = IdealCounter(bs), IdealCounter(bs)
     for r in requests:
         keys, plen = keys_of(r)
@@ -56,3 +57,14 @@ def test_a_text_segment_counts_its_tokens_before_a_unique_one():
     b = Request("b", 1.0, (Segment("shared", 12, name="p"), Segment("text", text="aa")), 1)
     kept, every = _both([a, b], 1)
     assert kept.result() == every.result() and kept.result().hit_tokens == 13
+
+
+def test_a_shared_stream_one_request_uses_is_not_kept():
+    # "own" is read by one request only (count_once): like a unique segment, its blocks and every
+    # block after them can never be hit, so they are counted, not kept
+    a = Request("a", 0.0, (Segment("shared", 32, name="p"), Segment("shared", 32, name="own"),
+                           Segment("shared", 32, name="q")), 1)
+    b = Request("b", 1.0, (Segment("shared", 32, name="p"), Segment("shared", 32, name="q")), 1)
+    kept, every = _both([a, b], 16)
+    assert kept.result() == every.result() and kept.result().hit_tokens == 32
+    assert len(kept.seen) == len(every.seen) - 4
