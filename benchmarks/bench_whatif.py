@@ -23,6 +23,7 @@ from pathlib import Path
 from kvbench.engine.config import parse_size
 from kvbench.executors.presets import get_model
 from kvbench.trace.format import load_trace
+from kvbench.trace.pieces import read_pieces
 from kvbench.whatif.curve import budgets_from_bytes, format_bytes, prepare, run_points
 
 CONVERT = ("import sys; from kvbench.trace.importers import convert; "
@@ -30,15 +31,15 @@ CONVERT = ("import sys; from kvbench.trace.importers import convert; "
 DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "traces" / "real" / "mooncake_conversation.jsonl"
 
 
-def load_mooncake(trace: str, limit: int | None) -> tuple[list, float]:
+def load_mooncake(trace: str, limit: int | None, read=load_trace) -> tuple[list, float]:
     """The Mooncake trace converted to kvbench's format in a process of its own (neither timed nor
-    counted in this process's peak RSS), then loaded: the requests and when loading began
-    (time.perf_counter). bench_whatif_tiers.py loads its trace through this too."""
+    counted in this process's peak RSS), then read by ``read``: what it returns and when reading
+    began (time.perf_counter). bench_whatif_tiers.py loads its trace through this too."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "mooncake.jsonl"
         subprocess.run([sys.executable, "-c", CONVERT, trace, str(path), str(limit or "")], check=True)
         t0 = time.perf_counter()
-        return load_trace(path), t0
+        return read(path), t0
 
 
 def main() -> None:
@@ -53,7 +54,7 @@ def main() -> None:
     policies = a.policies.split(",")
     block_bytes = get_model("llama-3.1-8b").kv_bytes_per_token("bf16") * a.block_size
     budgets = budgets_from_bytes([parse_size(x) for x in a.budgets.split(",")], block_bytes)
-    reqs, t0 = load_mooncake(a.trace, a.limit)
+    reqs, t0 = load_mooncake(a.trace, a.limit, read_pieces)  # as the CLI reads it: no Request per line
     t1 = time.perf_counter()
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     bt = prepare(reqs, a.block_size, 0.5, future="belady" in policies)

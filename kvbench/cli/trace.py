@@ -320,7 +320,7 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
 
     from kvbench.executors.presets import get_model
     from kvbench.memory.policies import CACHE_POLICIES, check_policy
-    from kvbench.trace.format import load_trace
+    from kvbench.trace.pieces import read_pieces
     from kvbench.whatif import curve as wi
 
     spec = get_model(model)
@@ -348,7 +348,7 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     plan = _budget_plan(budgets, budget_blocks, block_size, block_bytes)
     _note(f"{spec.name} {kv_dtype}: {per_token:,} bytes of KV per token ({wi.format_bytes(per_token)}); "
           f"a block of {block_size} tokens is {wi.format_bytes(block_bytes)}")
-    reqs = load_trace(trace_path)
+    reqs = read_pieces(trace_path)  # the trace as the what-if needs it, without a Request per line
     result = wi.whatif(reqs, trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
                        kv_bytes_per_token=per_token, block_size=block_size, budgets=plan,
                        policies=chosen, warmup=warmup, jobs=jobs, prefix_mode=prefix_mode,

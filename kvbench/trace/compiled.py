@@ -191,6 +191,53 @@ def xxh3(w, off, n_words, seed, acc, custom):
     return _avalanche(h)
 
 
+@numba.njit(cache=True, inline="always")
+def _bytes64(b, i):
+    """The little-endian 64-bit word at byte i of a uint8 array."""
+    r = _U(0)
+    for k in range(7, -1, -1):
+        r = (r << _U(8)) | _U(b[i + k])
+    return r
+
+
+@numba.njit(cache=True, inline="always")
+def _round64(acc, v):
+    acc += v * _P64_2
+    return _rotl(acc, 31) * _P64_1
+
+
+@numba.njit(cache=True)
+def xxh64(b, off, n):
+    """XXH64 of the n bytes at ``off`` of a uint8 array, seed 0 (xxhash.xxh64_intdigest: the seed of a
+    stream's name, kvbench.trace.tokens.stable_hash, for kvbench.trace.scan's reader)."""
+    p, end = off, off + n
+    if n >= 32:
+        v1, v2, v3, v4 = _P64_1 + _P64_2, _P64_2, _U(0), _U(0) - _P64_1
+        while p + 32 <= end:
+            v1 = _round64(v1, _bytes64(b, p))
+            v2 = _round64(v2, _bytes64(b, p + 8))
+            v3 = _round64(v3, _bytes64(b, p + 16))
+            v4 = _round64(v4, _bytes64(b, p + 24))
+            p += 32
+        h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
+        for v in (v1, v2, v3, v4):
+            h = (h ^ _round64(_U(0), v)) * _P64_1 + _P64_4
+    else:
+        h = _P64_5
+    h += _U(n)
+    while p + 8 <= end:
+        h = _rotl(h ^ _round64(_U(0), _bytes64(b, p)), 27) * _P64_1 + _P64_4
+        p += 8
+    if p + 4 <= end:
+        w = _U(b[p]) | (_U(b[p + 1]) << _U(8)) | (_U(b[p + 2]) << _U(16)) | (_U(b[p + 3]) << _U(24))
+        h = _rotl(h ^ (w * _P64_1), 23) * _P64_2 + _P64_3
+        p += 4
+    while p < end:
+        h = _rotl(h ^ (_U(b[p]) * _P64_5), 11) * _P64_1
+        p += 1
+    return _avalanche64(h)
+
+
 # ------------------------------------------------------------------------- chained block keys
 
 @numba.njit(cache=True)

@@ -247,31 +247,43 @@ def json_lines(path: str | os.PathLike, what: str = "trace") -> Iterator[tuple[i
             if not raw:
                 break
             lineno += 1
-            if len(raw) > MAX_LINE_BYTES:
-                raise InputError(f"line longer than {MAX_LINE_BYTES // 2**20} MiB (expected {what})",
-                                 file=path, line=lineno)
-            try:
-                s = raw.decode("utf-8").strip().lstrip("\ufeff")
-            except UnicodeDecodeError as e:
-                raise InputError(f"not UTF-8 text (byte {e.start + 1} of the line; expected {what})",
-                                 file=path, line=lineno) from None
-            if not s:
-                continue
-            try:
-                obj = json.loads(s, parse_constant=_no_constant)
-            except json.JSONDecodeError as e:
-                raise InputError(f"malformed JSON ({e.msg} at column {e.colno}; expected {what})",
-                                 file=path, line=lineno) from None
-            except RecursionError:
-                raise InputError(f"JSON nested too deeply (expected {what})", file=path, line=lineno) from None
-            except ValueError as e:  # e.g. an integer of more than 4,300 digits
-                raise InputError(f"unusable JSON ({str(e).split(';')[0]}; expected {what})",
-                                 file=path, line=lineno) from None
-            yield lineno, obj
+            obj = decode_line(raw, path, lineno, what)
+            if obj is not _BLANK:
+                yield lineno, obj
+
+
+_BLANK = object()  # decode_line's answer for a blank line
+
+
+def decode_line(raw: bytes, path: str, lineno: int, what: str = "trace"):
+    """The decoded JSON of one line (``raw`` as readline returns it), or _BLANK for a blank line."""
+    if len(raw) > MAX_LINE_BYTES:
+        raise InputError(f"line longer than {MAX_LINE_BYTES // 2**20} MiB (expected {what})",
+                         file=path, line=lineno)
+    try:
+        s = raw.decode("utf-8").strip().lstrip("\ufeff")
+    except UnicodeDecodeError as e:
+        raise InputError(f"not UTF-8 text (byte {e.start + 1} of the line; expected {what})",
+                         file=path, line=lineno) from None
+    if not s:
+        return _BLANK
+    try:
+        return json.loads(s, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise InputError(f"malformed JSON ({e.msg} at column {e.colno}; expected {what})",
+                         file=path, line=lineno) from None
+    except RecursionError:
+        raise InputError(f"JSON nested too deeply (expected {what})", file=path, line=lineno) from None
+    except ValueError as e:  # e.g. an integer of more than 4,300 digits
+        raise InputError(f"unusable JSON ({str(e).split(';')[0]}; expected {what})",
+                         file=path, line=lineno) from None
 
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
+
+
+TRACE = "a kvbench JSONL trace"  # what json_lines's errors say a trace file should be
 
 
 def iter_trace(path: str | os.PathLike, text_len=None) -> Iterator[Request]:
@@ -279,16 +291,21 @@ def iter_trace(path: str | os.PathLike, text_len=None) -> Iterator[Request]:
     path = os.fspath(path)
     seen: set[str] = set()
     index = 0
-    for lineno, obj in json_lines(path, "a kvbench JSONL trace"):
+    for lineno, obj in json_lines(path, TRACE):
         where = {"file": path, "line": lineno}
         r = parse_request(obj, where, index, text_len)
-        if r.id in seen:
-            raise InputError(f"duplicate request id {r.id!r}", **where, field="id")
-        seen.add(r.id)
+        check_unique_id(r.id, seen, where)
         index += 1
         yield r
     if index == 0:
         raise InputError("trace has no requests", file=path)
+
+
+def check_unique_id(rid: str, seen: set[str], where: dict) -> None:
+    """Ids are unique in a trace: ``rid`` is added to the ids ``seen`` before it, or refused."""
+    if rid in seen:
+        raise InputError(f"duplicate request id {rid!r}", **where, field="id")
+    seen.add(rid)
 
 
 def load_trace(path: str | os.PathLike, text_len=None, limit: int | None = None) -> list[Request]:

@@ -101,30 +101,27 @@ class PrefixKeys:
     def many(self, requests: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every request's keys at once: (uint64 keys, flattened; int64 [len+1] where request i's
         start; int64 prompt lengths). ``keys[starts[i]:starts[i+1]]`` is ``self(requests[i])[0]``."""
-        seeds, lengths, literal_at, memoise, pieces_at, literals, prompt_lens, seq_lens = \
-            _flatten(requests, self.streams, self.once)
-        starts = np.zeros(len(requests) + 1, dtype=np.int64)
+        flat = _flatten(requests, self.streams, self.once)
+        return (*self.keys_of_pieces(*flat[:6], seq_lens=flat[7]), flat[6])
+
+    def keys_of_pieces(self, seeds, lengths, literal_at, memoise, pieces_at, literals, *,
+                       seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``many``'s (keys, starts) from requests already flattened into pieces (``_flatten``'s arrays,
+        or kvbench.trace.pieces.Pieces's: ``memoise`` says which named streams other requests use)."""
+        starts = np.zeros(len(pieces_at), dtype=np.int64)
         np.cumsum(seq_lens // self.block_size, out=starts[1:])
         keys = np.empty(int(starts[-1]), dtype=np.uint64)
         compiled().trace_keys(seeds, lengths, literal_at, memoise, pieces_at, literals, self.block_size,
                               np.uint64(ROOT_KEY), starts, keys, self._memo_key, self._memo_len,
                               self._memo_at, self._memo_pool, self.memo_state)
-        return keys, starts, prompt_lens
+        return keys, starts
 
     def count_once(self, requests: Iterable[Request]) -> None:
         """Note the shared streams that only one of ``requests`` uses (in a prompt, or as the answer
         it names): like a unique segment, such a stream's blocks can never be hit by another request,
         so shareable_blocks stops before them and their keys are not memoised. On the Mooncake trace
         most 512-token hash ids are used once."""
-        seen: set[str] = set()
-        twice: set[str] = set()
-        for r in requests:
-            names = {seg.name for seg in r.prompt if seg.kind == "shared"}
-            if r.output is not None:
-                names.add(r.output)
-            twice |= names & seen
-            seen |= names
-        self.once = frozenset(seen - twice)
+        self.once = once_streams(requests)
 
     def shareable_blocks(self, req: Request) -> int | None:
         """How many leading blocks another request could share: the blocks before the first one holding
@@ -138,6 +135,19 @@ class PrefixKeys:
             # a text segment's length is known once tokenized (Segment.length is 0)
             pos += len(self.streams.segment(seg, req.id, i)) if seg.kind == "text" else seg.length
         return None
+
+
+def once_streams(requests: Iterable[Request]) -> frozenset[str]:
+    """The shared streams only one of ``requests`` names (in a prompt, or as its answer)."""
+    seen: set[str] = set()
+    twice: set[str] = set()
+    for r in requests:
+        names = {seg.name for seg in r.prompt if seg.kind == "shared"}
+        if r.output is not None:
+            names.add(r.output)
+        twice |= names & seen
+        seen |= names
+    return frozenset(seen - twice)
 
 
 class IdealCounter:

@@ -78,12 +78,12 @@ from kvbench.memory.radix import RadixNodes
 from kvbench.trace.format import Request
 from kvbench.trace.ideal import (
     PrefixKeys,
-    cached_answer_len,
     dense_block_ids,
     ideal_hit_blocks,
     lookup_blocks,
     parent_block_ids,
 )
+from kvbench.trace.pieces import Pieces
 from kvbench.trace.tokens import TokenStreams
 
 COLUMNS = ["budget_bytes", "budget_blocks", "policy", "hit_rate", "ceiling"]  # read by kvbench report
@@ -147,26 +147,29 @@ def window_start(requests: int, warmup: float) -> int:
     return min(int(warmup * requests), max(requests - 1, 0))
 
 
-def prepare(requests: Sequence[Request], block_size: int, warmup: float = 0.0, *,
+def prepare(requests: Sequence[Request] | Pieces, block_size: int, warmup: float = 0.0, *,
             future: bool = True, streams: TokenStreams | None = None) -> BlockTrace:
     """Hash every request once, remap the keys to dense ids, count the ceiling; ``future``: also
-    belady's next uses."""
-    # PrefixKeys.many hashes the whole trace in one compiled pass, memoising the keys of repeated
+    belady's next uses. ``requests``: a trace's requests, or its Pieces (kvbench.trace.pieces.read_pieces
+    reads them from a file, without a Request per line)."""
+    # PrefixKeys hashes the whole trace in one compiled pass, memoising the keys of repeated
     # block-aligned segments, so the streams' own memo serves only literal segments: keep it small
-    keys_of = PrefixKeys(block_size, streams or TokenStreams(max_cached_tokens=PREPARE_STREAM_TOKENS))
-    keys_of.count_once(requests)  # streams one request uses are not memoised
-    flat, starts, prompt_lens = keys_of.many(requests)
+    pieces = requests if isinstance(requests, Pieces) else Pieces.from_requests(
+        requests, streams or TokenStreams(max_cached_tokens=PREPARE_STREAM_TOKENS))
+    p = pieces  # streams one request uses are not memoised (p.memoise: PrefixKeys.count_once's rule)
+    flat, starts = PrefixKeys(block_size).keys_of_pieces(p.seeds, p.lengths, p.literal_at, p.memoise, p.pieces_at,
+                                                         p.literals, seq_lens=p.seq_lens)
+    prompt_lens = p.prompt_lens
     blocks = np.diff(starts)
     lookups = np.minimum(lookup_blocks(prompt_lens, block_size), blocks)
     ids, distinct = dense_block_ids(flat)
-    start = window_start(len(requests), warmup)
+    del flat
+    start = window_start(len(p), warmup)
     hit_blocks = ideal_hit_blocks(ids, starts, lookups)  # IdealCounter's figures
     parent = parent_block_ids(ids, starts, len(distinct))
-    answers = np.fromiter(map(cached_answer_len, requests), dtype=np.int64, count=len(requests))
     bt = BlockTrace(block_size, ids, starts, lookups, prompt_lens, len(distinct), start,
-                    int(hit_blocks[start:].sum()) * block_size, partial=(prompt_lens + answers) % block_size != 0,
-                    arrival_s=np.fromiter((r.t for r in requests), dtype=np.float64, count=len(requests)),
-                    parent=parent, keys=distinct)
+                    int(hit_blocks[start:].sum()) * block_size, partial=p.seq_lens % block_size != 0,
+                    arrival_s=p.arrival_s, parent=parent, keys=distinct)
     if future:
         bt.next_use = _next_uses(bt.ids, starts, bt.lookups)
     return bt
@@ -739,7 +742,7 @@ class WhatIf(WhatIfHead):
     replicas_ceiling: float | None = None  # one infinite cache per replica: the routed ceiling
 
 
-def whatif(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str,
+def whatif(requests: Sequence[Request] | Pieces, *, trace: str, model: str, kv_dtype: str,
            kv_bytes_per_token: int, block_size: int, budgets: Sequence[Budget],
            policies: Sequence[str], warmup: float = 0.5, jobs: int = 1,
            streams: TokenStreams | None = None, prefix_mode: str = "hash", replicas: int = 1,

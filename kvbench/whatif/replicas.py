@@ -21,6 +21,7 @@ import numpy as np
 
 from kvbench.engine.routing import ROUTERS, Router
 from kvbench.trace.format import Request
+from kvbench.trace.pieces import Pieces
 from kvbench.whatif.curve import BlockTrace, _next_uses
 
 # kv-aware without time: affinity would send every request that shares a first block to one replica,
@@ -30,9 +31,10 @@ BALANCE_ABS = 32
 BALANCE_REL = 1.5
 
 
-def route(bt: BlockTrace, requests: Sequence[Request], replicas: int, router: str,
+def route(bt: BlockTrace, requests: Sequence[Request] | Pieces, replicas: int, router: str,
           prefix_blocks: int = 4) -> np.ndarray:
-    """The replica each request of ``bt`` goes to (int64 [requests])."""
+    """The replica each request of ``bt`` goes to (int64 [requests]); ``requests``: bt's requests, or
+    their Pieces (the session router reads their sessions)."""
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}")
     n = bt.requests
@@ -44,6 +46,7 @@ def route(bt: BlockTrace, requests: Sequence[Request], replicas: int, router: st
     sessions = Router("session", replicas)
     seen = np.zeros((replicas, max(bt.distinct_blocks, 1)), dtype=bool) if router == "kv-aware" else None
     starts, lookups, ids = bt.starts, bt.lookups, bt.ids
+    session_of = requests.sessions if isinstance(requests, Pieces) else [r.session for r in requests]
     for i in range(n):
         blocks = ids[starts[i]:starts[i + 1]]
         fewest = min(range(replicas), key=lambda r: (sent[r], r))
@@ -52,7 +55,7 @@ def route(bt: BlockTrace, requests: Sequence[Request], replicas: int, router: st
         elif router == "least-loaded":
             r = fewest
         elif router == "session":
-            s = requests[i].session
+            s = session_of[i]
             r = fewest if s is None else sessions.route(0.0, s, (), 0, None)[0]
         elif router == "prefix":  # the engine's ring over the same block keys of the blocks it can hit
             look = bt.keys[blocks[:lookups[i]]]

@@ -1,0 +1,210 @@
+"""read_pieces (the what-if's trace reader: kvbench.trace.scan's compiled pass, the full parser for the
+lines it leaves) gives exactly Pieces.from_requests(load_trace(path)), and load_trace's error on a bad
+file: on the shipped traces, the real ones, random traces written in many JSON spellings, and lines
+broken one rule at a time. The scan must read every line kvbench writes (else it is only a slow path)."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbench.errors import InputError
+from kvbench.trace import compiled
+from kvbench.trace.format import Request, Segment, load_trace, write_trace
+from kvbench.trace.importers import convert
+from kvbench.trace.pieces import Pieces, read_pieces, scan_lines
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "traces").glob("*.jsonl"))
+REAL = ROOT.parent / "shared" / "traces" / "real"
+
+
+def assert_same(path) -> None:
+    """read_pieces(path) is Pieces.from_requests(load_trace(path)), field by field, or both raise the
+    same error."""
+    try:
+        want = Pieces.from_requests(load_trace(path))
+    except InputError as e:
+        with pytest.raises(InputError) as got:
+            read_pieces(path)
+        assert str(got.value) == str(e)
+        return
+    got = read_pieces(path)
+    for name in Pieces.__slots__:
+        a, b = getattr(got, name), getattr(want, name)
+        if isinstance(b, np.ndarray):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+        else:
+            assert a == b, name
+
+
+def scanned_all(path) -> bool:
+    return bool(scan_lines(Path(path).read_bytes())[2].all())
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.binary(max_size=200), st.integers(0, 5))
+def test_xxh64_is_the_xxhash_librarys(data, off):
+    buf = np.frombuffer(b"\xff" * off + data, dtype=np.uint8)
+    assert compiled.xxh64(buf, off, len(data)) == xxhash.xxh64_intdigest(data)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_traces(path):
+    assert_same(path)
+    assert scanned_all(path)
+
+
+@pytest.mark.parametrize("fmt,name,limit", [("mooncake", "mooncake_conversation.jsonl", None),
+                                            ("azure", "azure_conv_2023.csv", 5000)])
+def test_real_traces(tmp_path, fmt, name, limit):
+    if not (REAL / name).exists():
+        pytest.skip(f"real trace not found at {REAL}")
+    path = tmp_path / "t.jsonl"
+    convert(fmt, REAL / name, path, limit=limit)
+    assert_same(path)
+    assert scanned_all(path)
+
+
+segment = st.one_of(
+    st.builds(lambda n, k: Segment("shared", k, name=f"s{n}"), st.integers(0, 4), st.integers(1, 40)),
+    st.builds(lambda k: Segment("unique", k), st.integers(1, 20)),
+    st.builds(lambda t: Segment("tokens", len(t), tokens=tuple(t)),
+              st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=6)),
+    st.builds(lambda t: Segment("text", text=t), st.text("ab\u00e9", min_size=1, max_size=6)),
+)
+request = st.fixed_dictionaries({
+    "prompt": st.lists(segment, min_size=1, max_size=5), "output_len": st.integers(1, 9),
+    "output": st.sampled_from([None, "s0", "s1", "ans"]), "session": st.sampled_from([None, "a", "", "b"]),
+    "n": st.integers(1, 3), "t": st.sampled_from([0.0, 1.5, 3.0, 1e10, 2.5e-7]),
+    "meta": st.sampled_from([None, {}, {"k": [1, {"x": None}], "y": True}, {"w": "\u00e9"}])})
+
+
+def _spell(d: dict, rng: random.Random) -> str:
+    """One JSON spelling of a request: keys shuffled, white space, ids as ints or left out."""
+    items = list(d.items())
+    rng.shuffle(items)
+    sep = rng.choice([(",", ":"), (", ", ": "), (" ,\t", " :  ")])
+    text = json.dumps(dict(items), separators=sep)
+    return text if rng.random() < 0.7 else " \t" + text + " \r"
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(request, min_size=1, max_size=8), st.randoms(use_true_random=False))
+def test_random_traces(tmp_path_factory, reqs, rng):
+    path = tmp_path_factory.mktemp("r") / "t.jsonl"
+    trace = [Request(f"r{i}", d["t"], tuple(d["prompt"]), d["output_len"], session=d["session"], n=d["n"],
+                     output=d["output"], meta=d["meta"]) for i, d in enumerate(reqs)]
+    write_trace(trace, path)
+    assert_same(path)
+    lines = []
+    for i, r in enumerate(trace):
+        d = r.to_json()
+        how = rng.random()
+        if how < 0.2:
+            del d["id"]  # the line's number is its id
+        elif how < 0.4:
+            d["id"] = 100 + i
+        if rng.random() < 0.2:
+            d["x-unknown"] = rng.choice([[1, 2.5e3, "z"], None, {"a": {"b": []}}, -0.0])
+        lines.append(_spell(d, rng))
+        if rng.random() < 0.1:
+            lines.append(rng.choice(["", "  ", "\r"]))
+    path.write_text("\n".join(lines) + rng.choice(["", "\n"]), encoding="utf-8")
+    assert_same(path)
+
+
+GOOD = ('{"id":"a","t":1.5,"output_len":3,"output":"o","session":"s","n":2,'
+        '"prompt":[{"shared":"x","len":5},{"unique":4},{"tokens":[1,2]}],"meta":{"k":[1]}}')
+# each: one rule of the format broken (or a spelling the scan leaves to the full parser)
+BROKEN = [
+    ('"len":5', '"len":0'), ('"len":5', '"len":5.0'), ('"len":5', '"len":16777217'), ('"len":5', '"len":05'),
+    ('"len":5', '"len":-5'), ('"len":5', '"len":true'), ('"len":5', '"len":"5"'), ('"len":5', '"len":1e1'),
+    ('"t":1.5', '"t":-1'), ('"t":1.5', '"t":-0'), ('"t":1.5', '"t":-0.0'), ('"t":1.5', '"t":1e11'),
+    ('"t":1.5', '"t":NaN'), ('"t":1.5', '"t":Infinity'), ('"t":1.5', '"t":true'), ('"t":1.5', '"t":1e400'),
+    ('"t":1.5', '"t":10000000000'), ('"t":1.5', '"t":1.'), ('"t":1.5,', ''), ('"output_len":3,', ''),
+    ('"output_len":3', '"output_len":0'), ('"output_len":3', '"output_len":16777205'),
+    ('"output_len":3', '"output_len":16777206'),
+    ('"n":2', '"n":1025'), ('"n":2', '"n":null'), ('"id":"a"', '"id":""'), ('"id":"a"', '"id":null'),
+    ('"id":"a"', '"id":-3'), ('"id":"a"', '"id":7'), ('"id":"a"', '"id":"b"'), ('"id":"a"', '"id":1.0'),
+    ('"id":"a"', '"id":"' + "i" * 4097 + '"'), ('"id":"a"', '"id":"' + "i" * 4096 + '"'),
+    ('"session":"s"', '"session":7'), ('"session":"s"', '"session":null'), ('"session":"s"', '"session":[]'),
+    ('"output":"o"', '"output":""'), ('"output":"o"', '"output":null'), ('"output":"o"', '"output":3'),
+    ('"shared":"x"', '"shared":""'), ('"shared":"x"', '"shared":"x\\u0041"'), ('"shared":"x"', '"shared":"\\ud800"'),
+    ('"shared":"x"', '"shared":"\u00e9"'), ('"shared":"x"', '"shared":"a\\"b"'),
+    ('"shared":"x","len":5', '"len":5,"shared":"x"'), ('"shared":"x","len":5', '"shared":"x"'),
+    ('"shared":"x","len":5', '"len":5'), ('"shared":"x","len":5', '"shared":"x","len":5,"unique":1'),
+    ('"shared":"x","len":5', '"shared":"x","len":5,"len":6'), ('{"unique":4}', '{}'), ('{"unique":4}', '[]'),
+    ('{"unique":4}', '{"text":"hi"}'), ('{"unique":4}', '{"unique":4,"x":1}'), ('"tokens":[1,2]', '"tokens":[]'),
+    ('"tokens":[1,2]', '"tokens":[1,2147483648]'), ('"tokens":[1,2]', '"tokens":[1,-2]'),
+    ('"tokens":[1,2]', '"tokens":[1,2.0]'), ('"tokens":[1,2]', '"tokens":[1,,2]'), ('"tokens":[1,2]', '"tokens":1'),
+    ('"prompt":[', '"prompt":[],"p":['), ('"meta":{"k":[1]}', '"meta":[]'), ('"meta":{"k":[1]}', '"meta":null'),
+    ('"meta":{"k":[1]}', '"meta":{"k":[1}'), ('"meta":{"k":[1]}', '"meta":{"k":"\\ud800"}'),
+    ('"meta":{"k":[1]}', '"meta":{"k":' + "[" * 70 + "]" * 70 + '}'),
+    ('"meta":{"k":[1]}', '"meta":{"k":' + "[" * 2000 + "]" * 2000 + '}'),
+    ('"meta":{"k":[1]}', '"meta":{"k":1' + "0" * 4400 + '}'), ('"meta":{"k":[1]}', '"meta":{"k":[1,]}'),
+    ('"meta":{"k":[1]}', '"meta":{"k":[1]},"t":2'), ('"meta":{"k":[1]}', '"meta":{"k":[1]},"extra":{"a":tru}'),
+    ('"meta":{"k":[1]}', '"meta":{"k":[1]},"extra":{"a":true,"b":false,"c":null}'),
+    ('"meta":{"k":[1]}', '"meta":{"k":[1]},"prompt":[{"unique":2}]'),
+    ('[1]}}', '[1]}} x'), ('[1]}}', '[1]}}}'), ('[1]}}', '[1]}} \t\r'), ('{"id"', '\ufeff{"id"'), ('{"id"', '\x0c{"id"'), ('"a"', '"a" '),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BROKEN)))
+def test_a_line_broken_one_way(tmp_path, i):
+    old, new = BROKEN[i]
+    assert old in GOOD
+    bad = GOOD.replace(old, new, 1)
+    first, last = GOOD.replace('"a"', '"first"'), GOOD.replace('"a"', '"last"')
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join([first, bad, last]) + "\n", encoding="utf-8")
+    assert_same(path)
+    path.write_text("\n".join([first, GOOD, bad, GOOD]) + "\n", encoding="utf-8")  # an earlier error wins
+    assert_same(path)
+
+
+def test_the_good_line_is_read_by_the_scan(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(GOOD + "\n", encoding="utf-8")
+    assert scanned_all(path)
+    assert_same(path)
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n  \n", b"\xff\xfe\n", b'{"t":1}\n', GOOD.encode() + b"\n" + b"x" * 10,
+                                     GOOD.replace('"x"', '"x\xff"').encode("latin-1"),
+                                     GOOD.replace('"x"', '"x\xed\xa0\x80"').encode("latin-1")])
+def test_files_with_no_request_or_bad_bytes(tmp_path, content):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(content)
+    assert_same(path)
+
+
+def test_a_line_longer_than_the_limit(tmp_path):
+    path = tmp_path / "t.jsonl"
+    pad = b" " * (64 * 2**20 - len(GOOD))  # the newline makes it one byte too long
+    path.write_bytes(GOOD.replace('"a"', '"b"').encode() + b"\n" + pad + GOOD.encode() + b"\n")
+    assert_same(path)
+    path.write_bytes(pad[1:] + GOOD.encode() + b"\n")  # the longest line there may be
+    assert_same(path)
+
+
+def test_a_file_that_is_not_there_or_not_a_file(tmp_path):
+    assert_same(tmp_path / "missing.jsonl")
+    assert_same(tmp_path)
+
+
+def test_names_are_told_apart_by_their_bytes_not_their_seeds():
+    """count_names confirms a seed's name on its bytes: two names given one seed are two streams."""
+    from kvbench.trace import scan
+
+    names = np.frombuffer(b"abab", dtype=np.uint8)
+    req = np.array([0, 1, 1, 2], dtype=np.int64)  # requests 0 and 2 name "ab", request 1 "ab" twice
+    a, b = np.array([0, 0, 2, 1], dtype=np.int64), np.array([2, 2, 4, 3], dtype=np.int64)
+    seed = np.full(4, 7, dtype=np.uint64)  # one seed for "ab" and "b"
+    assert scan.count_names(names, req, a, b, seed).tolist() == [2, 2, 2, 1]
