@@ -44,9 +44,10 @@ prefix key, remapped to a dense id 0..D-1, and one bool array says what is
 cached. The policies break ties by release order, never by block id, so these ids make the same
 decisions as a pool's physical ones; tests/test_whatif.py holds the two to equal hits request by request.
 
-Speed (see benchmarks/bench_whatif.py): lru costs one pass whatever the budgets (lru_curve); fifo,
-lfu and belady are compiled (one heap, O(log n) per block); every request's keys are computed once,
-factorised into one flat int array of dense ids and shared by all (budget, policy) points (forked
+Speed (see benchmarks/bench_whatif.py): lru costs one compiled pass whatever the budgets (lru_curve:
+O(log requests) per run of a request's blocks that one request last released); fifo, lfu and belady
+are compiled (one heap, O(log n) per block); every request's keys are computed once, factorised into
+one flat int array of dense ids and shared by all (budget, policy) points (forked
 workers inherit it); belady's next uses come from one backward pass (another only for a budget below
 some request's lookups: it looks up only its first B there); the other policies are driven once per
 request per kind of call (a batch); points run in processes (``jobs``), the lru pass in the parent
@@ -358,53 +359,65 @@ def lru_curve(bt: BlockTrace) -> StackCurve:
 
     The depth of block j of request i, last released by request p, is the number of blocks released
     since: those whose last release is a request in (p, i), plus the blocks before j that p released
-    after it and nobody released since (ancestors of j, whose last release is p). Per request, numpy
-    does this for all of its blocks; the state is one int per block and one per request.
+    after it and nobody released since (ancestors of j, whose last release is p). The pass is compiled
+    (``_lru_depths``); the state is one int per block and a Fenwick tree over requests of how many
+    blocks each was the last to release, so the count over (p, i) costs O(log requests) however far
+    back p is.
     """
     t0 = time.perf_counter()
-    n_ids = bt.distinct_blocks
-    last = np.full(n_ids, -1, dtype=np.int64)  # request that last released each block
-    released = np.zeros(bt.requests + 1, dtype=np.int64)  # blocks whose last release is request r
-    hits_by_depth = np.zeros(n_ids + 1, dtype=np.int64)
-    held_by_depth = np.zeros(n_ids + 1, dtype=np.int64)
-    hit_runs: list[np.ndarray] = []
-    held_runs: list[np.ndarray] = []
-    pending = 0
-    ids, starts, lookups, first = bt.ids, bt.starts.tolist(), bt.lookups.tolist(), bt.window_start
-    for i in range(bt.requests):
-        blocks = ids[starts[i]:starts[i + 1]]
-        p = last[blocks]  # non-increasing: a block is released whenever its parent is
-        seen = int(np.searchsorted(-p, 1))  # leading blocks released before (p >= 0)
-        if seen:
-            p = p[:seen]
-            lo = int(p[-1])
-            # released[r] summed over r in (p, i): a suffix sum over requests lo+1 .. i-1
-            since = np.zeros(i - lo, dtype=np.int64)
-            np.cumsum(released[i - 1:lo:-1], out=since[1:])
-            first_of_p = np.searchsorted(-p, -p)  # first block p released among these
-            depth = since[i - 1 - p] + (np.arange(seen) - first_of_p)
-            held_runs.append(depth)
-            if i >= first:
-                hit_runs.append(depth[:lookups[i]])
-            run_starts = np.flatnonzero(np.diff(first_of_p)) + 1
-            run_starts = np.concatenate(([0], run_starts))
-            released[p[run_starts]] -= np.diff(np.append(run_starts, seen))
-            pending += seen
-            if pending > 1 << 20:  # fold into the histograms now and then: bounded memory
-                _fold(hits_by_depth, hit_runs)
-                _fold(held_by_depth, held_runs)
-                pending = 0
-        last[blocks] = i
-        released[i] = len(blocks)
-    _fold(hits_by_depth, hit_runs)
-    _fold(held_by_depth, held_runs)
+    hits_by_depth, held_by_depth = _lru_depths(bt.ids, bt.starts, bt.lookups, bt.window_start,
+                                               bt.distinct_blocks)
     return StackCurve(bt, hits_by_depth, held_by_depth, time.perf_counter() - t0)
 
 
-def _fold(hist: np.ndarray, runs: list[np.ndarray]) -> None:
-    if runs:
-        hist += np.bincount(np.concatenate(runs), minlength=len(hist))
-        runs.clear()
+@numba.njit(cache=True)
+def _lru_depths(ids, starts, lookups, first, n_ids):
+    """(hits_by_depth, held_by_depth) of ``lru_curve``: int64 [n_ids + 1] each."""
+    requests = len(lookups)
+    last = np.full(n_ids, -1, dtype=np.int64)  # request that last released each block
+    # Fenwick tree (1-based) over requests: released[r], the blocks whose last release is request r
+    tree = np.zeros(requests + 1, dtype=np.int64)
+    total = 0  # released[0..i-1] summed: every block released so far, once
+    hits_by_depth = np.zeros(n_ids + 1, dtype=np.int64)
+    held_by_depth = np.zeros(n_ids + 1, dtype=np.int64)
+    for i in range(requests):
+        s, e = starts[i], starts[i + 1]
+        look = s + lookups[i] if i >= first else s  # blocks before look count as hits
+        j = s
+        # the leading blocks released before, in runs of one last release p (non-increasing along
+        # the request: a block is released whenever its parent is)
+        while j < e and last[ids[j]] >= 0:
+            p = last[ids[j]]
+            below = 0  # released[0..p]
+            q = p + 1
+            while q > 0:
+                below += tree[q]
+                q -= q & -q
+            # released[p+1..i-1] as it was before request i: the runs taken off so far have a larger
+            # p (in the tree above p, not below it), and total is left as it was until the request ends
+            since = total - below
+            k = j
+            while k < e and last[ids[k]] == p:
+                depth = since + (k - j)
+                if depth < 0 or depth >= n_ids:  # a wrong count: fail, rather than write past the arrays
+                    raise AssertionError("lru_curve: a stack depth outside 0..distinct blocks - 1")
+                held_by_depth[depth] += 1
+                if k < look:
+                    hits_by_depth[depth] += 1
+                k += 1
+            q = p + 1  # these k - j blocks are released by i now, not by p (total: below)
+            while q <= requests:
+                tree[q] -= k - j
+                q += q & -q
+            j = k
+        for k in range(s, e):
+            last[ids[k]] = i
+        q = i + 1
+        while q <= requests:
+            tree[q] += e - s
+            q += q & -q
+        total += e - j  # the blocks released for the first time: the others were counted already
+    return hits_by_depth, held_by_depth
 
 
 # ------------------------------------------------------------------ compiled core: fifo, lfu, belady
