@@ -208,3 +208,23 @@ def test_names_are_told_apart_by_their_bytes_not_their_seeds():
     a, b = np.array([0, 0, 2, 1], dtype=np.int64), np.array([2, 2, 4, 3], dtype=np.int64)
     seed = np.full(4, 7, dtype=np.uint64)  # one seed for "ab" and "b"
     assert scan.count_names(names, req, a, b, seed).tolist() == [2, 2, 2, 1]
+
+
+def test_a_list_cut_short_is_not_written_past_the_literal_room():
+    """scan_lines gives literal tokens one slot per ',' or ']' in the file; a token list cut short (no
+    ']') has one id more than its separators. The scan must leave such a line to the full parser, not
+    write past ``lits`` (numba does not check bounds: a silent heap overwrite)."""
+    from kvbench.trace import scan
+
+    data = b'{"prompt":[{"tokens":[1,2,3,4,5,6'
+    buf = np.frombuffer(data, dtype=np.uint8)
+    n_lines, braces, seps = scan.bounds(buf)
+    room = braces + n_lines
+    lits = np.full(seps + 8, -7, dtype=np.int32)  # the room scan_lines gives, then a guard band
+    req = np.empty((n_lines, scan.R_FIELDS), dtype=np.int64)
+    ok, line_at = np.zeros(n_lines, dtype=np.bool_), np.empty(n_lines + 1, dtype=np.int64)
+    seeds, occ_seed = np.empty(room, dtype=np.uint64), np.empty(room, dtype=np.uint64)
+    lengths, literal_at, occ, occ_req, occ_a, occ_b = (np.empty(room, dtype=np.int64) for _ in range(6))
+    scan.scan(buf, req, ok, line_at, seeds, lengths, literal_at, occ, lits[:seps], occ_req, occ_a, occ_b,
+              occ_seed, scan.MAX_NAME)
+    assert not ok.any() and (lits[seps:] == -7).all()

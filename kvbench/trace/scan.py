@@ -314,7 +314,9 @@ def _segment(buf, i, e, k, seeds, lengths, literal_at, occ, lits, cnt, req_index
             n = 0
             while True:
                 v, i = _uint(buf, i, e)
-                if v < 0 or v > MAX_TOKEN_ID:
+                # room: scan_lines gives a slot per ',' or ']' in the file, one short for a list cut
+                # short (no ']'), which is the full parser's (numba does not check bounds)
+                if v < 0 or v > MAX_TOKEN_ID or lit0 + n >= len(lits):
                     return -1, 0
                 lits[lit0 + n] = v
                 n += 1
