@@ -228,3 +228,16 @@ def test_a_list_cut_short_is_not_written_past_the_literal_room():
     scan.scan(buf, req, ok, line_at, seeds, lengths, literal_at, occ, lits[:seps], occ_req, occ_a, occ_b,
               occ_seed, scan.MAX_NAME)
     assert not ok.any() and (lits[seps:] == -7).all()
+
+
+def test_a_huge_file_with_no_line_end_is_read_only_to_its_first_long_line(tmp_path):
+    """load_trace stops at the first line longer than the limit; read_pieces must too, not read the
+    whole file first: a sparse file of a terabyte (no line end after the first) gave a MemoryError."""
+    path = tmp_path / "t.jsonl"
+    with open(path, "wb") as fh:
+        fh.write(GOOD.encode() + b"\n")
+        try:
+            fh.truncate(2**40)
+        except OSError:  # a file system without files this large
+            fh.truncate(2**34)
+    assert_same(path)

@@ -24,6 +24,7 @@ import numpy as np
 from kvbench.errors import InputError
 from kvbench.trace.format import (
     _BLANK,
+    MAX_LINE_BYTES,
     MAX_T_S,
     TRACE,
     Request,
@@ -74,7 +75,7 @@ def read_pieces(path: str | os.PathLike, streams: TokenStreams | None = None) ->
         return Pieces.from_requests(load_trace(path), streams)
     try:
         with open(path, "rb") as fh:
-            data = fh.read()
+            data = _read_to_long_line(fh)
     except OSError as e:
         raise InputError(f"cannot open {TRACE}: {e.strerror}", file=path) from None
     from kvbench.trace import scan
@@ -112,12 +113,41 @@ def read_pieces(path: str | os.PathLike, streams: TokenStreams | None = None) ->
                      scanned)
 
 
+_CHUNK = 16 * 2**20  # bytes read at a time (at most MAX_LINE_BYTES: a long line spans chunks)
+
+
+def _read_to_long_line(fh) -> bytearray:
+    """The file's bytes, or, where a line is longer than MAX_LINE_BYTES, those up to its first
+    MAX_LINE_BYTES + 1 bytes: load_trace reads no further (readline's bound) and stops there with that
+    line's error, which the scan leaves to decode_line. A file with no line ends (a sparse terabyte)
+    is not read whole."""
+    data = bytearray()
+    line_start = 0  # where the last line read so far begins
+    while chunk := fh.read(_CHUNK):
+        end = chunk.rfind(b"\n")
+        if end >= 0:
+            line_start = len(data) + end + 1
+        data += chunk
+        if len(data) - line_start > MAX_LINE_BYTES:
+            del data[line_start + MAX_LINE_BYTES + 1:]
+            break
+    return data
+
+
+def _bytes_view(data) -> np.ndarray:
+    """data as a read-only uint8 array (read-only as a view of bytes is: the compiled functions'
+    signatures, and their cached code, are those of bytes)."""
+    view = np.frombuffer(data, dtype=np.uint8)
+    view.flags.writeable = False
+    return view
+
+
 def scan_lines(data: bytes):
     """kvbench.trace.scan.scan over a file's bytes: (lines, req [lines, R_FIELDS], ok [lines]: the
     lines it read, line_at [lines + 1], its arrays: pieces, literal tokens and name occurrences)."""
     from kvbench.trace import scan
 
-    buf = np.frombuffer(data, dtype=np.uint8)
+    buf = _bytes_view(data)
     n_lines, braces, seps = scan.bounds(buf)
     room = braces + n_lines  # a piece per segment, one more per answer
     req = np.empty((n_lines, scan.R_FIELDS), dtype=np.int64)
@@ -154,7 +184,7 @@ def _assemble(data: bytes, req: np.ndarray, order: np.ndarray, ok: np.ndarray, a
                                f[:, [scan.R_SESSION_KIND, scan.R_SESSION_A, scan.R_SESSION_B]].tolist()):
         if kind != scan.ABSENT:
             sessions[r] = data[a:b].decode("ascii")
-    names = np.frombuffer(data, dtype=np.uint8)
+    names = _bytes_view(data)
     if extra:  # after the scan's: their pieces, literal tokens, names (their bytes after the file's)
         x_seeds, x_lengths, x_literal_at, _, x_at, x_lits, x_prompt, x_seq = _flatten(extra, streams, frozenset())
         x_occ = np.full(len(x_seeds), -1, dtype=np.int64)
