@@ -427,7 +427,9 @@ def _lru_depths(ids, starts, lookups, first, n_ids):
 # the evictable block with the smallest (key, tick): fifo (0, insert), lfu (uses, last insert or
 # use), belady (furthest next use, then release order)), written as one binary heap of
 # ``key << 40 | stamp`` with lazy deletion: an entry is live while its block is cached and its
-# stamp is the block's latest. tests/test_whatif_curve.py holds it to ``simulate`` driving the
+# stamp is the block's latest. fifo's order never changes once a block is in, so it needs no heap: a
+# doubly linked list of the cached blocks in insert order, evicted from the head (O(1) per block;
+# a pinned block is passed over and keeps its place). tests/test_whatif_curve.py holds it to ``simulate`` driving the
 # classes, request by request, and tests/test_whatif.py both to PagedKV.
 COMPILED = {"fifo": 0, "lfu": 1, "belady": 2}
 
@@ -478,6 +480,10 @@ def _run_compiled(kind, ids, starts, lookups, future, budget, n_ids, never):
     hb = np.empty(cap, dtype=np.int64)
     ap = np.empty(biggest + 1, dtype=np.int64)  # pinned entries set aside during a pop
     ab = np.empty(biggest + 1, dtype=np.int64)
+    # fifo: the cached blocks in insert order, a list through nxt/prv; n_ids is its head and tail
+    nxt = np.empty(n_ids + 1 if kind == 0 else 1, dtype=np.int64)
+    prv = np.empty(n_ids + 1 if kind == 0 else 1, dtype=np.int64)
+    nxt[-1] = prv[-1] = len(nxt) - 1
     size = 0
     tick = 0
     n_cached = 0
@@ -512,7 +518,19 @@ def _run_compiled(kind, ids, starts, lookups, future, budget, n_ids, never):
                 key[b] = future[s + j]
         short = n - h - (budget - n_cached)
         aside = 0
-        while short > 0:  # evict
+        b = nxt[n_ids] if kind == 0 else 0
+        while kind == 0 and short > 0:  # evict the oldest unpinned: fifo
+            if b == n_ids:  # no block left to evict: fail, rather than write past the arrays
+                raise AssertionError("fifo: nothing evictable")
+            after = nxt[b]
+            if not pinned[b]:
+                nxt[prv[b]], prv[after] = after, prv[b]
+                cached[b] = False
+                n_cached -= 1
+                evicted += 1
+                short -= 1
+            b = after
+        while short > 0:  # evict: lfu, belady
             prio, b = hp[0], hb[0]
             size -= 1
             if size:
@@ -521,7 +539,7 @@ def _run_compiled(kind, ids, starts, lookups, future, budget, n_ids, never):
             if not cached[b] or (prio & low) != stamp[b]:
                 continue
             if pinned[b]:
-                if kind != 2:  # fifo, lfu: it keeps its place (belady: queued again at release)
+                if kind == 1:  # lfu: it keeps its place (belady: queued again at release)
                     ap[aside], ab[aside] = prio, b
                     aside += 1
                 continue
@@ -543,13 +561,17 @@ def _run_compiled(kind, ids, starts, lookups, future, budget, n_ids, never):
             cached[b] = True
             pinned[b] = True
             n_cached += 1
+            if kind == 0:  # at the tail
+                last = prv[n_ids]
+                nxt[last], prv[b], nxt[b], prv[n_ids] = b, last, n_ids, b
+                continue
             if kind == 2:
                 key[b] = future[s + j]
                 continue
             key[b] = 1
             tick += 1
             stamp[b] = tick
-            size = _push(hp, hb, size, (key[b] << 40) | tick if kind == 1 else tick, b)
+            size = _push(hp, hb, size, (key[b] << 40) | tick, b)
         for j in range(n - 1, -1, -1):  # release, tail first
             b = ids[s + j]
             if not pinned[b]:
