@@ -241,3 +241,41 @@ def test_a_huge_file_with_no_line_end_is_read_only_to_its_first_long_line(tmp_pa
         except OSError:  # a file system without files this large
             fh.truncate(2**34)
     assert_same(path)
+
+
+def test_a_bad_first_request_is_refused_before_the_file_is_scanned(tmp_path, monkeypatch):
+    """A file given by mistake (a CSV, a model's weights: bad from line 1) gets load_trace's error at its
+    first line, without the whole file read and scanned first (memory in proportion to the file)."""
+    import kvbench.trace.pieces as pieces
+
+    def no_scan(data, *a, **k):
+        raise AssertionError("scanned")
+
+    path = tmp_path / "t.jsonl"
+    for content in [b"a,b,c\n1,2,3\n", b"\n \n\xff\xfe\x00\n" + GOOD.encode(), b'\n{"t":-1}\n' + GOOD.encode(),
+                    b"\n\r\n \n"]:
+        path.write_bytes(content)
+        monkeypatch.undo()
+        want = pytest.raises(InputError)
+        with want:
+            load_trace(path)
+        monkeypatch.setattr(pieces, "scan_lines", no_scan)
+        with pytest.raises(InputError) as got:
+            read_pieces(path)
+        assert str(got.value) == str(want.excinfo.value)
+
+
+def test_a_flood_of_blank_lines_is_read_by_the_streaming_reader(tmp_path, monkeypatch):
+    """Blank lines cost load_trace nothing but the scan ~280 bytes each (a row per line): a file that is
+    mostly blank lines (200,000 of them here, 200 kB) is read by load_trace, not scanned into arrays
+    over sixteen times its size (a 100 MB one took some 15 GB)."""
+    from kvbench.trace import scan
+
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(GOOD.encode() + b"\n" * 200_000 + GOOD.replace('"a"', '"b"').encode())
+
+    def no_scan(*a, **k):
+        raise AssertionError("scanned")
+
+    monkeypatch.setattr(scan, "scan", no_scan)
+    assert_same(path)

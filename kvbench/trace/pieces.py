@@ -75,12 +75,17 @@ def read_pieces(path: str | os.PathLike, streams: TokenStreams | None = None) ->
         return Pieces.from_requests(load_trace(path), streams)
     try:
         with open(path, "rb") as fh:
+            _first_request(fh, path)
+            fh.seek(0)
             data = _read_to_long_line(fh)
     except OSError as e:
         raise InputError(f"cannot open {TRACE}: {e.strerror}", file=path) from None
     from kvbench.trace import scan
 
-    n_lines, req, ok, line_at, scanned = scan_lines(data)
+    lines = scan_lines(data, most_bytes=16 * len(data) + 2**24)
+    if lines is None:  # mostly blank lines, which cost load_trace nothing and the scan a row each
+        return Pieces.from_requests(load_trace(path), streams)
+    n_lines, req, ok, line_at, scanned = lines
     fast = np.flatnonzero(ok)
     t = np.array([float(data[a:b]) for a, b in req[fast][:, [scan.R_T_A, scan.R_T_B]].tolist()],
                  dtype=np.float64)  # as json.loads reads a number: float() of its text (of an int's too:
@@ -113,6 +118,20 @@ def read_pieces(path: str | os.PathLike, streams: TokenStreams | None = None) ->
                      scanned)
 
 
+def _first_request(fh, path: str) -> None:
+    """Read up to the first request as iter_trace does, with its error where that line is bad (or a
+    line before it) or there is none: a file given by mistake (a CSV, a model's weights) is refused at
+    its first line, not read and scanned whole first."""
+    lineno = 0
+    while raw := fh.readline(MAX_LINE_BYTES + 1):
+        lineno += 1
+        obj = decode_line(raw, path, lineno, TRACE)
+        if obj is not _BLANK:
+            parse_request(obj, {"file": path, "line": lineno}, 0)
+            return
+    raise InputError("trace has no requests", file=path)
+
+
 _CHUNK = 16 * 2**20  # bytes read at a time (at most MAX_LINE_BYTES: a long line spans chunks)
 
 
@@ -142,14 +161,18 @@ def _bytes_view(data) -> np.ndarray:
     return view
 
 
-def scan_lines(data: bytes):
+def scan_lines(data: bytes, most_bytes: int | None = None):
     """kvbench.trace.scan.scan over a file's bytes: (lines, req [lines, R_FIELDS], ok [lines]: the
-    lines it read, line_at [lines + 1], its arrays: pieces, literal tokens and name occurrences)."""
+    lines it read, line_at [lines + 1], its arrays: pieces, literal tokens and name occurrences); None
+    if its arrays (and read_pieces's lists of a line's id) would take more than ``most_bytes``."""
     from kvbench.trace import scan
 
     buf = _bytes_view(data)
     n_lines, braces, seps = scan.bounds(buf)
     room = braces + n_lines  # a piece per segment, one more per answer
+    # a line: req's row, ok, line_at, read_pieces's 4 lists; a unit of room: 8 arrays; a literal token
+    if most_bytes is not None and (8 * scan.R_FIELDS + 41) * n_lines + 64 * room + 4 * seps > most_bytes:
+        return None
     req = np.empty((n_lines, scan.R_FIELDS), dtype=np.int64)
     ok = np.zeros(n_lines, dtype=np.bool_)
     line_at = np.empty(n_lines + 1, dtype=np.int64)
