@@ -279,3 +279,25 @@ def test_a_flood_of_blank_lines_is_read_by_the_streaming_reader(tmp_path, monkey
 
     monkeypatch.setattr(scan, "scan", no_scan)
     assert_same(path)
+
+
+def test_an_integer_longer_than_pythons_limit_when_that_limit_is_lowered(tmp_path):
+    """The scan reads integers of up to 4,000 digits, below Python's default limit (4,300); where the
+    limit is set lower (PYTHONINTMAXSTRDIGITS, -X int_max_str_digits: 640 at least), json.loads refuses
+    an integer the scan would read, so read_pieces must give load_trace's error for it."""
+    import sys
+
+    limit = getattr(sys, "get_int_max_str_digits", None)
+    if limit is None:
+        pytest.skip("no integer digit limit in this Python")
+    path = tmp_path / "t.jsonl"
+    path.write_text(GOOD + "\n" + GOOD.replace('"a"', '"b"').replace('"k":[1]', '"k":1' + "0" * 1000) + "\n",
+                    encoding="utf-8")
+    before = limit()
+    sys.set_int_max_str_digits(640)
+    try:
+        with pytest.raises(InputError, match="2: unusable JSON"):
+            load_trace(path)
+        assert_same(path)
+    finally:
+        sys.set_int_max_str_digits(before)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,6 +74,11 @@ def read_pieces(path: str | os.PathLike, streams: TokenStreams | None = None) ->
         regular = False
     if not regular:  # a pipe, a device, nothing there: the streaming reader, its bounds and its errors
         return Pieces.from_requests(load_trace(path), streams)
+    from kvbench.trace import scan
+
+    if 0 < getattr(sys, "get_int_max_str_digits", lambda: 0)() < scan.MAX_NUMBER_DIGITS:
+        # Python set to refuse integers the scan reads (PYTHONINTMAXSTRDIGITS): json.loads's rule
+        return Pieces.from_requests(load_trace(path), streams)
     try:
         with open(path, "rb") as fh:
             _first_request(fh, path)
@@ -80,8 +86,6 @@ def read_pieces(path: str | os.PathLike, streams: TokenStreams | None = None) ->
             data = _read_to_long_line(fh)
     except OSError as e:
         raise InputError(f"cannot open {TRACE}: {e.strerror}", file=path) from None
-    from kvbench.trace import scan
-
     lines = scan_lines(data, most_bytes=16 * len(data) + 2**24)
     if lines is None:  # mostly blank lines, which cost load_trace nothing and the scan a row each
         return Pieces.from_requests(load_trace(path), streams)
