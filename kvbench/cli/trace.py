@@ -414,7 +414,7 @@ def _whatif_stores(trace_path, spec, kv_dtype, per_token, block_size, chosen, wa
                    prefix_mode, replicas, budget_counts, tiers_text, tier_policy, offload, as_json, out):
     """``whatif --tiers`` and ``whatif --budget-counts cache`` (kvbench.whatif.tiers)."""
     from kvbench.memory.policies import check_policy
-    from kvbench.trace.format import load_trace
+    from kvbench.trace.pieces import read_pieces
     from kvbench.whatif import curve as wi
     from kvbench.whatif import tiers as wt
 
@@ -440,13 +440,13 @@ def _whatif_stores(trace_path, spec, kv_dtype, per_token, block_size, chosen, wa
                 if (size or name == "gpu") and size < block_bytes:
                     raise InputError(f"{name}={label} holds no block of {block_size} tokens "
                                      f"({wi.format_bytes(block_bytes)})", field="--tiers")
-        result = wt.whatif_tiers(load_trace(trace_path), trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
+        result = wt.whatif_tiers(read_pieces(trace_path), trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
                                  kv_bytes_per_token=per_token, block_size=block_size, tiers=tiers,
                                  policies=chosen, tier_policy=tier_policy, offload=offload, warmup=warmup)
         _show(result, wt.write_outputs(result, out) if out else [], as_json, wt.table)
         return
     plan = _budget_plan(budgets, budget_blocks, block_size, block_bytes)
-    result = wt.whatif_cache(load_trace(trace_path), trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
+    result = wt.whatif_cache(read_pieces(trace_path), trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
                              kv_bytes_per_token=per_token, block_size=block_size, budgets=plan,
                              policies=chosen, warmup=warmup)
     if _show(result, wi.write_outputs(result, out) if out else [], as_json, wi.table):

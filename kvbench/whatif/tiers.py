@@ -51,6 +51,7 @@ from kvbench.errors import InputError
 from kvbench.jsonio import dumps
 from kvbench.memory.policies import BeladyPolicy, CachePolicy, make_policy
 from kvbench.trace.format import Request
+from kvbench.trace.pieces import Pieces
 from kvbench.trace.tokens import TokenStreams
 from kvbench.whatif import curve as wi
 
@@ -329,11 +330,12 @@ class TieredWhatIf(wi.WhatIfHead):
     rows: list[dict]
 
 
-def whatif_tiers(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str,
+def whatif_tiers(requests: Sequence[Request] | Pieces, *, trace: str, model: str, kv_dtype: str,
                  kv_bytes_per_token: int, block_size: int, tiers: dict[str, list[tuple[int, str]]],
                  policies: Sequence[str], tier_policy: str = "lru", offload: str = "write-through",
                  warmup: float = 0.5, streams: TokenStreams | None = None) -> TieredWhatIf:
-    """Every (gpu, cpu, disk) size combination and GPU policy: the hit rate per tier."""
+    """Every (gpu, cpu, disk) size combination and GPU policy: the hit rate per tier. ``requests``: a
+    trace's requests or its Pieces (kvbench.trace.pieces.read_pieces), as curve.prepare takes them."""
     block_bytes = kv_bytes_per_token * block_size
     future = "belady" in policies or tier_policy == "belady"
     bt = wi.prepare(requests, block_size, warmup, future=future, streams=streams)
@@ -359,7 +361,7 @@ def whatif_tiers(requests: Sequence[Request], *, trace: str, model: str, kv_dtyp
                         tier_policy=tier_policy, offload=offload, rows=rows)
 
 
-def whatif_cache(requests: Sequence[Request], *, trace: str, model: str, kv_dtype: str,
+def whatif_cache(requests: Sequence[Request] | Pieces, *, trace: str, model: str, kv_dtype: str,
                  kv_bytes_per_token: int, block_size: int, budgets: Sequence[wi.Budget],
                  policies: Sequence[str], warmup: float = 0.5,
                  streams: TokenStreams | None = None) -> wi.WhatIf:
