@@ -7,7 +7,7 @@ combination behind it, timed apart.
         [--tier-policy lru] [--offload write-through] [--limit N]
 
 The trace is converted to kvbench's format first, in a process of its own (bench_whatif.load_mooncake:
-neither timed nor counted in the peak RSS). Sizes are llama-3.1-8b bf16 bytes.
+neither timed nor counted in the peak RSS), then read as the CLI reads it (read_pieces). Sizes are llama-3.1-8b bf16 bytes.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import time
 from bench_whatif import DEFAULT, load_mooncake  # beside this script (sys.path[0])
 
 from kvbench.executors.presets import get_model
+from kvbench.trace.pieces import read_pieces
 from kvbench.whatif.curve import prepare
 from kvbench.whatif.tiers import gpu_stream, parse_tiers, simulate_tiers
 
@@ -37,7 +38,7 @@ def main() -> None:
     a = ap.parse_args()
     tiers = parse_tiers(f"gpu={a.gpu},cpu={a.cpu},disk={a.disk}")
     block_bytes = get_model("llama-3.1-8b").kv_bytes_per_token("bf16") * a.block_size
-    reqs, t0 = load_mooncake(a.trace, a.limit)
+    reqs, t0 = load_mooncake(a.trace, a.limit, read_pieces)  # as the CLI reads it
     t1 = time.perf_counter()
     bt = prepare(reqs, a.block_size, 0.5, future="belady" in (a.policy, a.tier_policy))
     t2 = time.perf_counter()
