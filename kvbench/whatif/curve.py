@@ -425,12 +425,14 @@ def _lru_depths(ids, starts, lookups, first, n_ids):
 # fifo, lfu and belady at one budget, compiled (numba, cached on disk: the first run on a machine
 # compiles for a few seconds). Their rules are the kvbench.memory.policies classes' (the victim is
 # the evictable block with the smallest (key, tick): fifo (0, insert), lfu (uses, last insert or
-# use), belady (furthest next use, then release order)), written as one binary heap of
-# ``key << 40 | stamp`` with lazy deletion: an entry is live while its block is cached and its
-# stamp is the block's latest. fifo's order never changes once a block is in, so it needs no heap: a
-# doubly linked list of the cached blocks in insert order, evicted from the head (O(1) per block;
-# a pinned block is passed over and keeps its place). tests/test_whatif_curve.py holds it to ``simulate`` driving the
-# classes, request by request, and tests/test_whatif.py both to PagedKV.
+# use), belady (furthest next use, then release order)). fifo's and lfu's keys only grow, by one, and
+# each new tick is the largest, so their order needs no heap: the cached blocks are kept in lists
+# by key (a bucket per use count), each in order of tick, and the victim is the first unpinned
+# block of the lowest bucket (a pinned one is passed over and keeps its place): O(1) per block,
+# plus the empty buckets below the victim's. belady's next uses are arbitrary: one binary heap of
+# ``(never - next use) << 40 | stamp`` with lazy deletion (an entry is live while its block is cached
+# and its stamp is the block's latest). tests/test_whatif_curve.py holds it to ``simulate`` driving
+# the classes, request by request, and tests/test_whatif.py both to PagedKV.
 COMPILED = {"fifo": 0, "lfu": 1, "belady": 2}
 
 
@@ -464,32 +466,48 @@ def _sift_down(hp, hb, size, i):
 
 
 @numba.njit(cache=True)
+def _append(nxt, prv, head, b):
+    """Block b at the tail of the list whose head and tail is ``head``."""
+    last = prv[head]
+    nxt[last] = b
+    prv[b] = last
+    nxt[b] = head
+    prv[head] = b
+
+
+@numba.njit(cache=True)
+def _unlink(nxt, prv, b):
+    before, after = prv[b], nxt[b]
+    nxt[before] = after
+    prv[after] = before
+
+
+@numba.njit(cache=True)
 def _run_compiled(kind, ids, starts, lookups, future, budget, n_ids, never):
     low = (1 << 40) - 1
     requests = len(lookups)
     hits = np.zeros(requests, dtype=np.int64)
     cached = np.zeros(n_ids, dtype=np.bool_)
     pinned = np.zeros(n_ids, dtype=np.bool_)
-    key = np.zeros(n_ids, dtype=np.int64)  # lfu: uses; belady: next use
-    stamp = np.zeros(n_ids, dtype=np.int64)
+    key = np.zeros(n_ids, dtype=np.int64)  # fifo: 0; lfu: uses; belady: next use
+    # fifo, lfu: bucket u's cached blocks (key u) in order of tick, a list through nxt/prv from
+    # n_ids + u (its head and tail; an empty bucket's points to itself). lfu's keys reach 1 + hits.
+    buckets = 1 if kind == 0 else requests + 2 if kind == 1 else 0
+    nxt = np.arange(n_ids + buckets if buckets else 0)
+    prv = nxt.copy()
     biggest = 0
     for i in range(requests):
         biggest = max(biggest, min(starts[i + 1] - starts[i], budget))
-    cap = 2 * budget + 2 * biggest + 4096
-    hp = np.empty(cap, dtype=np.int64)
+    cap = 2 * budget + 2 * biggest + 4096 if kind == 2 else 0
+    hp = np.empty(cap, dtype=np.int64)  # belady's heap
     hb = np.empty(cap, dtype=np.int64)
-    ap = np.empty(biggest + 1, dtype=np.int64)  # pinned entries set aside during a pop
-    ab = np.empty(biggest + 1, dtype=np.int64)
-    # fifo: the cached blocks in insert order, a list through nxt/prv; n_ids is its head and tail
-    nxt = np.empty(n_ids + 1 if kind == 0 else 1, dtype=np.int64)
-    prv = np.empty(n_ids + 1 if kind == 0 else 1, dtype=np.int64)
-    nxt[-1] = prv[-1] = len(nxt) - 1
+    stamp = np.zeros(n_ids if kind == 2 else 0, dtype=np.int64)
     size = 0
     tick = 0
     n_cached = 0
     evicted = 0
     for i in range(requests):
-        if size > 2 * budget + 2048:  # drop dead entries
+        if kind == 2 and size > 2 * budget + 2048:  # drop dead entries
             live = 0
             for k in range(size):
                 b = hb[k]
@@ -509,46 +527,42 @@ def _run_compiled(kind, ids, starts, lookups, future, budget, n_ids, never):
         for j in range(h):  # take the hits
             b = ids[s + j]
             pinned[b] = True
-            if kind == 1:  # lfu: a use
+            if kind == 1:  # lfu: a use, to the tail of the next bucket
+                _unlink(nxt, prv, b)
                 key[b] += 1
-                tick += 1
-                stamp[b] = tick
-                size = _push(hp, hb, size, (key[b] << 40) | tick, b)
+                _append(nxt, prv, n_ids + key[b], b)
             elif kind == 2:
                 key[b] = future[s + j]
         short = n - h - (budget - n_cached)
-        aside = 0
-        b = nxt[n_ids] if kind == 0 else 0
-        while kind == 0 and short > 0:  # evict the oldest unpinned: fifo
-            if b == n_ids:  # no block left to evict: fail, rather than write past the arrays
-                raise AssertionError("fifo: nothing evictable")
+        u = 0
+        b = nxt[n_ids] if kind != 2 else 0
+        while kind != 2 and short > 0:  # evict: fifo, lfu
+            if b >= n_ids:  # the end of bucket u
+                u += 1
+                if u >= buckets:  # a wrong count: fail, rather than read past the arrays
+                    raise AssertionError("nothing evictable")
+                b = nxt[n_ids + u]
+                continue
             after = nxt[b]
             if not pinned[b]:
-                nxt[prv[b]], prv[after] = after, prv[b]
+                _unlink(nxt, prv, b)
                 cached[b] = False
                 n_cached -= 1
                 evicted += 1
                 short -= 1
             b = after
-        while short > 0:  # evict: lfu, belady
+        while short > 0:  # evict: belady
             prio, b = hp[0], hb[0]
             size -= 1
             if size:
                 hp[0], hb[0] = hp[size], hb[size]
                 _sift_down(hp, hb, size, 0)
-            if not cached[b] or (prio & low) != stamp[b]:
-                continue
-            if pinned[b]:
-                if kind == 1:  # lfu: it keeps its place (belady: queued again at release)
-                    ap[aside], ab[aside] = prio, b
-                    aside += 1
-                continue
+            if not cached[b] or (prio & low) != stamp[b] or pinned[b]:
+                continue  # a pinned block is queued again at release
             cached[b] = False
             n_cached -= 1
             evicted += 1
             short -= 1
-        for k in range(aside):
-            size = _push(hp, hb, size, ap[k], ab[k])
         for j in range(h, n):  # store the rest (a key still cached keeps its block)
             b = ids[s + j]
             if cached[b]:
@@ -561,17 +575,11 @@ def _run_compiled(kind, ids, starts, lookups, future, budget, n_ids, never):
             cached[b] = True
             pinned[b] = True
             n_cached += 1
-            if kind == 0:  # at the tail
-                last = prv[n_ids]
-                nxt[last], prv[b], nxt[b], prv[n_ids] = b, last, n_ids, b
-                continue
             if kind == 2:
                 key[b] = future[s + j]
                 continue
-            key[b] = 1
-            tick += 1
-            stamp[b] = tick
-            size = _push(hp, hb, size, (key[b] << 40) | tick, b)
+            key[b] = kind  # fifo 0, lfu 1 (one use)
+            _append(nxt, prv, n_ids + key[b], b)
         for j in range(n - 1, -1, -1):  # release, tail first
             b = ids[s + j]
             if not pinned[b]:
