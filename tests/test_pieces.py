@@ -301,3 +301,35 @@ def test_an_integer_longer_than_pythons_limit_when_that_limit_is_lowered(tmp_pat
         assert_same(path)
     finally:
         sys.set_int_max_str_digits(before)
+
+
+def _line(prompt: str = '{"unique":1}', **fields: str) -> str:
+    """A request line: t, output_len and prompt (segments' JSON), then ``fields`` as JSON text."""
+    return '{"t":1,"output_len":3,"prompt":[' + prompt + "]" + "".join(f',"{k}":{v}' for k, v in fields.items()) + "}"
+
+
+# lines the scan reads beside lines only the full parser reads (escapes, non-ASCII, text, BOM, odd white
+# space): the ids checked across both, names counted across both (memoise), pieces and literals in order
+ACROSS = {
+    "an int id and a string id": [_line(id="1"), _line(id='"1"')],
+    "a line number id taken later": [_line(), "", _line(id='"3"'), _line(id='"2"')],
+    "an escaped id equal to a plain one": [_line(id='"A"'), _line(id='"\\u0041"')],
+    "a name escaped in one line only": [_line('{"shared":"x","len":3},{"tokens":[4,5]}', output='"o"'),
+                                        _line('{"tokens":[6]},{"shared":"\\u0078","len":5}', session='"\\u00e9"'),
+                                        _line('{"shared":"o","len":2}', id="7", session="7")],
+    "a non-ASCII name": [_line('{"shared":"\u00e9","len":3}'), _line('{"shared":"\u00e9","len":4},{"unique":2}')],
+    "an answer named later, text between": [_line('{"text":"hi there"},{"tokens":[1]}', output='"x"'),
+                                            _line('{"tokens":[2,3]},{"shared":"x","len":2}', output='"x"', n="2"),
+                                            _line('{"shared":"x","len":9}', output="null", meta='{"a":"\\n"}')],
+    "BOM, CRLF, odd blank lines": ["\ufeff" + _line(), " \t", "\x0c", "\u00a0", "\ufeff" + _line(id='"b"') + "\r",
+                                   _line(id='"c"') + "\r", "\r"],
+    "only blank lines": ["", " ", "\t\r", "\ufeff"],
+}
+
+
+@pytest.mark.parametrize("name", list(ACROSS))
+def test_lines_of_both_readers_in_one_file(tmp_path, name):
+    path = tmp_path / "t.jsonl"
+    for end in ["\n", ""]:
+        path.write_text("\n".join(ACROSS[name]) + end, encoding="utf-8")
+        assert_same(path)
