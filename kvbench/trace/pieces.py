@@ -10,9 +10,9 @@ in ``literals``) and unique streams; ``memoise`` marks the named streams another
 ``read_pieces`` takes the lines kvbench.trace.scan recognises (every line of the traces kvbench writes
 and converts) in one compiled pass, and every other line through the full parser, in order: a bad line
 gets the one-line ``file:line: field`` error load_trace gives it, and the first bad line is the one
-reported. It holds the file and arrays of at most 16 times its size: a bad first request is refused
+reported. It holds the file and arrays some times its size (not more: a bad first request is refused
 before the file is read, the read stops at the first line over the length limit, and a file of mostly
-blank lines (no request, a row of arrays each) goes to the streaming reader.
+blank lines (no request, a row of arrays each) goes to the streaming reader).
 """
 from __future__ import annotations
 
