@@ -40,6 +40,7 @@ def assert_same(path) -> None:
         a, b = getattr(got, name), getattr(want, name)
         if isinstance(b, np.ndarray):
             assert a.dtype == b.dtype and np.array_equal(a, b), name
+            assert np.array_equal(np.signbit(a), np.signbit(b)), name  # -0.0 is not 0.0 (t: -0 vs -0.0)
         else:
             assert a == b, name
 
@@ -333,3 +334,65 @@ def test_lines_of_both_readers_in_one_file(tmp_path, name):
     for end in ["\n", ""]:
         path.write_text("\n".join(ACROSS[name]) + end, encoding="utf-8")
         assert_same(path)
+
+
+# spellings of each field: the first few good ones the scan reads, then ones it leaves to the full parser
+# (escapes, non-ASCII, -0, exponents) and bad ones (lone surrogates, nulls, booleans, out of range, ...)
+_SPELLINGS = {
+    "t": ["0", "1.5", "1e3", "1E+3", "-0", "-0.0", "-1", "NaN", "Infinity", "1e10", "10000000001", "1e400", '"1"',
+          "true", "null", "01", "1.", "0e5", "1" + "0" * 4100],
+    "output_len": ["1", "2", "3", "0", "-1", "1.0", "1e0", "true", '"3"', "null", "16777215", "9" * 30],
+    "id": ['"a"', "7", '"\\u0061"', '"A"', '"\\""', '"a\\/b"', '"\u00e9"', '"\\ud800"', "1", '"1"', "2", '"2"',
+           "-0", "01", "1.0", "true", "null", '""', "123456789012345678901234", '"' + "i" * 4097 + '"', '"\x7f"'],
+    "session": ['"s"', '""', "1", '"1"', "-1", "null", "true", "1.5", '"\u00e9"', '"\\ud800"', "[]"],
+    "n": ["1", "2", "1024", "1025", "0", "true", "null", "1.0"],
+    "output": ['"o"', '"x"', "null", '""', "1", '"\\u0078"', '"\u00e9"'],
+    "meta": ["{}", '{"a":[1,{"b":null}]}', "null", "[]", '{"k":' + "[" * 65 + "]" * 65 + "}", '{"k":"\\ud800"}',
+             '{"k":1e400}', '{"k":NaN}', '{"a":1,"a":2}', '{"k":[1,]}', '{"\u00e9":-0.0}'],
+    "x": ["1", '[1,2.5e3,"z"]', "null", '{"a":{"b":[]}}', "-0.0", '"\\ud800"', "NaN", "[1,]"],
+    "\\u0074": ["2", '"z"'],  # "t" again, escaped
+}
+_SEGMENTS = ['{"shared":"x","len":3}', '{"len":2,"shared":"y"}', '{"unique":2}', '{"tokens":[1,2]}',
+             '{"shared":"\\u0078","len":1}', '{"tokens":[-0]}', '{"text":"hi"}', '{"shared":"\u00e9","len":2}',
+             '{"unique":0}', '{"unique":true}', '{"unique":1,"unique":4}', '{"shared":"x","len":2,"len":5}',
+             '{"shared":"","len":1}', '{"tokens":[]}', '{"tokens":[2147483648]}', '{"unique":1,"x":1}', "{}", "[]",
+             '{"\\u0075nique":1}']
+
+
+@settings(max_examples=250, deadline=None, derandomize=True)
+@given(st.integers(0, 2**32))
+def test_adversarial_lines(tmp_path_factory, seed):
+    """Lines spelled from good and bad field values (escapes, non-ASCII, lone surrogates, numbers in every
+    JSON form, nulls and booleans for ints and strings, keys given twice, odd white space and line
+    ends): read_pieces gives load_trace's pieces, or its error on the first bad line."""
+    rng = random.Random(seed)  # uniform draws (hypothesis's randoms favour 0.0: every rare choice at once)
+    odd = rng.choice([0.0, 0.05, 0.2, 0.5])  # the share of values past the first few good ones
+
+    def value(key):
+        pool = _SPELLINGS[key]
+        return rng.choice(pool if rng.random() < odd else pool[:2 if key in ("t", "meta", "x") else 3])
+
+    lines = []
+    for i in range(rng.randint(1, 5)):
+        items = [(k, value(k)) for k in ("t", "output_len") if rng.random() > odd / 8]
+        segs = [rng.choice(_SEGMENTS if rng.random() < odd else _SEGMENTS[:4]) for _ in range(rng.randint(1, 3))]
+        items.append(("prompt", "[" + ",".join(segs) + "]"))
+        if rng.random() < 0.5:
+            items.append(("id", value("id") if rng.random() < odd else f'"r{i}"'))
+        items += [(k, value(k)) for k in ("session", "n", "output", "meta", "x") if rng.random() < 0.3]
+        if rng.random() < odd / 4:
+            items.append(("\\u0074", value("\\u0074")))
+        if rng.random() < 0.3:  # a key given twice: JSON keeps the last value
+            k = rng.choice(items)[0]
+            items.append((k, value(k) if k in _SPELLINGS else "[" + rng.choice(_SEGMENTS[:4]) + "]"))
+        rng.shuffle(items)
+        ws = rng.choice(["", " ", "\t", "\r"])
+        line = "{" + f",{ws}".join(f'"{k}"{ws}:{ws}{v}' for k, v in items) + "}"
+        if rng.random() < odd:
+            line = rng.choice(["", "", " ", "\ufeff", "\x0c"]) + line + rng.choice(["", "\r", " ", "\u2028"])
+        lines.append(line)
+        if rng.random() < 0.15:
+            lines.append(rng.choice(["", " \t", "\r", "\x0c", "\ufeff"]))
+    path = tmp_path_factory.mktemp("a") / "t.jsonl"
+    path.write_bytes(("\n".join(lines) + rng.choice(["", "\n"])).encode("utf-8", "surrogatepass"))
+    assert_same(path)
