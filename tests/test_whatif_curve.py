@@ -75,6 +75,22 @@ def test_compiled_core_equals_the_policy_classes_on_shipped_traces(name):
     _assert_compiled_same(bt, _budgets(bt)[::2], name)
 
 
+def test_compiled_core_equals_the_policy_classes_past_a_thousand_requests():
+    """Past 1,024 requests the compiled core's buckets (lfu's use counts, belady's next uses) span
+    several words of its bitmap's summary: a system prompt every request shares climbs lfu's
+    buckets, and zipf-chosen documents spread belady's next uses."""
+    rng = np.random.default_rng(7)
+    trace = []
+    for i in range(1500):
+        doc = int(rng.zipf(1.3)) % 60
+        prompt = (Segment("shared", name="system", length=8),
+                  Segment("shared", name=f"doc{doc}", length=4 + doc % 20),
+                  Segment("unique", length=int(rng.integers(1, 12))))
+        trace.append(Request(id=f"r{i}", t=float(i), prompt=prompt, output_len=4, index=i))
+    bt = prepare(trace, 4, warmup=0.5)
+    _assert_compiled_same(bt, [6, 40, bt.distinct_blocks // 4], "generated")
+
+
 def test_compiled_future_equals_next_uses_from_keys():
     """belady's next uses over dense ids (compiled) are kvbench.memory.future's over keys, at the
     trace's lookups and at a budget below some request's."""

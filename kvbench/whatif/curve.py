@@ -46,7 +46,7 @@ decisions as a pool's physical ones; tests/test_whatif.py holds the two to equal
 
 Speed (see benchmarks/bench_whatif.py): lru costs one compiled pass whatever the budgets (lru_curve:
 O(log requests) per run of a request's blocks that one request last released); fifo, lfu and belady
-are compiled (one heap, O(log n) per block); every request's keys are computed once, factorised into
+are compiled (lists by key, O(1) per block); every request's keys are computed once, factorised into
 one flat int array of dense ids and shared by all (budget, policy) points (forked
 workers inherit it); belady's next uses come from one backward pass (another only for a budget below
 some request's lookups: it looks up only its first B there); the other policies are driven once per
@@ -425,98 +425,95 @@ def _lru_depths(ids, starts, lookups, first, n_ids):
 # fifo, lfu and belady at one budget, compiled (numba, cached on disk: the first run on a machine
 # compiles for a few seconds). Their rules are the kvbench.memory.policies classes' (the victim is
 # the evictable block with the smallest (key, tick): fifo (0, insert), lfu (uses, last insert or
-# use), belady (furthest next use, then release order)). fifo's and lfu's keys only grow, by one, and
-# each new tick is the largest, so their order needs no heap: the cached blocks are kept in lists
-# by key (a bucket per use count), each in order of tick, and the victim is the first unpinned
-# block of the lowest bucket (a pinned one is passed over and keeps its place): O(1) per block,
-# plus the empty buckets below the victim's. belady's next uses are arbitrary: one binary heap of
-# ``(never - next use) << 40 | stamp`` with lazy deletion (an entry is live while its block is cached
-# and its stamp is the block's latest). tests/test_whatif_curve.py holds it to ``simulate`` driving
-# the classes, request by request, and tests/test_whatif.py both to PagedKV.
+# use), belady (furthest next use, then release order)). Keys are small ints (belady's: never - next
+# use, request indices) and each new tick is the largest, so no heap is needed: the cached blocks are
+# kept in one list per key (a bucket), each in order of tick, and the victim is the first unpinned
+# block of the lowest bucket that holds any (a pinned one is passed over and keeps its place), found
+# from a bitmap of the buckets that hold blocks: O(1) per block, O(buckets / 1024) per search at
+# worst. tests/test_whatif_curve.py holds it to ``simulate`` driving the classes, request by
+# request, and tests/test_whatif.py both to PagedKV.
 COMPILED = {"fifo": 0, "lfu": 1, "belady": 2}
 
 
 @numba.njit(cache=True)
-def _push(hp, hb, size, prio, b):
-    i = size
-    while i > 0:
-        up = (i - 1) >> 1
-        if hp[up] <= prio:
-            break
-        hp[i], hb[i] = hp[up], hb[up]
-        i = up
-    hp[i], hb[i] = prio, b
-    return size + 1
+def _mark(bits, words, u, holds):
+    """Bucket u now holds blocks (``holds``) or none: its bit in bits[:words] (32 a word), and its
+    word's in the summary after them."""
+    w = u >> 5
+    if holds:
+        bits[w] |= 1 << (u & 31)
+        bits[words + (w >> 5)] |= 1 << (w & 31)
+    else:
+        bits[w] &= ~(1 << (u & 31))
+        if bits[w] == 0:
+            bits[words + (w >> 5)] &= ~(1 << (w & 31))
 
 
 @numba.njit(cache=True)
-def _sift_down(hp, hb, size, i):
-    prio, b = hp[i], hb[i]
-    while True:
-        c = 2 * i + 1
-        if c >= size:
-            break
-        if c + 1 < size and hp[c + 1] < hp[c]:
-            c += 1
-        if hp[c] >= prio:
-            break
-        hp[i], hb[i] = hp[c], hb[c]
-        i = c
-    hp[i], hb[i] = prio, b
+def _low_bit(x):
+    """The index of the lowest bit set in x (0 < x < 2**32)."""
+    i = 0
+    for width in (16, 8, 4, 2, 1):
+        if x & ((1 << width) - 1) == 0:
+            x >>= width
+            i += width
+    return i
+
+
+@numba.njit(cache=True)
+def _first_filled(bits, words, u):
+    """The lowest bucket >= u that holds blocks, or -1."""
+    w = u >> 5
+    if w >= words:
+        return -1
+    x = bits[w] >> (u & 31)
+    if x:
+        return u + _low_bit(x)
+    w += 1  # the first word after it with a bit set, from the summary
+    for sw in range(w >> 5, len(bits) - words):
+        y = bits[words + sw]
+        if sw == w >> 5:
+            y = (y >> (w & 31)) << (w & 31)
+        if y:
+            w = (sw << 5) + _low_bit(y)
+            return (w << 5) + _low_bit(bits[w])
+    return -1
 
 
 @numba.njit(cache=True)
 def _append(nxt, prv, head, b):
-    """Block b at the tail of the list whose head and tail is ``head``."""
+    """Block b at the tail of the list whose head and tail is ``head``; whether it was empty. (The
+    caller marks the bucket: with the bitmap passed in, these calls cost 5x as much.)"""
     last = prv[head]
     nxt[last] = b
     prv[b] = last
     nxt[b] = head
     prv[head] = b
+    return last == head
 
 
 @numba.njit(cache=True)
 def _unlink(nxt, prv, b):
+    """Block b out of its list; whether the list is empty now (b's neighbours both its head)."""
     before, after = prv[b], nxt[b]
     nxt[before] = after
     prv[after] = before
+    return before == after
 
 
 @numba.njit(cache=True)
-def _run_compiled(kind, ids, starts, lookups, future, budget, n_ids, never):
-    low = (1 << 40) - 1
+def _run_compiled(kind, ids, starts, lookups, future, budget, n_ids, never, nxt, prv):
+    """``nxt``, ``prv``: arange(n_ids + buckets) (int32 or int64): every bucket's list, empty."""
     requests = len(lookups)
     hits = np.zeros(requests, dtype=np.int64)
     cached = np.zeros(n_ids, dtype=np.bool_)
     pinned = np.zeros(n_ids, dtype=np.bool_)
-    key = np.zeros(n_ids, dtype=np.int64)  # fifo: 0; lfu: uses; belady: next use
-    # fifo, lfu: bucket u's cached blocks (key u) in order of tick, a list through nxt/prv from
-    # n_ids + u (its head and tail; an empty bucket's points to itself). lfu's keys reach 1 + hits.
-    buckets = 1 if kind == 0 else requests + 2 if kind == 1 else 0
-    nxt = np.arange(n_ids + buckets if buckets else 0)
-    prv = nxt.copy()
-    biggest = 0
-    for i in range(requests):
-        biggest = max(biggest, min(starts[i + 1] - starts[i], budget))
-    cap = 2 * budget + 2 * biggest + 4096 if kind == 2 else 0
-    hp = np.empty(cap, dtype=np.int64)  # belady's heap
-    hb = np.empty(cap, dtype=np.int64)
-    stamp = np.zeros(n_ids if kind == 2 else 0, dtype=np.int64)
-    size = 0
-    tick = 0
+    key = np.zeros(n_ids, dtype=np.int64)  # a cached block's bucket: fifo 0; lfu uses; belady never - next use
+    words = (len(nxt) - n_ids + 31) >> 5
+    bits = np.zeros(words + ((words + 31) >> 5), dtype=np.int64)
     n_cached = 0
     evicted = 0
     for i in range(requests):
-        if kind == 2 and size > 2 * budget + 2048:  # drop dead entries
-            live = 0
-            for k in range(size):
-                b = hb[k]
-                if cached[b] and (hp[k] & low) == stamp[b]:
-                    hp[live], hb[live] = hp[k], hb[k]
-                    live += 1
-            size = live
-            for k in range(size // 2 - 1, -1, -1):
-                _sift_down(hp, hb, size, k)
         s = starts[i]
         n = min(starts[i + 1] - s, budget)
         look = min(lookups[i], n)
@@ -524,83 +521,82 @@ def _run_compiled(kind, ids, starts, lookups, future, budget, n_ids, never):
         while h < look and cached[ids[s + h]]:
             h += 1
         hits[i] = h
-        for j in range(h):  # take the hits
+        for j in range(h):  # take the hits (belady: its next use is filed at release)
             b = ids[s + j]
             pinned[b] = True
             if kind == 1:  # lfu: a use, to the tail of the next bucket
-                _unlink(nxt, prv, b)
+                if _unlink(nxt, prv, b):
+                    _mark(bits, words, key[b], False)
                 key[b] += 1
-                _append(nxt, prv, n_ids + key[b], b)
-            elif kind == 2:
-                key[b] = future[s + j]
+                if _append(nxt, prv, n_ids + key[b], b):
+                    _mark(bits, words, key[b], True)
         short = n - h - (budget - n_cached)
-        u = 0
-        b = nxt[n_ids] if kind != 2 else 0
-        while kind != 2 and short > 0:  # evict: fifo, lfu
-            if b >= n_ids:  # the end of bucket u
-                u += 1
-                if u >= buckets:  # a wrong count: fail, rather than read past the arrays
+        u = -1
+        b = n_ids
+        while short > 0:  # evict
+            if b >= n_ids:  # the end of bucket u: on to the next that holds blocks
+                v = _first_filled(bits, words, u + 1)
+                if v <= u:  # none left (-1), or a wrong search: fail, rather than read past or loop
                     raise AssertionError("nothing evictable")
+                u = v
                 b = nxt[n_ids + u]
                 continue
             after = nxt[b]
             if not pinned[b]:
-                _unlink(nxt, prv, b)
+                if _unlink(nxt, prv, b):
+                    _mark(bits, words, u, False)
                 cached[b] = False
                 n_cached -= 1
                 evicted += 1
                 short -= 1
             b = after
-        while short > 0:  # evict: belady
-            prio, b = hp[0], hb[0]
-            size -= 1
-            if size:
-                hp[0], hb[0] = hp[size], hb[size]
-                _sift_down(hp, hb, size, 0)
-            if not cached[b] or (prio & low) != stamp[b] or pinned[b]:
-                continue  # a pinned block is queued again at release
-            cached[b] = False
-            n_cached -= 1
-            evicted += 1
-            short -= 1
         for j in range(h, n):  # store the rest (a key still cached keeps its block)
             b = ids[s + j]
             if cached[b]:
-                if kind == 2:  # belady: its next use moved on; queued again, as released now
-                    key[b] = future[s + j]
-                    tick += 1
-                    stamp[b] = tick
-                    size = _push(hp, hb, size, ((never - key[b]) << 40) | tick, b)
+                if kind == 2:  # belady: its next use moved on; filed again, as released now
+                    if _unlink(nxt, prv, b):
+                        _mark(bits, words, key[b], False)
+                    key[b] = never - future[s + j]
+                    if _append(nxt, prv, n_ids + key[b], b):
+                        _mark(bits, words, key[b], True)
                 continue
             cached[b] = True
             pinned[b] = True
             n_cached += 1
-            if kind == 2:
-                key[b] = future[s + j]
+            if kind == 2:  # filed at release
+                key[b] = never - future[s + j]
                 continue
             key[b] = kind  # fifo 0, lfu 1 (one use)
-            _append(nxt, prv, n_ids + key[b], b)
+            if _append(nxt, prv, n_ids + key[b], b):
+                _mark(bits, words, key[b], True)
         for j in range(n - 1, -1, -1):  # release, tail first
             b = ids[s + j]
             if not pinned[b]:
                 continue
             pinned[b] = False
-            if kind == 2:
-                tick += 1
-                stamp[b] = tick
-                size = _push(hp, hb, size, ((never - key[b]) << 40) | tick, b)
+            if kind == 2:  # belady: filed by its next use, in release order
+                if j < h:
+                    if _unlink(nxt, prv, b):
+                        _mark(bits, words, key[b], False)
+                    key[b] = never - future[s + j]
+                if _append(nxt, prv, n_ids + key[b], b):
+                    _mark(bits, words, key[b], True)
     return hits, evicted
 
 
 def _simulate_compiled(bt: BlockTrace, budget_blocks: int, policy: str) -> tuple[np.ndarray, int]:
     """(hit blocks per request, evicted blocks) of ``policy`` at a budget, compiled."""
+    n_ids = max(bt.distinct_blocks, 1)
     if policy == "belady":
-        # request indices, NEVER as one past the last request: the heap key is (never - next use)
+        # request indices, NEVER as one past the last request: the bucket is (never - next use)
         future = np.minimum(bt.future(budget_blocks), bt.requests)
     else:
         future = np.zeros(0, dtype=np.int64)
-    return _run_compiled(COMPILED[policy], bt.ids, bt.starts, bt.lookups, future, budget_blocks,
-                max(bt.distinct_blocks, 1), bt.requests)
+    # buckets: fifo one; lfu 1 + most hits; belady 0 .. never
+    size = n_ids + (1 if policy == "fifo" else bt.requests + 2)
+    links = np.int32 if size < 2**31 else np.int64  # half the memory where it fits
+    return _run_compiled(COMPILED[policy], bt.ids, bt.starts, bt.lookups, future, budget_blocks, n_ids,
+                         bt.requests, np.arange(size, dtype=links), np.arange(size, dtype=links))
 
 
 def check_mode(prefix_mode: str, policies) -> None:
