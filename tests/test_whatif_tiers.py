@@ -371,8 +371,9 @@ def test_cli_tiers_table_json_and_out(tmp_path, capsys):
     assert w["offload"] == "write-back" and w["tier_policy"] == "belady" and len(w["rows"]) == 1
     assert w["rows"][0]["hit_rate_disk"] == 0 and w["rows"][0]["hit_rate_cpu"] > 0
     code, out, err = _cli(capsys, trace, "--budgets", "256MiB,64GiB", "--budget-counts", "cache", "--policies",
-                          "lru,belady", "--json")
+                          "lru,belady", "--json", "-j", "2")
     assert code == 0, err
+    assert "-j 2: the tiered and store what-ifs run in one process" in err  # not silently ignored
     rows = {(r["budget"], r["policy"]): r for r in json.loads(out)["rows"]}
     assert rows[("64GiB", "lru")]["hit_rate"] == rows[("64GiB", "lru")]["ceiling"]
     assert rows[("256MiB", "belady")]["hit_rate"] >= rows[("256MiB", "lru")]["hit_rate"]

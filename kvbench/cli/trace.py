@@ -342,6 +342,8 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     if budgets is not None and budget_blocks is not None:
         raise click.UsageError("give --budgets or --budget-blocks, not both")
     if tiers_text is not None or budget_counts == "cache":
+        if jobs > 1:  # said, not silently dropped: these points share one GPU run each, in one process
+            _note(f"-j {jobs}: the tiered and store what-ifs run in one process")
         return _whatif_stores(trace_path, spec, kv_dtype, per_token, block_size, chosen, warmup, budgets,
                               budget_blocks, prefix_mode, replicas, budget_counts, tiers_text, tier_policy, offload,
                               as_json, out)
