@@ -155,9 +155,9 @@ def prepare(requests: Sequence[Request] | Pieces, block_size: int, warmup: float
     reads them from a file, without a Request per line)."""
     # PrefixKeys hashes the whole trace in one compiled pass, memoising the keys of repeated
     # block-aligned segments, so the streams' own memo serves only literal segments: keep it small
-    pieces = requests if isinstance(requests, Pieces) else Pieces.from_requests(
+    # streams one request uses are not memoised (p.memoise: PrefixKeys.count_once's rule)
+    p = requests if isinstance(requests, Pieces) else Pieces.from_requests(
         requests, streams or TokenStreams(max_cached_tokens=PREPARE_STREAM_TOKENS))
-    p = pieces  # streams one request uses are not memoised (p.memoise: PrefixKeys.count_once's rule)
     flat, starts = PrefixKeys(block_size).keys_of_pieces(p.seeds, p.lengths, p.literal_at, p.memoise, p.pieces_at,
                                                          p.literals, seq_lens=p.seq_lens)
     prompt_lens = p.prompt_lens
