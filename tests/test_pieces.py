@@ -56,6 +56,18 @@ def test_xxh64_is_the_xxhash_librarys(data, off):
     assert compiled.xxh64(buf, off, len(data)) == xxhash.xxh64_intdigest(data)
 
 
+def test_the_scans_limits_are_the_formats():
+    """scan.py restates format.py's limits (numba's cache would keep a stale imported value): a limit
+    changed in format.py alone would have the scan accept a line the full parser refuses, or the reverse."""
+    from kvbench.trace import format as fmt
+    from kvbench.trace import scan, tokens
+
+    assert (scan.MAX_NAME, scan.MAX_TOKENS, scan.MAX_SAMPLES, scan.MAX_TOKEN_ID, scan.MAX_LINE) == (
+        fmt.MAX_NAME_CHARS, fmt.MAX_REQUEST_TOKENS, fmt.MAX_SAMPLES, fmt.MAX_TOKEN_ID,
+        fmt.MAX_LINE_BYTES)
+    assert scan._UNIQUE_PREFIX.tobytes() == tokens._UNIQUE_PREFIX.encode("utf-8")
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
 def test_shipped_traces(path):
     assert_same(path)

@@ -27,6 +27,8 @@ from kvbench.trace.compiled import xxh64
 MAX_DEPTH = 64  # nesting of a value read past (meta, unknown keys); deeper: the full parser
 MAX_DIGITS = 18  # the integers read here (all fields' limits are far below 10**18)
 MAX_NUMBER_DIGITS = 4000  # a longer integer anywhere: the full parser (Python's limit is 4,300)
+# kvbench.trace.format's limits, restated (tests/test_pieces.py holds them equal): numba freezes a
+# global into the code it caches, and its cache is stale only when this file changes
 MAX_NAME = 4096  # format.MAX_NAME_CHARS (ASCII: one byte a character)
 MAX_TOKENS = 2**24  # format.MAX_REQUEST_TOKENS
 MAX_SAMPLES = 1024  # format.MAX_SAMPLES
@@ -42,7 +44,7 @@ _KEY_BYTES = np.frombuffer(b"".join(_KEYS), dtype=np.uint8).copy()
 _KEY_AT = np.cumsum([0] + [len(k) for k in _KEYS]).astype(np.int64)
 _SEG_BYTES = np.frombuffer(b"".join(_SEG_KEYS), dtype=np.uint8).copy()
 _SEG_AT = np.cumsum([0] + [len(k) for k in _SEG_KEYS]).astype(np.int64)
-_UNIQUE_PREFIX = np.frombuffer(b"\x00unique/", dtype=np.uint8).copy()  # tokens._UNIQUE_PREFIX's bytes
+_UNIQUE_PREFIX = np.frombuffer(b"\x00unique/", dtype=np.uint8).copy()  # tokens._UNIQUE_PREFIX's bytes (held equal)
 
 # fields of a line read here (``req``: int64 [lines, R_FIELDS]); spans are [start, end) in the buffer
 (R_ID_A, R_ID_B, R_ID_KIND, R_T_A, R_T_B, R_OUTPUT_LEN, R_SESSION_A, R_SESSION_B, R_SESSION_KIND,
