@@ -203,11 +203,9 @@ def _assemble(data: bytes, req: np.ndarray, order: np.ndarray, ok: np.ndarray, a
     read = ok[order]
     f = req[order[read]]
     lo, hi = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)  # each request's pieces, below
-    prompt_lens, answers = np.empty(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    prompt_lens = np.empty(n, dtype=np.int64)
     lo[read], hi[read] = f[:, scan.R_PIECE_A], f[:, scan.R_PIECE_B]
     prompt_lens[read] = f[:, scan.R_PROMPT_LEN]
-    answers[read] = np.where((f[:, scan.R_OUTPUT_B] >= 0) & (f[:, scan.R_OUTPUT_LEN] > 1),
-                             f[:, scan.R_OUTPUT_LEN] - 1, 0)
     sessions: list = [None] * n
     for r, (kind, a, b) in zip(np.flatnonzero(read).tolist(),
                                f[:, [scan.R_SESSION_KIND, scan.R_SESSION_A, scan.R_SESSION_B]].tolist()):
@@ -215,7 +213,7 @@ def _assemble(data: bytes, req: np.ndarray, order: np.ndarray, ok: np.ndarray, a
             sessions[r] = data[a:b].decode("ascii")
     names = _bytes_view(data)
     if extra:  # after the scan's: their pieces, literal tokens, names (their bytes after the file's)
-        x_seeds, x_lengths, x_literal_at, _, x_at, x_lits, x_prompt, x_seq = _flatten(extra, streams, frozenset())
+        x_seeds, x_lengths, x_literal_at, _, x_at, x_lits, x_prompt, _ = _flatten(extra, streams, frozenset())
         x_occ = np.full(len(x_seeds), -1, dtype=np.int64)
         x_req, x_a, x_b, x_seed, x_bytes = [], [], [], [], []
         at = len(data)
@@ -236,7 +234,7 @@ def _assemble(data: bytes, req: np.ndarray, order: np.ndarray, ok: np.ndarray, a
                 x_bytes.append(b)
                 at += len(b)
         lo[~read], hi[~read] = n_pieces + x_at[:-1], n_pieces + x_at[1:]
-        prompt_lens[~read], answers[~read] = x_prompt, x_seq - x_prompt
+        prompt_lens[~read] = x_prompt
         seeds, lengths = np.concatenate((seeds, x_seeds)), np.concatenate((lengths, x_lengths))
         literal_at = np.concatenate((literal_at, np.where(x_literal_at >= 0, x_literal_at + len(lits), -1)))
         lits = np.concatenate((lits, x_lits))
@@ -255,8 +253,11 @@ def _assemble(data: bytes, req: np.ndarray, order: np.ndarray, ok: np.ndarray, a
     literal_at[literal] = np.cumsum(lengths[literal]) - lengths[literal]
     pieces_at = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(hi - lo, out=pieces_at[1:])
+    tokens_before = np.zeros(len(take) + 1, dtype=np.int64)  # a request's sequence: its pieces' tokens
+    np.cumsum(lengths, out=tokens_before[1:])
+    seq_lens = tokens_before[pieces_at[1:]] - tokens_before[pieces_at[:-1]]
     return Pieces(seeds[take], lengths, literal_at, memoise, pieces_at, np.ascontiguousarray(lits[lit_take]),
-                  prompt_lens, prompt_lens + answers, arrival[order], sessions)
+                  prompt_lens, seq_lens, arrival[order], sessions)
 
 
 def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
