@@ -457,7 +457,9 @@ class Replay:
             rs.prompt = tokens[:len(prompt)]
         seq = rep.sched.new_seq(rs, tokens, None if future is None else future[index], keys=None,
                                 reserve=self._reserve(r))
-        if rep.kv.prefix_cache:  # a waiting request keeps its keys as 8 bytes a block until admission
+        if rep.kv.prefix_cache and rep.kv.keys_as_arrays:  # the compiled pool reads the array itself
+            seq.keys = keys
+        elif rep.kv.prefix_cache:  # a waiting request keeps its keys as 8 bytes a block until admission
             seq.pending = partial(_keys_as_list, keys)
         rep.sched.add(seq)
 

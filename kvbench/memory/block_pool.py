@@ -202,6 +202,11 @@ class BlockPool:
             self.tokens_live += self.fill[b]
         self.refcnt[b] += 1
 
+    def incref_many(self, blocks) -> None:
+        """``incref`` each block, in order."""
+        for b in blocks:
+            self.incref(b)
+
     def decref(self, b: int) -> None:
         """Drop a reference. At 0 the block becomes cached (if registered) or free."""
         self.release_all((b,))
@@ -242,6 +247,13 @@ class BlockPool:
         """``n`` more tokens of KV were written into used block ``b``."""
         self.fill[b] += n
         self.tokens_live += n
+
+    def add_fill_many(self, blocks: list[int], n: int) -> None:
+        """``add_fill(b, n)`` for each of these blocks."""
+        fill = self.fill
+        for b in blocks:
+            fill[b] += n
+        self.tokens_live += n * len(blocks)
 
     # -- prefix cache -----------------------------------------------------------------------
     def register(self, b: int, key: int, parent_key: int, tokens: np.ndarray,

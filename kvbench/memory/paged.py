@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
+from kvbench.memory.array_pool import ArrayBlockPool
 from kvbench.memory.block_pool import BlockPool
-from kvbench.memory.policies import NEVER
+from kvbench.memory.policies import NEVER, check_policy
 from kvbench.memory.radix import PARTIAL_SALT, RadixChildren
 from kvbench.trace.ideal import lookup_blocks
 from kvbench.trace.tokens import ROOT_KEY, block_keys
@@ -77,20 +78,18 @@ class Compaction:
 class PagedKV:
     layout = "paged"
     watermark_frac = 0.01  # keep this share of blocks free at admission, for running sequences to grow
+    compiled_pool = True  # ArrayBlockPool where it serves (tests set False to replay on BlockPool)
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_cache: bool = True,
                  cache_policy: str = "lru", prefix_mode: str = "hash", radix_eviction: str = "node",
-                 radix_partial: bool = True, physical: int | None = None):
+                 radix_partial: bool = True, physical: int | None = None, compiled: bool | None = None):
         """``radix_eviction`` (radix mode): ``node`` evicts whole LRU leaf nodes, as SGLang does;
         ``block`` evicts leaf blocks by ``cache_policy``. ``radix_partial`` (radix mode): also
         serve a prefix that ends inside a cached block (a copy) and keep finished partial tails;
         without it radix mode matches whole blocks only, as SGLang with page size = block size.
-        ``physical``: see BlockPool."""
-        self.pool = BlockPool(num_blocks, block_size, enable_cache=prefix_cache, policy=cache_policy,
-                              physical=physical)
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.prefix_cache = prefix_cache
+        ``physical``: see BlockPool. ``compiled``: hash mode under lru (or no prefix cache) runs on
+        ArrayBlockPool, the compiled twin of BlockPool; False keeps BlockPool (the reference); None:
+        ``compiled_pool``'s choice."""
         if prefix_mode not in ("hash", "radix"):
             raise ValueError(f"unknown prefix mode {prefix_mode!r} (choose from hash, radix)")
         if radix_eviction not in RADIX_EVICTIONS:
@@ -99,6 +98,15 @@ class PagedKV:
         if radix and radix_eviction == "node" and cache_policy != "lru":
             raise ValueError(f"node eviction orders nodes by recency (SGLang's lru); cache policy "
                              f"{cache_policy!r} needs block eviction")
+        check_policy(cache_policy)
+        if (self.compiled_pool if compiled is None else compiled) and not radix and (cache_policy == "lru" or not prefix_cache):  # (no cache: no policy)
+            self.pool = ArrayBlockPool(num_blocks, block_size, enable_cache=prefix_cache, physical=physical)
+        else:
+            self.pool = BlockPool(num_blocks, block_size, enable_cache=prefix_cache, policy=cache_policy,
+                                  physical=physical)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.prefix_cache = prefix_cache
         self.radix_partial = radix and radix_partial
         self.radix = RadixChildren() if self.radix_partial else None  # children by first token
         if self.radix is not None:
@@ -121,6 +129,8 @@ class PagedKV:
         it, computed blocks are stored write-through, or evicted ones write-back. Hash mode only."""
         if not self.prefix_cache or self.radix_partial or self.pool.kids is not None or self.pool.nodes is not None:
             raise ValueError("prefix-cache tiers need the hash prefix cache (--prefix-mode hash)")
+        if self.pool.num_used or self.pool.num_cached:
+            raise ValueError("attach tiers to an empty pool")  # sequences' keys change type with them
         self.tiers = tiers
         if not tiers.write_through:
             self.pool.spill = tiers.evicted
@@ -145,19 +155,29 @@ class PagedKV:
         return p.num_used, p.num_cached, p.num_free, p.num_used * self.block_size, p.tokens_live
 
     # -- prefix cache ------------------------------------------------------------------------
-    def _keys(self, s: SeqKV, n_blocks: int) -> list[int]:
+    @property
+    def keys_as_arrays(self) -> bool:
+        """A sequence's keys are a uint64 array (the compiled pool's), not a list of ints (BlockPool's
+        dict, and the tiers', take ints)."""
+        return getattr(self.pool, "keys_as_arrays", False) and self.tiers is None
+
+    def _keys(self, s: SeqKV, n_blocks: int):
         """The chained keys of the sequence's first ``n_blocks`` full blocks (``n_blocks`` <=
         len(tokens) // block_size), computed on first need: a sequence arrives with its prompt's keys
-        and extends them over its generated tokens as it decodes."""
+        and extends them over its generated tokens as it decodes. A list of ints, or a uint64 array
+        (``keys_as_arrays``)."""
         keys = s.keys
         if keys is None:
-            keys = s.keys = []
+            keys = s.keys = np.zeros(0, dtype=np.uint64) if self.keys_as_arrays else []
         have = len(keys)
         if have < n_blocks:
             bs = self.block_size
             total = len(s.tokens) // bs  # every block of known tokens at once: one call per sequence
-            keys.extend(block_keys(s.tokens[have * bs:total * bs], bs, total - have,
-                                   keys[-1] if have else ROOT_KEY))
+            more = block_keys(s.tokens[have * bs:total * bs], bs, total - have, int(keys[-1]) if have else ROOT_KEY)
+            if isinstance(keys, list):
+                keys.extend(more)
+            else:
+                keys = s.keys = np.concatenate([keys, np.array(more, dtype=np.uint64)])
         return keys
 
     def lookup(self, s: SeqKV, num_tokens: int) -> list[int]:
@@ -230,8 +250,7 @@ class PagedKV:
             return False
         if n_hit:
             assert not s.table and s.num_kv == 0, "hits are only taken by an empty table"
-            for b in hits:
-                p.incref(b)
+            p.incref_many(hits)
             if p.nodes is not None:  # node eviction: the match ends here, and leaves a node
                 down = p.nodes.down  # wherever the next hit is not the node's next block (a run
                 for a, b in zip(hits, hits[1:]):  # registered after a private copy hangs apart)
@@ -305,8 +324,9 @@ class PagedKV:
                     start += take
                     j += 1
                 whole = (end - start) // bs
-                for b in table[j:j + whole]:
-                    fill[b] += bs
+                if whole:  # (the pool counts their tokens live)
+                    p.add_fill_many(table[j:j + whole], bs)
+                    live -= whole * bs
                 if end - start > whole * bs:
                     fill[table[j + whole]] += end - start - whole * bs
             s.num_kv += n
@@ -384,7 +404,7 @@ class PagedKV:
         self._check_unpinned()
         if self.radix_partial and s.tokens is not None and not s.compacted:
             self._register_partial_tail(s)
-        self.pool.release_all(reversed(s.table))
+        self.pool.release_all(s.table[::-1])
         s.table = []
         s.num_kv = 0
         s.num_registered = 0
@@ -401,8 +421,7 @@ class PagedKV:
     def fork(self, s: SeqKV, child: SeqKV) -> None:
         """Make ``child`` (an empty SeqKV) share every block, full and partial, of ``s``: sharing takes
         no new block."""
-        for b in s.table:
-            self.pool.incref(b)
+        self.pool.incref_many(s.table)
         child.table = list(s.table)
         child.open_block = -1  # a sample's own decode blocks start a node of its own
         child.num_kv = s.num_kv
@@ -480,7 +499,7 @@ class PagedKV:
                 up = p.nodes.up[b]
                 if up >= 0 and up in kept_blocks and p.key[b] is not None:
                     p.split_after(up)
-        p.release_all(reversed(released))
+        p.release_all(released[::-1])
         s.dropped += old_n - n
         s.num_kv = n
         s.num_registered = min(s.num_registered, int(np.argmin(stay)) if not stay.all() else nb)

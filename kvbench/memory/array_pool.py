@@ -1,0 +1,280 @@
+"""The block pool of the hash prefix cache under LRU eviction (vLLM v1's configuration) with its
+state in arrays and each call's per-block loop compiled (kvbench.memory.compiled).
+
+It is kvbench.memory.block_pool.BlockPool, for the one prefix mode (hash) and cache policy (lru) it
+serves, call for call: the same blocks handed out in the same order, the same victims, hits and
+counters (tests/test_array_pool.py holds them equal on random operation sequences and whole
+replays). vLLM's ``BlockPool`` keeps free and cached blocks in one doubly linked queue threaded
+through its block objects (``FreeKVCacheBlockQueue``); here the cached blocks are such a list over
+two int32 arrays (``PREV``/``NEXT``), and the empty ones a stack, as BlockPool's are. The replay
+releases ~9 M blocks through a pool on the whole Mooncake trace; a few dict and list operations per
+block in Python were half its time, and here are a few array accesses.
+
+Python code reads ``refcnt`` and ``fill`` per block (the scheduler's decode fast path, commits,
+copy-on-write): they are memoryviews of the compiled code's arrays, as cheap to index as a list.
+``key`` reads a block's key as BlockPool's list does (None when it has none); ``index`` and
+``_free`` build BlockPool's structures, for tests.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kvbench.memory.policies import NEVER
+
+
+def compiled():
+    """kvbench.memory.compiled, imported on first use (numba costs ~0.2 s to import)."""
+    from kvbench.memory import compiled as module
+    return module
+
+
+class _Keys:
+    """``pool.key[b]``: the block's prefix key, or None (BlockPool's list, read from the arrays)."""
+
+    def __init__(self, pool: "ArrayBlockPool"):
+        self._key, self._cached = pool._s64[compiled().KEY], pool._cached
+
+    def __getitem__(self, b: int):
+        return int(self._key[b]) if self._cached[b] else None
+
+    def __len__(self) -> int:
+        return len(self._key)
+
+
+class _LRUCount:
+    """``pool.policy``: what the pool's callers read of its policy (its name and size)."""
+
+    name = "lru"
+
+    def __init__(self, counters: np.ndarray, at: int):
+        self._c, self._at = counters, at
+
+    def __len__(self) -> int:
+        return int(self._c[self._at])
+
+
+class ArrayBlockPool:
+    """BlockPool's interface for hash mode and lru (``enable_cache`` False: no index at all)."""
+
+    keys_as_arrays = True  # a sequence's keys stay a uint64 array (BlockPool: a list of ints)
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_cache: bool = True,
+                 physical: int | None = None):
+        """``physical``: see BlockPool."""
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        cc = compiled()
+        self._cc = cc
+        self.num_blocks = num_blocks
+        physical = num_blocks if physical is None else min(num_blocks, physical)
+        self.physical = physical
+        self.block_size = block_size
+        self.enable_cache = enable_cache
+        n = physical
+        s32 = np.zeros((6, n + 1), dtype=np.int32)
+        s32[cc.FREE, :n] = np.arange(n - 1, -1, -1, dtype=np.int32)  # the stack's top hands out block 0 first
+        s32[cc.PREV, n] = s32[cc.NEXT, n] = n  # the LRU list: empty, its sentinel at n
+        self._s32 = s32
+        self._s64 = np.zeros((2, n), dtype=np.uint64)
+        size = 1 << max(4, (2 * n - 1).bit_length()) if enable_cache else 1  # at most half full
+        self._hk = np.zeros(size, dtype=np.uint64)
+        self._hv = np.full(size, -1, dtype=np.int32)
+        self._c = np.zeros(8, dtype=np.int64)
+        self._c[cc.NFREE] = n
+        self._c[cc.VIRTUAL] = num_blocks - physical  # free blocks never materialised
+        self._cached = s32[cc.CACHED]
+        self.refcnt = memoryview(s32[cc.REFCNT, :n])
+        self.fill = memoryview(s32[cc.FILL, :n])
+        self.key = _Keys(self)
+        # Tokens of registered blocks, to confirm hits. Rows are written on register only.
+        self.tokens = np.zeros((n, block_size), dtype=np.int32) if enable_cache else None
+        self._scratch = np.empty(n, dtype=np.int32)
+        self._vkeys = np.empty(n, dtype=np.uint64)
+        self._vparents = np.empty(n, dtype=np.uint64)
+        self.policy = _LRUCount(self._c, cc.NCACHED)
+        self.clock = 0  # logical time for policies (lru reads none)
+        self.on_evict = None  # BlockPool's radix hook: never set in hash mode
+        self.events: list | None = None  # KV events for a router's index, as BlockPool's
+        self.spill = None  # write-back tiers, as BlockPool's
+        self.kids = None  # leaves-only and node eviction are radix mode's (BlockPool)
+        self.nodes = None
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def num_used(self) -> int:
+        return int(self._c[self._cc.USED])
+
+    @property
+    def tokens_live(self) -> int:
+        """Sum of fill over used blocks (a shared block counted once)."""
+        return int(self._c[self._cc.LIVE])
+
+    @tokens_live.setter
+    def tokens_live(self, value: int) -> None:
+        self._c[self._cc.LIVE] = value
+
+    @property
+    def evictions(self) -> int:
+        return int(self._c[self._cc.EVICTIONS])
+
+    @property
+    def num_free(self) -> int:
+        c, cc = self._c, self._cc
+        return int(c[cc.NFREE] + c[cc.VIRTUAL])
+
+    @property
+    def num_cached(self) -> int:
+        return int(self._c[self._cc.NCACHED])
+
+    @property
+    def num_held(self) -> int:
+        return 0
+
+    @property
+    def num_available(self) -> int:
+        """Blocks that can be handed out now: free plus cached ones."""
+        c, cc = self._c, self._cc
+        return int(c[cc.NFREE] + c[cc.VIRTUAL] + c[cc.NCACHED])
+
+    @property
+    def slots_allocated(self) -> int:
+        return self.num_used * self.block_size
+
+    @property
+    def index(self) -> dict[int, int]:
+        """The prefix index as a dict, key -> block (built from the table: for tests)."""
+        live = self._hv >= 0
+        return dict(zip(self._hk[live].tolist(), self._hv[live].tolist()))
+
+    @property
+    def _free(self) -> list[int]:
+        """The free stack, bottom first (BlockPool's list: for tests)."""
+        return self._s32[self._cc.FREE, :self._c[self._cc.NFREE]].tolist()
+
+    # -- transitions ------------------------------------------------------------------------
+    def alloc(self) -> int:
+        """Take a block for new content (refcount 1). Evicts a cached block when none is free."""
+        got: list[int] = []
+        self.alloc_into(got, 1)
+        return got[0]
+
+    def alloc_into(self, table: list[int], n: int) -> None:
+        """Append ``n`` newly allocated blocks to ``table`` (refcount 1 each): free blocks first, then
+        cached ones in LRU order. Raises IndexError when nothing is evictable."""
+        if n <= 0:
+            return
+        cc = self._cc
+        if n > self.physical:
+            raise IndexError("no evictable block") if not self._c[cc.VIRTUAL] else RuntimeError(
+                f"the pool's {self.physical:,} materialised blocks were all taken: the bound given as `physical` "
+                "was too small")
+        out = self._scratch[:n]
+        evicted = cc.alloc(self._s32, self._s64, self._hk, self._hv, self._c, n, out, self._vkeys, self._vparents)
+        if evicted < 0:
+            if evicted == cc.VIRTUAL_SHORT:
+                raise RuntimeError(f"the pool's {self.physical:,} materialised blocks were all taken: the bound "
+                                   "given as `physical` was too small")
+            raise IndexError("no evictable block")
+        got = out.tolist()
+        if evicted and (self.events is not None or self.spill is not None):
+            keys = self._vkeys[:evicted].tolist()
+            if self.events is not None:
+                self.events.append((False, keys))
+            if self.spill is not None:  # the victims' KV is still in their blocks until the forward
+                self.spill(got[n - evicted:], keys, self._vparents[:evicted].tolist())
+        table.extend(got)
+
+    def incref(self, b: int) -> None:
+        """Take another reference to a block; a cached one becomes used again."""
+        self.incref_many((b,))
+
+    def incref_many(self, blocks) -> None:
+        """``incref`` each block, in order."""
+        if self._cc.incref(self._s32, self._c, np.asarray(blocks, dtype=np.int32)) < 0:
+            raise KeyError("incref of a free block")
+
+    def decref(self, b: int) -> None:
+        """Drop a reference. At 0 the block becomes cached (if registered) or free."""
+        self.release_all((b,))
+
+    def release_all(self, blocks) -> None:
+        """``decref`` every block of a sequence (list or tuple), in its order: the blocks whose refcount
+        falls to 0 become cached (registered: the LRU tail, in this order) or free."""
+        if len(blocks):
+            self._cc.release(self._s32, self._c, np.asarray(blocks, dtype=np.int32))
+
+    def add_fill(self, b: int, n: int) -> None:
+        """``n`` more tokens of KV were written into used block ``b``."""
+        self.fill[b] += n
+        self._c[self._cc.LIVE] += n
+
+    def add_fill_many(self, blocks: list[int], n: int) -> None:
+        """``add_fill(b, n)`` for each of these blocks."""
+        if blocks:
+            self._cc.add_fill(self._s32, self._c, np.asarray(blocks, dtype=np.int32), n)
+
+    def split_after(self, b: int) -> None:
+        """Node eviction's (radix mode): nothing to do here."""
+
+    # -- prefix cache -----------------------------------------------------------------------
+    def register(self, b: int, key: int, parent_key: int, tokens: np.ndarray,
+                 next_use: int = NEVER, parent_block: int = -1, extend: bool = False) -> bool:
+        """Index one computed block under ``key``; False when the key is cached already."""
+        return self.register_run([b], np.array([key], dtype=np.uint64), parent_key, tokens) == 1
+
+    def register_run(self, blocks: list[int], keys, parent_key: int, tokens: np.ndarray,
+                     next_uses=None, parent_block: int = -1, extend: bool = False) -> int:
+        """Index consecutive computed blocks (``tokens`` holds exactly their ids, in order);
+        ``keys[i]`` is ``blocks[i]``'s key, ``parent_key`` the key before the first. A block whose key
+        another block caches already stays private. Returns how many blocks were indexed. (lru reads
+        no next use; radix links are BlockPool's.)"""
+        if not self.enable_cache or not len(blocks):
+            return 0
+        keys = np.asarray(keys, dtype=np.uint64)
+        out = self._scratch[:len(blocks)]  # (a run's blocks are distinct: at most physical)
+        n = self._cc.register(self._s32, self._s64, self._hk, self._hv, self._c, self.tokens,
+                              np.asarray(blocks, dtype=np.int32), keys, np.uint64(parent_key),
+                              np.asarray(tokens, dtype=np.int32), out)
+        if n and self.events is not None:
+            self.events.append((True, keys[out[:n]].tolist()))
+        return n
+
+    def match(self, keys, tokens: np.ndarray, n_max: int, parent_key: int) -> list[int]:
+        """The blocks caching the longest run of ``keys[:n_max]``, confirmed against tokens.
+
+        ``tokens`` must hold at least ``n_max * block_size`` ids. Takes no references.
+        """
+        if not self.enable_cache or n_max <= 0:
+            return []
+        out = self._scratch[:n_max] if n_max <= len(self._scratch) else np.empty(n_max, dtype=np.int32)
+        n = self._cc.match(self._s64, self._hk, self._hv, self.tokens, np.asarray(keys, dtype=np.uint64),
+                           np.asarray(tokens, dtype=np.int32), n_max, np.uint64(parent_key), out)
+        return out[:n].tolist()
+
+    def touch(self, blocks: list[int], next_uses=None) -> None:
+        """A hit: lru orders by release only."""
+
+    # -- checks -----------------------------------------------------------------------------
+    def recount(self) -> dict:
+        """Recompute the counters from scratch, and check the LRU list, the free stack and the index
+        against the blocks' states (for tests; O(num_blocks))."""
+        cc, n = self._cc, self.physical
+        refcnt = self._s32[cc.REFCNT, :n]
+        cached = self._cached[:n].astype(bool)
+        fill = self._s32[cc.FILL, :n]
+        used = refcnt > 0
+        lru, b = [], int(self._s32[cc.NEXT, n])
+        while b != n:
+            lru.append(b)
+            assert len(lru) <= n, "the LRU list has a cycle"
+            b = int(self._s32[cc.NEXT, b])
+        assert sorted(lru) == np.flatnonzero(~used & cached).tolist(), "the LRU list is not the cached blocks"
+        free = self._free
+        assert sorted(free) == np.flatnonzero(~used & ~cached).tolist(), "the free stack is not the empty blocks"
+        assert not fill[free].any(), "a free block holds tokens"
+        index = self.index
+        assert len(index) == int(cached.sum()) == int(self._c[cc.INDEXED]), "the index is not the keyed blocks"
+        key = self._s64[cc.KEY, :n]
+        assert all(cached[b] and int(key[b]) == k for k, b in index.items()), "an index entry is stale"
+        return {"num_used": int(used.sum()), "tokens_live": int(fill[used].sum()),
+                "num_cached": len(lru), "num_free": self.num_blocks - int(used.sum()) - len(lru)}

@@ -1,0 +1,229 @@
+"""The compiled cores of kvbench.memory.array_pool (numba, ``cache=True``): the block pool of the hash
+prefix cache under LRU, every per-block loop of one pool call in one compiled function.
+
+Imported on first use (``array_pool.compiled()``), as kvbench.trace.compiled is. Each function does
+what kvbench.memory.block_pool.BlockPool (with kvbench.memory.policies.LRUPolicy) does for the same
+call, block by block in the same order: tests/test_array_pool.py holds the two pools equal.
+
+The state, in a few arrays so that a call pays numba's per-argument dispatch only a few times:
+- ``s32``: int32 [6, num_blocks + 1], one row per field (``REFCNT`` ... ``NEXT``); the LRU list's
+  sentinel is entry num_blocks of ``PREV`` and ``NEXT``;
+- ``s64``: uint64 [2, num_blocks], a block's prefix key and its parent's key (``KEY``, ``PARENT``);
+- ``hk``/``hv``: the prefix index, key -> block, an open-addressing table with linear probing
+  (uint64 keys, int32 blocks, -1 an empty slot; at most half full), deleted by backward shift so no
+  tombstone ever slows a probe;
+- ``rows``: int32 [num_blocks, block_size], the tokens of every registered block (hits are confirmed
+  against them, so a key collision can never return wrong KV);
+- ``c``: int64 counters (``USED`` ... ``VIRTUAL``).
+
+Integer care: numba turns ``uint64 op int64`` into a float, so keys stay uint64 and table positions
+int64, each masked with its own type.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+REFCNT, FILL, CACHED, FREE, PREV, NEXT = range(6)  # rows of s32 (CACHED: 1 when the block has a key)
+KEY, PARENT = range(2)  # rows of s64
+USED, LIVE, EVICTIONS, NFREE, NCACHED, VIRTUAL, INDEXED = range(7)  # counters
+NO_VICTIM, VIRTUAL_SHORT, NOT_CACHED = -1, -2, -3  # error returns
+
+
+@numba.njit(cache=True, inline="always")
+def _find(hk, hv, key):
+    """The slot of ``key`` in the index, or of the empty slot where its probe ends."""
+    mask = len(hv) - 1
+    i = np.int64(key & np.uint64(mask))
+    while hv[i] >= 0 and hk[i] != key:
+        i = (i + 1) & mask
+    return i
+
+
+@numba.njit(cache=True, inline="always")
+def _delete(hk, hv, key):
+    """Remove ``key`` (present) from the index: later entries of its probe run shift back into the
+    hole, so every remaining key stays reachable from its home slot without tombstones."""
+    mask = len(hv) - 1
+    i = _find(hk, hv, key)
+    hv[i] = -1
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if hv[j] < 0:
+            return
+        home = np.int64(hk[j] & np.uint64(mask))
+        # the entry at j may fill the hole at i when i lies on its probe path, home .. j (cyclic)
+        if (i <= j and (home <= i or home > j)) or (i > j and home <= i and home > j):
+            hk[i] = hk[j]
+            hv[i] = hv[j]
+            hv[j] = -1
+            i = j
+
+
+@numba.njit(cache=True, inline="always")
+def _lru_remove(s32, b):
+    prev, nxt = s32[PREV], s32[NEXT]
+    p, n = prev[b], nxt[b]
+    nxt[p] = n
+    prev[n] = p
+
+
+@numba.njit(cache=True, inline="always")
+def _lru_append(s32, b):
+    prev, nxt = s32[PREV], s32[NEXT]
+    tail = len(prev) - 1  # the sentinel
+    last = prev[tail]
+    nxt[last] = b
+    prev[b] = last
+    nxt[b] = tail
+    prev[tail] = b
+
+
+@numba.njit(cache=True)
+def alloc(s32, s64, hk, hv, c, n, out, vkeys, vparents):
+    """Write ``n`` newly allocated blocks (refcount 1) to ``out``: free ones first (the top of the
+    free stack first), then cached ones in LRU order (least recently released first), forgotten by
+    the index. Returns how many were evicted (their keys and parents' keys are then in ``vkeys`` and
+    ``vparents``), or NO_VICTIM / VIRTUAL_SHORT (nothing changed) when the blocks are not there."""
+    refcnt, fill, cached, free, nxt = s32[REFCNT], s32[FILL], s32[CACHED], s32[FREE], s32[NEXT]
+    nfree = c[NFREE]
+    take = min(n, nfree)
+    need = n - take
+    if need:
+        if c[VIRTUAL]:
+            return VIRTUAL_SHORT
+        if need > c[NCACHED]:
+            return NO_VICTIM
+    for i in range(take):
+        b = free[nfree - 1 - i]
+        refcnt[b] = 1
+        out[i] = b
+    c[NFREE] = nfree - take
+    sentinel = len(nxt) - 1
+    key, parent = s64[KEY], s64[PARENT]
+    for i in range(need):
+        b = nxt[sentinel]
+        _lru_remove(s32, b)
+        vkeys[i] = key[b]
+        vparents[i] = parent[b]
+        _delete(hk, hv, key[b])
+        cached[b] = 0
+        fill[b] = 0
+        refcnt[b] = 1
+        out[take + i] = b
+    c[NCACHED] -= need
+    c[INDEXED] -= need
+    c[EVICTIONS] += need
+    c[USED] += n
+    return need
+
+
+@numba.njit(cache=True)
+def release(s32, c, blocks):
+    """Drop a reference to each block, in order: one whose refcount falls to 0 joins the LRU tail
+    when it has a key, else the free stack (emptied)."""
+    refcnt, fill, cached, free = s32[REFCNT], s32[FILL], s32[CACHED], s32[FREE]
+    nfree = c[NFREE]
+    used = live = ncached = 0
+    for i in range(len(blocks)):
+        b = blocks[i]
+        r = refcnt[b] - 1
+        refcnt[b] = r
+        if r:
+            continue
+        used += 1
+        live += fill[b]
+        if cached[b]:
+            _lru_append(s32, b)
+            ncached += 1
+        else:
+            fill[b] = 0
+            free[nfree] = b
+            nfree += 1
+    c[NFREE] = nfree
+    c[USED] -= used
+    c[LIVE] -= live
+    c[NCACHED] += ncached
+
+
+@numba.njit(cache=True)
+def incref(s32, c, blocks):
+    """Take another reference to each block; a cached one with none leaves the LRU list. Returns
+    NOT_CACHED (at the first such block, earlier ones taken) for a block with no reference and no
+    key: it is free, and only the allocator may hand it out."""
+    refcnt, fill, cached = s32[REFCNT], s32[FILL], s32[CACHED]
+    for i in range(len(blocks)):
+        b = blocks[i]
+        if refcnt[b] == 0:
+            if not cached[b]:
+                return NOT_CACHED
+            _lru_remove(s32, b)
+            c[NCACHED] -= 1
+            c[USED] += 1
+            c[LIVE] += fill[b]
+        refcnt[b] += 1
+    return 0
+
+
+@numba.njit(cache=True)
+def register(s32, s64, hk, hv, c, rows, blocks, keys, parent_key, tokens, indexed):
+    """Index consecutive computed blocks: ``keys[i]`` is ``blocks[i]``'s chained key, ``parent_key``
+    the key before the first, ``tokens`` their ids (block_size each). A block that has a key already
+    is skipped; one whose key the index holds stays private. Writes the positions of the blocks
+    indexed to ``indexed``; returns how many."""
+    cached, key, parent = s32[CACHED], s64[KEY], s64[PARENT]
+    bs = rows.shape[1]
+    par = parent_key
+    n = 0
+    for i in range(len(blocks)):
+        b = blocks[i]
+        k = keys[i]
+        if not cached[b]:
+            slot = _find(hk, hv, k)
+            if hv[slot] < 0:
+                hk[slot] = k
+                hv[slot] = b
+                key[b] = k
+                parent[b] = par
+                cached[b] = 1
+                rows[b, :] = tokens[i * bs:(i + 1) * bs]
+                indexed[n] = i
+                n += 1
+        par = k
+    c[INDEXED] += n
+    return n
+
+
+@numba.njit(cache=True)
+def match(s64, hk, hv, rows, keys, tokens, n_max, parent_key, out):
+    """The blocks caching the longest run of ``keys[:n_max]`` whose parents chain from
+    ``parent_key``, cut at the first whose stored tokens differ from ``tokens``: written to ``out``;
+    returns how many."""
+    parent = s64[PARENT]
+    par = parent_key
+    n = 0
+    for j in range(n_max):
+        k = keys[j]
+        b = hv[_find(hk, hv, k)]
+        if b < 0 or parent[b] != par:
+            break
+        out[n] = b
+        n += 1
+        par = k
+    bs = rows.shape[1]
+    for j in range(n):
+        b = out[j]
+        for t in range(bs):
+            if rows[b, t] != tokens[j * bs + t]:
+                return j
+    return n
+
+
+@numba.njit(cache=True)
+def add_fill(s32, c, blocks, n):
+    """``n`` more tokens of KV written into each of these used blocks."""
+    fill = s32[FILL]
+    for i in range(len(blocks)):
+        fill[blocks[i]] += n
+    c[LIVE] += n * len(blocks)
