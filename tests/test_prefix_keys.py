@@ -23,6 +23,8 @@ from kvbench.trace.ideal import (
     ideal_hit_blocks,
     lookup_blocks,
     parent_block_ids,
+    sequence_tokens,
+    sequence_tokens_of,
 )
 from kvbench.trace.importers import convert
 from kvbench.trace.tokens import FEW_BLOCKS, ROOT_KEY, TokenStreams, block_keys
@@ -54,6 +56,11 @@ def check_trace(reqs, bs, keys_of: PrefixKeys | None = None) -> PrefixKeys:
         assert prompt_lens[i] == len(STREAMS.expand(r))
         k, plen = one_by_one(r)
         assert np.array_equal(k, want) and plen == prompt_lens[i]
+        k, plen, pieces = keys_of.with_pieces(r)  # the replay's arrival: keys, then tokens at admission
+        assert np.array_equal(k, want) and plen == prompt_lens[i]
+        tokens = sequence_tokens_of(r, pieces)
+        assert tokens.dtype == np.int32
+        assert np.array_equal(tokens, sequence_tokens(r, STREAMS.expand(r), STREAMS)), (r.id, bs)
     return keys_of
 
 

@@ -33,7 +33,7 @@ from kvbench.engine.routing import Router, jain, max_over_mean
 from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig
 from kvbench.trace.format import Request, load_trace
 from kvbench.trace.ideal import (IdealCounter, PrefixKeys, RadixIdealCounter, ideal_hits, lookup_blocks,
-                                 radix_ideal_hits, sequence_tokens)
+                                 radix_ideal_hits, sequence_tokens_of)
 from kvbench.trace.tokens import TOKEN_HI, TokenStreams
 
 KV_MEM_FRACTION = 0.9  # share of free device memory given to the KV pool when no size is asked
@@ -429,7 +429,7 @@ class Replay:
             st.rejected += 1
             self._record_request(writer, rs, None)
             return
-        keys, prompt_len = self._keys_of(r)
+        keys, prompt_len, pieces = self._keys_of.with_pieces(r)
         if self._ideal is not None:  # the ceiling of the requests this run admits
             self._ideal.add(keys, prompt_len, self._keys_of.shareable_blocks(r))
         replicas = self.replicas
@@ -450,17 +450,11 @@ class Replay:
         rep.routed += 1
         if not rep.sched.has_work():  # an idle replica starts at the arrival
             rep.clock = max(rep.clock, arrival)
-        tokens = None
-        if use_tokens:  # the prompt is the first tokens of the sequence's: one array, not two
-            prompt = self.streams.expand(r)
-            tokens = sequence_tokens(r, prompt, self.streams)
-            rs.prompt = tokens[:len(prompt)]
-        seq = rep.sched.new_seq(rs, tokens, None if future is None else future[index], keys=None,
+        seq = rep.sched.new_seq(rs, None, None if future is None else future[index], keys=None,
                                 reserve=self._reserve(r))
-        if rep.kv.prefix_cache and rep.kv.keys_as_arrays:  # the compiled pool reads the array itself
-            seq.keys = keys
-        elif rep.kv.prefix_cache:  # a waiting request keeps its keys as 8 bytes a block until admission
-            seq.pending = partial(_keys_as_list, keys)
+        if use_tokens or rep.kv.prefix_cache:  # a waiting request holds its pieces and keys, no tokens
+            seq.pending = partial(_admitted, r, pieces if use_tokens else None,
+                                  keys if rep.kv.prefix_cache else None, not rep.kv.keys_as_arrays)
         rep.sched.add(seq)
 
     # -- records ------------------------------------------------------------------------------
@@ -663,8 +657,15 @@ class _Totals:
             self.tier_bytes = {}
 
 
-def _keys_as_list(keys: np.ndarray, seq) -> None:
-    seq.keys = keys.tolist()
+def _admitted(req: Request, pieces: tuple | None, keys: np.ndarray | None, as_list: bool, seq) -> None:
+    """What a waiting sequence goes without until the scheduler first considers it: its tokens (one
+    array, the prompt its first part), built from its pieces by one compiled call, and its keys as
+    the pool takes them (BlockPool: a list of ints, 36 bytes a block more than the array)."""
+    if pieces is not None:
+        seq.tokens = sequence_tokens_of(req, pieces)
+        seq.rs.prompt = seq.tokens[:int(pieces[6][0])]
+    if keys is not None:
+        seq.keys = keys.tolist() if as_list else keys
 
 
 def _merge_evictors(evictors: list) -> dict:

@@ -227,6 +227,11 @@ class PagedKV:
                 if total // bs > s.num_registered:
                     self._register_upto(s, total, num_new == 1)
                 return True
+            if num_new == 1 and s.num_kv == len(table) * bs and p.num_available > watermark:
+                p.alloc_into(table, 1)  # a decode into a new block (the rest below, with nothing to add)
+                if total // bs > s.num_registered:  # (a block of one token is full at once)
+                    self._register_upto(s, total, True)
+                return True
         n_hit = len(hits)
         fresh = not table and s.num_kv == 0
         part = s.partial_len if fresh else 0  # radix: tokens copied from a partly matching block

@@ -358,6 +358,21 @@ def trace_keys(seeds, lengths, literal_at, memoise, pieces_at, literals, block_s
                     buf[j] = buf[n_full * bs + j]
 
 
+@numba.njit(cache=True)
+def fill_pieces(seeds, lengths, literal_at, literals, out):
+    """The tokens of pieces (trace_keys's: a stream's first lengths[p] tokens, or literal tokens), one
+    after another into ``out``; returns how many were written."""
+    o = 0
+    for p in range(len(lengths)):
+        n = lengths[p]
+        if literal_at[p] < 0:
+            fill_stream(out[o:o + n], seeds[p], 0)
+        else:
+            out[o:o + n] = literals[literal_at[p]:literal_at[p] + n]
+        o += n
+    return o
+
+
 # --------------------------------------------------------------------------------- dense ids
 
 @numba.njit(cache=True)

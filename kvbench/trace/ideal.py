@@ -22,6 +22,7 @@ from kvbench.trace.tokens import (
     ROOT_KEY,
     TokenStreams,
     compiled,
+    sample_stream,
     stable_hash,
     unique_stream,
 )
@@ -65,6 +66,21 @@ def sequence_tokens(req: Request, prompt: np.ndarray, streams: TokenStreams, sam
     return np.concatenate([prompt, streams.output_tokens(req, req.output_len - 1, sample=sample)])
 
 
+def sequence_tokens_of(req: Request, pieces: tuple) -> np.ndarray:
+    """``sequence_tokens(req, prompt, streams)`` (sample 0) from the request's pieces
+    (PrefixKeys.with_pieces): its cached sequence, then, for an answer the trace does not name, the
+    answer's own stream, filled by one compiled call."""
+    seeds, lengths, literal_at, _, _, literals, prompt_lens, seq_lens = pieces
+    n = int(seq_lens[0])
+    extra = req.output_len - 1 if req.output is None and req.output_len > 1 else 0
+    out = np.empty(n + extra, dtype=np.int32)
+    c = compiled()
+    c.fill_pieces(seeds, lengths, literal_at, literals, out)
+    if extra:  # (TokenStreams.output_tokens of sample 0: the stream no prompt can name)
+        c.fill_stream(out[n:], np.uint64(stable_hash(sample_stream(req.id, 0))), 0)
+    return out
+
+
 class PrefixKeys:
     """Block keys of requests' cached sequences at one block size (``block_keys`` of
     ``cached_sequence``, computed without expanding prompts), memoising the keys of block-aligned
@@ -97,6 +113,13 @@ class PrefixKeys:
         """(uint64 keys of every whole block of the cached sequence, prompt length)."""
         keys, _, prompt_lens = self.many([req])
         return keys, int(prompt_lens[0])
+
+    def with_pieces(self, req: Request) -> tuple[np.ndarray, int, tuple]:
+        """``self(req)``, and the request's pieces, from which ``sequence_tokens_of`` builds its tokens
+        later without expanding a segment again."""
+        flat = _flatten([req], self.streams, self.once)
+        keys, _ = self.keys_of_pieces(*flat[:6], seq_lens=flat[7])
+        return keys, int(flat[6][0]), flat
 
     def many(self, requests: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every request's keys at once: (uint64 keys, flattened; int64 [len+1] where request i's

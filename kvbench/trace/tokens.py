@@ -59,6 +59,12 @@ def unique_stream(request_key: str, position: int) -> str:
     return f"{_UNIQUE_PREFIX}{request_key}/{position}"
 
 
+def sample_stream(request_key: str, sample: int) -> str:
+    """The name of the stream a sample generates when the trace names no answer for it (no trace can
+    name it either)."""
+    return f"{_SAMPLE_PREFIX}{request_key}/{sample}"
+
+
 class TokenStreams:
     """Lazily generated, memoised, deterministic token streams by name.
 
@@ -125,7 +131,7 @@ class TokenStreams:
         if sample == 0 and req.output is not None:
             return self.stream(req.output, length, start)
         # one-off streams: computed directly, never memoised (they would crowd out shared prefixes)
-        return stream_tokens(stable_hash(f"{_SAMPLE_PREFIX}{req.id}/{sample}"), start, length)
+        return stream_tokens(stable_hash(sample_stream(req.id, sample)), start, length)
 
 
 def encode_text(text: str, tokenizer=None) -> list[int]:
