@@ -210,7 +210,7 @@ class StepCost:
             n_pre += n
             # causal: query i of the chunk sees start + i + 1 keys
             w.prefill.append((self.flops_pair * n * (start + (n + 1) / 2), kv * (start + n)))
-        ctx = sum(batch.decode_context_lens())
+        ctx = batch.decode_context_total()
         w.decode_flops, w.decode_bytes = self.flops_pair * ctx, float(kv * ctx)
         t = n_pre + len(batch.decode_positions)
         if t:

@@ -22,9 +22,16 @@ import numpy as np
 from kvbench.memory.policies import NEVER
 
 
+# compiled.py's counter and row indices, restated for the Python side's reads (checked on import)
+USED, LIVE, EVICTIONS, NFREE, NCACHED, VIRTUAL = range(6)
+REFCNT, FREE = 0, 3
+
+
 def compiled():
     """kvbench.memory.compiled, imported on first use (numba costs ~0.2 s to import)."""
     from kvbench.memory import compiled as module
+    assert (module.USED, module.LIVE, module.EVICTIONS, module.NFREE, module.NCACHED, module.VIRTUAL,
+            module.REFCNT, module.FREE) == (USED, LIVE, EVICTIONS, NFREE, NCACHED, VIRTUAL, REFCNT, FREE)
     return module
 
 
@@ -82,9 +89,11 @@ class ArrayBlockPool:
         self._c = np.zeros(8, dtype=np.int64)
         self._c[cc.NFREE] = n
         self._c[cc.VIRTUAL] = num_blocks - physical  # free blocks never materialised
+        self._n = memoryview(self._c)  # the counters, as Python reads them (ints, list-fast)
         self._cached = s32[cc.CACHED]
         self.refcnt = memoryview(s32[cc.REFCNT, :n])
         self.fill = memoryview(s32[cc.FILL, :n])
+        self._free_mv = memoryview(s32[cc.FREE])
         self.key = _Keys(self)
         # Tokens of registered blocks, to confirm hits. Rows are written on register only.
         self.tokens = np.zeros((n, block_size), dtype=np.int32) if enable_cache else None
@@ -102,29 +111,29 @@ class ArrayBlockPool:
     # -- state ------------------------------------------------------------------------------
     @property
     def num_used(self) -> int:
-        return int(self._c[self._cc.USED])
+        return self._n[USED]
 
     @property
     def tokens_live(self) -> int:
         """Sum of fill over used blocks (a shared block counted once)."""
-        return int(self._c[self._cc.LIVE])
+        return self._n[LIVE]
 
     @tokens_live.setter
     def tokens_live(self, value: int) -> None:
-        self._c[self._cc.LIVE] = value
+        self._n[LIVE] = value
 
     @property
     def evictions(self) -> int:
-        return int(self._c[self._cc.EVICTIONS])
+        return self._n[EVICTIONS]
 
     @property
     def num_free(self) -> int:
-        c, cc = self._c, self._cc
-        return int(c[cc.NFREE] + c[cc.VIRTUAL])
+        n = self._n
+        return n[NFREE] + n[VIRTUAL]
 
     @property
     def num_cached(self) -> int:
-        return int(self._c[self._cc.NCACHED])
+        return self._n[NCACHED]
 
     @property
     def num_held(self) -> int:
@@ -133,8 +142,8 @@ class ArrayBlockPool:
     @property
     def num_available(self) -> int:
         """Blocks that can be handed out now: free plus cached ones."""
-        c, cc = self._c, self._cc
-        return int(c[cc.NFREE] + c[cc.VIRTUAL] + c[cc.NCACHED])
+        n = self._n
+        return n[NFREE] + n[VIRTUAL] + n[NCACHED]
 
     @property
     def slots_allocated(self) -> int:
@@ -162,6 +171,15 @@ class ArrayBlockPool:
         """Append ``n`` newly allocated blocks to ``table`` (refcount 1 each): free blocks first, then
         cached ones in LRU order. Raises IndexError when nothing is evictable."""
         if n <= 0:
+            return
+        counts = self._n
+        if n == 1 and counts[NFREE]:  # one block off the free stack (a decode's next block): no call
+            top = counts[NFREE] - 1
+            b = self._free_mv[top]
+            counts[NFREE] = top
+            counts[USED] += 1
+            self.refcnt[b] = 1
+            table.append(b)
             return
         cc = self._cc
         if n > self.physical:
@@ -206,7 +224,7 @@ class ArrayBlockPool:
     def add_fill(self, b: int, n: int) -> None:
         """``n`` more tokens of KV were written into used block ``b``."""
         self.fill[b] += n
-        self._c[self._cc.LIVE] += n
+        self._n[LIVE] += n
 
     def add_fill_many(self, blocks: list[int], n: int) -> None:
         """``add_fill(b, n)`` for each of these blocks."""
@@ -230,6 +248,12 @@ class ArrayBlockPool:
         no next use; radix links are BlockPool's.)"""
         if not self.enable_cache or not len(blocks):
             return 0
+        if len(blocks) == 1:  # a decode step's block: no arrays to build
+            n = self._cc.register_one(self._s32, self._s64, self._hk, self._hv, self._c, self.tokens, blocks[0],
+                                      np.uint64(keys[0]), np.uint64(parent_key), tokens)
+            if n and self.events is not None:
+                self.events.append((True, [int(keys[0])]))
+            return n
         keys = np.asarray(keys, dtype=np.uint64)
         out = self._scratch[:len(blocks)]  # (a run's blocks are distinct: at most physical)
         n = self._cc.register(self._s32, self._s64, self._hk, self._hv, self._c, self.tokens,

@@ -196,6 +196,25 @@ def register(s32, s64, hk, hv, c, rows, blocks, keys, parent_key, tokens, indexe
 
 
 @numba.njit(cache=True)
+def register_one(s32, s64, hk, hv, c, rows, b, k, parent_key, tokens):
+    """``register`` of one block (a decode step's): 1 if it was indexed, else 0."""
+    cached = s32[CACHED]
+    if cached[b]:
+        return 0
+    slot = _find(hk, hv, k)
+    if hv[slot] >= 0:
+        return 0
+    hk[slot] = k
+    hv[slot] = b
+    s64[KEY, b] = k
+    s64[PARENT, b] = parent_key
+    cached[b] = 1
+    rows[b, :] = tokens[:rows.shape[1]]
+    c[INDEXED] += 1
+    return 1
+
+
+@numba.njit(cache=True)
 def match(s64, hk, hv, rows, keys, tokens, n_max, parent_key, out):
     """The blocks caching the longest run of ``keys[:n_max]`` whose parents chain from
     ``parent_key``, cut at the first whose stored tokens differ from ``tokens``: written to ``out``;

@@ -70,9 +70,9 @@ class StepBatch:
     def num_decodes(self) -> int:
         return len(self.decode_seq_ids)
 
-    def decode_context_lens(self) -> list[int]:
-        """Slots each decode attends to, its own included."""
-        return [p + 1 for p in (self.decode_slots or self.decode_positions)]
+    def decode_context_total(self) -> int:
+        """Slots the step's decodes attend to, summed (each its own new slot included)."""
+        return sum(self.decode_slots or self.decode_positions) + len(self.decode_seq_ids)
 
     def __len__(self) -> int:
         return len(self.prefill_seq_ids) + len(self.decode_seq_ids)
