@@ -8,7 +8,8 @@ reference and every other policy's pool), or ``both`` (default), a row each.
 
 Prints one table: for each pool size, blocks (or tokens) per second for
   alloc   : taking blocks for prefills of 64 blocks (free blocks first, then evicting cached ones)
-  append  : decode appends, one token per call (allocate + commit), a new block every block_size
+  append  : decode steps of every sequence, one token each (allocate per sequence, one commit_all a
+            step, as the scheduler does), a new block every block_size
   free    : releasing whole sequences (blocks become cached, registered under prefix keys)
   lookup  : prefix matches of 64-block prompts whose blocks are cached (hash + token confirmation)
 """
@@ -43,10 +44,11 @@ def bench(num_blocks: int, policy: str, compiled: bool, rounds: int = 3) -> dict
         # decode: 4 blocks' worth of tokens per sequence
         steps = 4 * BS
         t = time.perf_counter()
+        ones = [1] * len(seqs)
         for _ in range(steps):
             for s in seqs:
                 kv.allocate(s, 1)
-                kv.commit(s, 1)
+            kv.commit_all(seqs, ones)
         dt = time.perf_counter() - t
         best["append"] = max(best["append"], steps * n_seqs / dt)
         held = sum(len(s.table) for s in seqs)
