@@ -4,6 +4,11 @@ random operation sequences (hypothesis), and the same steps and requests, row fo
 replays of the shipped and real traces."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -125,23 +130,47 @@ def test_a_hash_collision_cannot_return_wrong_kv():
     assert p.match(keys, toks, 2, 12345) == []  # a chain from another parent
 
 
-def test_out_of_blocks_is_refused_not_written_past():
-    """Asking for more blocks than the pool can hand out raises, changing nothing; so does an incref of
-    a free block (only the allocator hands those out)."""
-    p = ArrayBlockPool(4, 4)
+@pytest.mark.parametrize("cls", [ArrayBlockPool, BlockPool])
+def test_out_of_blocks_is_refused_changing_nothing(cls):
+    """Asking for more blocks than the pool can hand out raises, changing nothing, in both pools (the
+    free blocks are not taken first); the compiled pool also refuses an incref of a free block (only the
+    allocator hands those out) and calls whose arrays are too short for what they name."""
+    p = cls(4, 4)
     t: list[int] = []
-    p.alloc_into(t, 3)
-    with pytest.raises(IndexError):
-        p.alloc_into(t, 2)
-    with pytest.raises(IndexError):
-        p.alloc_into(t, 100)
-    assert t == [0, 1, 2] and p.num_used == 3 and p.num_free == 1
-    with pytest.raises(KeyError):
-        p.incref(3)
-    v = ArrayBlockPool(10, 4, physical=2)  # 8 blocks counted free that were never materialised
-    v.alloc_into(t, 2)
+    p.alloc_into(t, 2)
+    before = (list(p.refcnt), p.num_used, p.num_free, list(p._free))
+    for n in (3, 100):
+        with pytest.raises(IndexError):
+            p.alloc_into(t, n)
+        assert t == [0, 1] and (list(p.refcnt), p.num_used, p.num_free, list(p._free)) == before
+    v = cls(10, 4, physical=2)  # 8 blocks counted free that were never materialised
+    v.alloc_into(t, 1)
     with pytest.raises(RuntimeError, match="materialised"):
-        v.alloc_into(t, 1)
+        v.alloc_into(t, 2)
+    assert v.num_used == 1 and len(t) == 3
+    if cls is ArrayBlockPool:
+        with pytest.raises(KeyError):
+            p.incref(3)
+        toks = np.arange(8, dtype=np.int32)
+        with pytest.raises(ValueError):  # one block, a short token row
+            p.register_run([0], [5], 7, toks[:3])
+        with pytest.raises(ValueError):  # two blocks, one block's tokens
+            p.register_run([0, 1], [5, 6], 7, toks[:4])
+        with pytest.raises(ValueError):  # a match past its tokens or its keys
+            p.match([5, 6], toks[:4], 2, 7)
+        with pytest.raises(ValueError):
+            p.match([5], toks, 2, 7)
+
+
+def test_no_compiled_call_reads_or_writes_past_an_array(tmp_path):
+    """The lockstep, table and refusal tests again with numba's bounds checks on (numba checks none by
+    default: a write past an array is a silent heap overwrite), compiled afresh into an empty cache."""
+    env = {**os.environ, "NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+                        "-k", "same_state or survives or collision or refused"],
+                       env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "5 passed" in r.stdout
 
 
 def _replay(trace, tmp_path, name, compiled, **kw):

@@ -30,3 +30,18 @@ def test_model_and_sim_executors_share_memory_behaviour(tmp_path):
     assert (st_model["dur_ms"] > 0).all() and not st_model["dur_ms"].equals(st_sim["dur_ms"])
     cfg_json = (tmp_path / "model" / "config.json").read_text()
     assert '"device_name": "cpu"' in cfg_json
+
+
+def test_the_slab_baseline_runs_on_the_model_executor(tmp_path):
+    """The slab layout under the model executor, which feeds token ids (built when a request is first
+    considered for admission, as for the paged layout): it completes with the sim's memory behaviour."""
+    torch.set_num_threads(1)
+    trace = str(Path(TRACE).with_name("chat_cpu.jsonl"))
+    runs = {}
+    for ex in ("sim", "model"):
+        cfg = ReplayConfig(executor=ex, model="tiny", device="cpu", layout="slab", limit=4, max_model_len=2048,
+                           num_blocks=600, time_scale=1e-9)
+        runs[ex] = (replay(trace, cfg, str(tmp_path / ex)), pd.read_parquet(tmp_path / ex / "steps.parquet"))
+    (s_sim, st_sim), (s_model, st_model) = runs["sim"], runs["model"]
+    assert s_model["completed"] == 4 and s_model["slab_reserve_tokens"] == 2048
+    pd.testing.assert_frame_equal(st_sim[MEMORY], st_model[MEMORY])

@@ -214,7 +214,9 @@ def test_each_replica_is_its_own_engine(tmp_path):
 @pytest.mark.slow
 def test_mooncake_four_replicas_every_router(tmp_path):
     """The whole real Mooncake conversation trace on 4 replicas: the prefix-aware routers beat
-    round-robin's hit rate."""
+    round-robin's hit rate, prefix hashing over the first 64 blocks (every Mooncake prompt starts with
+    the same 512 tokens, so hashing the default first 4 blocks sends every request to one replica:
+    README's hot-prefix row)."""
     from kvbench.trace.importers import convert
 
     trace = str(tmp_path / "mooncake.jsonl")
@@ -222,7 +224,7 @@ def test_mooncake_four_replicas_every_router(tmp_path):
     hit = {}
     for router in ("round-robin", "prefix", "kv-aware"):
         s = replay(trace, ReplayConfig(executor="sim", model="llama-3-8b", gpu="h200", replicas=4,
-                                       router=router, limit=3000), str(tmp_path / router))
+                                       router=router, router_prefix_blocks=64, limit=3000), str(tmp_path / router))
         hit[router] = s["prefix_hit_rate"]
     assert hit["kv-aware"] > hit["round-robin"] and hit["prefix"] > hit["round-robin"], hit
 

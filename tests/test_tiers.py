@@ -13,6 +13,7 @@ from kvbench.engine.config import ReplayConfig
 from kvbench.engine.replay import Replay
 from kvbench.executors.presets import get_gpu, get_model
 from kvbench.executors.sim import make_sim
+from kvbench.memory.policies import CACHE_POLICIES
 from kvbench.memory.tiers import Tiers, TierSpec
 from kvbench.scheduler.batch import StepBatch
 from kvbench.sweep.grid import collapse, not_applicable
@@ -159,6 +160,15 @@ def test_an_evicted_block_asked_again_is_loaded_from_the_cpu_tier_at_its_bandwid
                    for r in evict_then_return())
     assert s["bytes_stored"] > 0 and s["bytes_stored"] % BLOCK_BYTES == 0
     assert s["bytes_stored"] // BLOCK_BYTES <= computed
+
+
+@pytest.mark.parametrize("policy", sorted(set(CACHE_POLICIES) - {"learned"}))  # (learned needs its file)
+def test_every_cache_policy_orders_a_tier(tmp_path, policy):
+    """Any --cpu-cache-policy orders a tier: the evicted document comes back from it (a policy whose
+    batch calls took a list but got an iterator crashed at the first step that loaded a block)."""
+    _, s, rows, _ = run(tmp_path, evict_then_return(), "cpu", cpu_kv_mem="1GiB", load_policy="always",
+                        cpu_cache_policy=policy)
+    assert rows.loc["r4", "loaded_tokens"] == 144 and s["hit_rate_cpu"] > 0
 
 
 def test_auto_loads_a_long_prompt_and_recomputes_a_short_one(tmp_path):

@@ -181,18 +181,13 @@ class ArrayBlockPool:
             self.refcnt[b] = 1
             table.append(b)
             return
-        cc = self._cc
-        if n > self.physical:
-            raise IndexError("no evictable block") if not self._c[cc.VIRTUAL] else RuntimeError(
-                f"the pool's {self.physical:,} materialised blocks were all taken: the bound given as `physical` "
-                "was too small")
+        if n > self.physical:  # (more than the scratch row holds: short either way)
+            raise self._short(n)
         out = self._scratch[:n]
-        evicted = cc.alloc(self._s32, self._s64, self._hk, self._hv, self._c, n, out, self._vkeys, self._vparents)
+        evicted = self._cc.alloc(self._s32, self._s64, self._hk, self._hv, self._c, n, out, self._vkeys,
+                                 self._vparents)
         if evicted < 0:
-            if evicted == cc.VIRTUAL_SHORT:
-                raise RuntimeError(f"the pool's {self.physical:,} materialised blocks were all taken: the bound "
-                                   "given as `physical` was too small")
-            raise IndexError("no evictable block")
+            raise self._short(n)
         got = out.tolist()
         if evicted and (self.events is not None or self.spill is not None):
             keys = self._vkeys[:evicted].tolist()
@@ -201,6 +196,13 @@ class ArrayBlockPool:
             if self.spill is not None:  # the victims' KV is still in their blocks until the forward
                 self.spill(got[n - evicted:], keys, self._vparents[:evicted].tolist())
         table.extend(got)
+
+    def _short(self, n: int) -> Exception:
+        """BlockPool's error for an allocation of ``n`` that the pool cannot serve (nothing changed)."""
+        if counts := self._n[VIRTUAL]:
+            return RuntimeError(f"the pool's {self.physical:,} materialised blocks were all taken ({counts:,} more "
+                                "counted free): the bound given as `physical` was too small")
+        return IndexError(f"no evictable block ({n:,} wanted, {self.num_available:,} free or cached)")
 
     def incref(self, b: int) -> None:
         """Take another reference to a block; a cached one becomes used again."""
@@ -228,7 +230,7 @@ class ArrayBlockPool:
 
     def add_fill_many(self, blocks: list[int], n: int) -> None:
         """``add_fill(b, n)`` for each of these blocks."""
-        if blocks:
+        if len(blocks):
             self._cc.add_fill(self._s32, self._c, np.asarray(blocks, dtype=np.int32), n)
 
     def split_after(self, b: int) -> None:
@@ -238,22 +240,28 @@ class ArrayBlockPool:
     def register(self, b: int, key: int, parent_key: int, tokens: np.ndarray,
                  next_use: int = NEVER, parent_block: int = -1, extend: bool = False) -> bool:
         """Index one computed block under ``key``; False when the key is cached already."""
-        return self.register_run([b], np.array([key], dtype=np.uint64), parent_key, tokens) == 1
+        return self.register_run([b], np.array([key], dtype=np.uint64), parent_key,
+                                 np.asarray(tokens, dtype=np.int32)) == 1
 
     def register_run(self, blocks: list[int], keys, parent_key: int, tokens: np.ndarray,
                      next_uses=None, parent_block: int = -1, extend: bool = False) -> int:
         """Index consecutive computed blocks (``tokens`` holds exactly their ids, in order);
         ``keys[i]`` is ``blocks[i]``'s key, ``parent_key`` the key before the first. A block whose key
-        another block caches already stays private. Returns how many blocks were indexed. (lru reads
-        no next use; radix links are BlockPool's.)"""
+        another block caches already stays private. Returns how many blocks were indexed. Keys are
+        chained, so none repeats within a run (BlockPool assumes it too). (lru reads no next use;
+        radix links are BlockPool's.)"""
         if not self.enable_cache or not len(blocks):
             return 0
         if len(blocks) == 1:  # a decode step's block: no arrays to build
+            if len(tokens) != self.block_size:
+                raise ValueError(f"a block of {self.block_size} tokens, not {len(tokens)}")
             n = self._cc.register_one(self._s32, self._s64, self._hk, self._hv, self._c, self.tokens, blocks[0],
                                       np.uint64(keys[0]), np.uint64(parent_key), tokens)
             if n and self.events is not None:
                 self.events.append((True, [int(keys[0])]))
             return n
+        if len(tokens) != len(blocks) * self.block_size or len(keys) < len(blocks):
+            raise ValueError(f"{len(blocks)} blocks need {len(blocks)} keys and {len(blocks) * self.block_size} tokens")
         keys = np.asarray(keys, dtype=np.uint64)
         out = self._scratch[:len(blocks)]  # (a run's blocks are distinct: at most physical)
         n = self._cc.register(self._s32, self._s64, self._hk, self._hv, self._c, self.tokens,
@@ -270,6 +278,8 @@ class ArrayBlockPool:
         """
         if not self.enable_cache or n_max <= 0:
             return []
+        if n_max > len(keys) or len(tokens) < n_max * self.block_size:
+            raise ValueError(f"a match of {n_max} blocks needs as many keys and {n_max * self.block_size} tokens")
         out = self._scratch[:n_max] if n_max <= len(self._scratch) else np.empty(n_max, dtype=np.int32)
         n = self._cc.match(self._s64, self._hk, self._hv, self.tokens, np.asarray(keys, dtype=np.uint64),
                            np.asarray(tokens, dtype=np.int32), n_max, np.uint64(parent_key), out)

@@ -121,8 +121,14 @@ class BlockPool:
 
     def alloc_into(self, table: list[int], n: int) -> None:
         """Append ``n`` newly allocated blocks to ``table`` (refcount 1 each): free blocks first, then
-        cached ones the policy evicts. Raises (IndexError/KeyError) when nothing is evictable."""
+        cached ones the policy evicts. Raises IndexError, changing nothing, when fewer than ``n`` are
+        available, and RuntimeError when the materialised blocks run out (``physical``)."""
         free = self._free
+        if n > len(free) and self._virtual_free:
+            raise RuntimeError(f"the pool's {self.physical:,} materialised blocks were all taken: the bound "
+                               "given as `physical` was too small")
+        if n > self.num_available:
+            raise IndexError(f"no evictable block ({n:,} wanted, {self.num_available:,} free or cached)")
         take = min(n, len(free))
         if take:
             got = free[len(free) - take:]
@@ -134,9 +140,6 @@ class BlockPool:
             table.extend(got)
             self.num_used += take
         need = n - take
-        if need and self._virtual_free:
-            raise RuntimeError(f"the pool's {self.physical:,} materialised blocks were all taken: the bound "
-                               "given as `physical` was too small")
         while need:  # evict cached blocks for the rest
             index, key, fill, refcnt, on_evict = self.index, self.key, self.fill, self.refcnt, self.on_evict
             k = need if self.kids is None else 1  # leaves-only: each victim may make its parent next

@@ -29,7 +29,7 @@ import xxhash
 
 from kvbench.memory.array_pool import ArrayBlockPool
 from kvbench.memory.block_pool import BlockPool
-from kvbench.memory.policies import NEVER, check_policy
+from kvbench.memory.policies import NEVER
 from kvbench.memory.radix import PARTIAL_SALT, RadixChildren
 from kvbench.trace.ideal import lookup_blocks
 from kvbench.trace.tokens import ROOT_KEY, block_keys
@@ -98,8 +98,7 @@ class PagedKV:
         if radix and radix_eviction == "node" and cache_policy != "lru":
             raise ValueError(f"node eviction orders nodes by recency (SGLang's lru); cache policy "
                              f"{cache_policy!r} needs block eviction")
-        check_policy(cache_policy)
-        if (self.compiled_pool if compiled is None else compiled) and not radix and (cache_policy == "lru" or not prefix_cache):  # (no cache: no policy)
+        if (self.compiled_pool if compiled is None else compiled) and not radix and cache_policy == "lru":
             self.pool = ArrayBlockPool(num_blocks, block_size, enable_cache=prefix_cache, physical=physical)
         else:
             self.pool = BlockPool(num_blocks, block_size, enable_cache=prefix_cache, policy=cache_policy,

@@ -112,7 +112,7 @@ class Tier:
 
     def unpin_all(self) -> None:
         if self.pins:  # last pinned first, so a loaded prefix ends up more recent than its continuation
-            self.policy.release_many(reversed(list(self.pins)))
+            self.policy.release_many(list(self.pins)[::-1])
             self.pins.clear()
 
     def store_run(self, keys: list[int], parents: list[int], next_uses=None) -> list[int]:
