@@ -87,7 +87,7 @@ class PagedKV:
         ``block`` evicts leaf blocks by ``cache_policy``. ``radix_partial`` (radix mode): also
         serve a prefix that ends inside a cached block (a copy) and keep finished partial tails;
         without it radix mode matches whole blocks only, as SGLang with page size = block size.
-        ``physical``: see BlockPool. ``compiled``: hash mode under lru (or no prefix cache) runs on
+        ``physical``: see BlockPool. ``compiled``: hash mode (or no prefix cache) under lru runs on
         ArrayBlockPool, the compiled twin of BlockPool; False keeps BlockPool (the reference); None:
         ``compiled_pool``'s choice."""
         if prefix_mode not in ("hash", "radix"):
