@@ -453,8 +453,9 @@ class Replay:
         seq = rep.sched.new_seq(rs, None, None if future is None else future[index], keys=None,
                                 reserve=self._reserve(r))
         if use_tokens or rep.kv.prefix_cache:  # a waiting request holds its pieces and keys, no tokens
-            seq.pending = partial(_admitted, r, pieces if use_tokens else None,
-                                  keys if rep.kv.prefix_cache else None, not rep.kv.keys_as_arrays)
+            seq.pending = partial(_admitted, r, pieces if use_tokens else None, prompt_len,
+                                  keys if rep.kv.prefix_cache else None,
+                                  rep.kv.prefix_cache and not rep.kv.keys_as_arrays)
         rep.sched.add(seq)
 
     # -- records ------------------------------------------------------------------------------
@@ -657,13 +658,14 @@ class _Totals:
             self.tier_bytes = {}
 
 
-def _admitted(req: Request, pieces: tuple | None, keys: np.ndarray | None, as_list: bool, seq) -> None:
+def _admitted(req: Request, pieces: tuple | None, prompt_len: int, keys: np.ndarray | None, as_list: bool,
+              seq) -> None:
     """What a waiting sequence goes without until the scheduler first considers it: its tokens (one
     array, the prompt its first part), built from its pieces by one compiled call, and its keys as
     the pool takes them (BlockPool: a list of ints, 36 bytes a block more than the array)."""
     if pieces is not None:
         seq.tokens = sequence_tokens_of(req, pieces)
-        seq.rs.prompt = seq.tokens[:int(pieces[6][0])]
+        seq.rs.prompt = seq.tokens[:prompt_len]
     if keys is not None:
         seq.keys = keys.tolist() if as_list else keys
 

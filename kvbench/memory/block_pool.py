@@ -30,6 +30,8 @@ from kvbench.memory.policies import NEVER, CachePolicy, PoolView, make_policy
 
 
 class BlockPool:
+    keys_as_arrays = False  # a sequence's keys are a list of ints (the index is a dict of them)
+
     def __init__(self, num_blocks: int, block_size: int, *, enable_cache: bool = True,
                  policy: str | CachePolicy = "lru", physical: int | None = None):
         """``physical``: blocks to hold state for, when the caller knows the run can never use more

@@ -158,7 +158,7 @@ class PagedKV:
     def keys_as_arrays(self) -> bool:
         """A sequence's keys are a uint64 array (the compiled pool's), not a list of ints (BlockPool's
         dict, and the tiers', take ints)."""
-        return getattr(self.pool, "keys_as_arrays", False) and self.tiers is None
+        return self.pool.keys_as_arrays and self.tiers is None
 
     def _keys(self, s: SeqKV, n_blocks: int):
         """The chained keys of the sequence's first ``n_blocks`` full blocks (``n_blocks`` <=
@@ -314,11 +314,12 @@ class PagedKV:
         hot path)."""
         p, bs = self.pool, self.block_size
         fill = p.fill
-        live = 0
+        live = 0  # tokens written here (the pool counts those of whole blocks it fills)
         for s, n in zip(seqs, nums):
             start = s.num_kv
             if n == 1:  # decode
                 fill[s.table[start // bs]] += 1
+                live += 1
             else:  # a prefill chunk: the rest of a partial block, whole blocks, a partial one
                 table, end = s.table, start + n
                 j, off = divmod(start, bs)
@@ -328,13 +329,12 @@ class PagedKV:
                     start += take
                     j += 1
                 whole = (end - start) // bs
-                if whole:  # (the pool counts their tokens live)
+                if whole:
                     p.add_fill_many(table[j:j + whole], bs)
-                    live -= whole * bs
                 if end - start > whole * bs:
                     fill[table[j + whole]] += end - start - whole * bs
+                live += n - whole * bs
             s.num_kv += n
-            live += n
         p.tokens_live += live
 
     def _register_upto(self, s: SeqKV, end: int, decode: bool = False) -> None:

@@ -20,7 +20,6 @@ class SlabKV:
     watermark_frac = 0.0  # a reservation never grows: no room to keep for growth
     tiers = None  # no prefix cache, so no tiers behind it
     last_loaded = None
-    keys_as_arrays = False  # (no prefix cache: a sequence holds no keys)
 
     def __init__(self, num_blocks: int, block_size: int, **_ignored):
         self.num_blocks = num_blocks

@@ -70,9 +70,9 @@ def sequence_tokens_of(req: Request, pieces: tuple) -> np.ndarray:
     """``sequence_tokens(req, prompt, streams)`` (sample 0) from the request's pieces
     (PrefixKeys.with_pieces): its cached sequence, then, for an answer the trace does not name, the
     answer's own stream, filled by one compiled call."""
-    seeds, lengths, literal_at, _, _, literals, prompt_lens, seq_lens = pieces
+    seeds, lengths, literal_at, _, _, literals, _, seq_lens = pieces
     n = int(seq_lens[0])
-    extra = req.output_len - 1 if req.output is None and req.output_len > 1 else 0
+    extra = max(req.output_len - 1, 0) - cached_answer_len(req)  # the computed answer the pieces lack
     out = np.empty(n + extra, dtype=np.int32)
     c = compiled()
     c.fill_pieces(seeds, lengths, literal_at, literals, out)
@@ -111,8 +111,8 @@ class PrefixKeys:
 
     def __call__(self, req: Request) -> tuple[np.ndarray, int]:
         """(uint64 keys of every whole block of the cached sequence, prompt length)."""
-        keys, _, prompt_lens = self.many([req])
-        return keys, int(prompt_lens[0])
+        keys, prompt_len, _ = self.with_pieces(req)
+        return keys, prompt_len
 
     def with_pieces(self, req: Request) -> tuple[np.ndarray, int, tuple]:
         """``self(req)``, and the request's pieces, from which ``sequence_tokens_of`` builds its tokens
