@@ -20,7 +20,7 @@ from kvbench.engine.replay import Replay
 from kvbench.memory import PagedKV, SeqKV
 from kvbench.memory.array_pool import ArrayBlockPool
 from kvbench.memory.block_pool import BlockPool
-from kvbench.trace.tokens import TokenStreams, block_keys
+from kvbench.trace.tokens import TokenStreams
 
 from test_engine import REAL, TRACES
 from test_memory import apply_op
@@ -32,13 +32,7 @@ def state(kv: PagedKV) -> dict:
     """Everything a pool's callers can observe, and the order it will evict in."""
     p = kv.pool
     n = p.physical
-    if isinstance(p, ArrayBlockPool):
-        lru, b = [], int(p._s32[p._cc.NEXT, n])
-        while b != n:
-            lru.append(b)
-            b = int(p._s32[p._cc.NEXT, b])
-    else:
-        lru = list(p.policy._q)
+    lru = p.lru_order() if isinstance(p, ArrayBlockPool) else list(p.policy._q)
     return {"refcnt": list(p.refcnt), "fill": list(p.fill), "key": [p.key[b] for b in range(n)],
             "free": list(p._free), "lru": lru, "index": dict(p.index) if p.enable_cache else {},
             "counters": (p.num_used, p.tokens_live, p.num_cached, p.num_free, p.num_available, p.evictions),
@@ -115,21 +109,6 @@ def test_the_index_survives_deletes_that_wrap_the_table():
             p.recount()
 
 
-def test_a_hash_collision_cannot_return_wrong_kv():
-    """A block found under a key but holding other tokens is no hit (the stored tokens are compared)."""
-    p = ArrayBlockPool(8, 4)
-    toks = np.arange(8, dtype=np.int32)
-    keys = block_keys(toks, 4)
-    got: list[int] = []
-    p.alloc_into(got, 2)
-    assert p.register_run(got, keys, 0x6B7662656E6368, toks) == 2
-    assert p.match(keys, toks, 2, 0x6B7662656E6368) == got
-    other = toks.copy()
-    other[5] += 1  # the second block's tokens differ: same keys, so only the comparison can tell
-    assert p.match(keys, other, 2, 0x6B7662656E6368) == got[:1]
-    assert p.match(keys, toks, 2, 12345) == []  # a chain from another parent
-
-
 @pytest.mark.parametrize("cls", [ArrayBlockPool, BlockPool])
 def test_out_of_blocks_is_refused_changing_nothing(cls):
     """Asking for more blocks than the pool can hand out raises, changing nothing, in both pools (the
@@ -150,7 +129,7 @@ def test_out_of_blocks_is_refused_changing_nothing(cls):
     assert v.num_used == 1 and len(t) == 3
     if cls is ArrayBlockPool:
         with pytest.raises(KeyError):
-            p.incref(3)
+            p.incref_many([3])
         toks = np.arange(8, dtype=np.int32)
         with pytest.raises(ValueError):  # one block, a short token row
             p.register_run([0], [5], 7, toks[:3])
@@ -167,10 +146,10 @@ def test_no_compiled_call_reads_or_writes_past_an_array(tmp_path):
     default: a write past an array is a silent heap overwrite), compiled afresh into an empty cache."""
     env = {**os.environ, "NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-                        "-k", "same_state or survives or collision or refused"],
+                        "-k", "same_state or survives or refused"],
                        env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert "5 passed" in r.stdout
+    assert "4 passed" in r.stdout
 
 
 def _replay(trace, tmp_path, name, compiled, **kw):
@@ -211,7 +190,7 @@ def test_replays_are_row_for_row_those_of_blockpool(name, tmp_path):
         convert("mooncake", str(trace), str(conv), limit=600)
         trace, kw = conv, dict(num_blocks=12000)
     a, b = (_replay(trace, tmp_path, name, c, **kw) for c in (True, False))
-    assert a[0]["cache_evictions"] > 0 or not a[0].get("prefix_hit_rate")  # the pool was short
+    assert a[0]["cache_evictions"] + a[0]["preemptions"] > 0  # the pool was short
     assert a[0] == b[0]
     pd.testing.assert_frame_equal(a[1], b[1])
     pd.testing.assert_frame_equal(a[2], b[2])

@@ -238,9 +238,11 @@ def test_fork_copy_on_write_reports_copies():
     assert kv.pool.fill[tail] == 9 and kv.pool.fill[b.table[-1]] == 9
 
 
-def test_hash_collision_cannot_return_wrong_kv():
-    """A forged index entry whose key matches but whose tokens differ is not a hit."""
-    kv = PagedKV(64, 4)
+@pytest.mark.parametrize("compiled", [True, False], ids=["ArrayBlockPool", "BlockPool"])
+def test_hash_collision_cannot_return_wrong_kv(compiled):
+    """A forged index entry whose key matches but whose tokens differ is not a hit: the match stops
+    at the first block whose stored tokens differ; and a chain from another parent key is no hit."""
+    kv = PagedKV(64, 4, compiled=compiled)
     t1 = STREAMS.stream("x", 16)
     s = SeqKV(tokens=t1)
     kv.allocate(s, 16)
@@ -248,6 +250,10 @@ def test_hash_collision_cannot_return_wrong_kv():
     other = STREAMS.stream("y", 16)
     s2 = SeqKV(tokens=other, keys=block_keys(t1, 4))  # same keys, different tokens: a collision
     assert kv.lookup(s2, 16) == []
+    half = t1.copy()
+    half[9] += 1  # the third block differs: only the comparison can tell
+    assert kv.lookup(SeqKV(tokens=half, keys=block_keys(t1, 4)), 16) == s.table[:2]
+    assert kv.pool.match(block_keys(t1, 4), t1, 3, 12345) == []
     s3 = SeqKV(tokens=t1)
     assert len(kv.lookup(s3, 16)) == 3  # never the block holding the last token
 

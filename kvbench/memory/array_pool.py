@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbench.memory.policies import NEVER
-
 
 # compiled.py's counter and row indices, restated for the Python side's reads (checked on import)
 USED, LIVE, EVICTIONS, NFREE, NCACHED, VIRTUAL = range(6)
@@ -43,21 +41,6 @@ class _Keys:
 
     def __getitem__(self, b: int):
         return int(self._key[b]) if self._cached[b] else None
-
-    def __len__(self) -> int:
-        return len(self._key)
-
-
-class _LRUCount:
-    """``pool.policy``: what the pool's callers read of its policy (its name and size)."""
-
-    name = "lru"
-
-    def __init__(self, counters: np.ndarray, at: int):
-        self._c, self._at = counters, at
-
-    def __len__(self) -> int:
-        return int(self._c[self._at])
 
 
 class ArrayBlockPool:
@@ -100,9 +83,7 @@ class ArrayBlockPool:
         self._scratch = np.empty(n, dtype=np.int32)
         self._vkeys = np.empty(n, dtype=np.uint64)
         self._vparents = np.empty(n, dtype=np.uint64)
-        self.policy = _LRUCount(self._c, cc.NCACHED)
         self.clock = 0  # logical time for policies (lru reads none)
-        self.on_evict = None  # BlockPool's radix hook: never set in hash mode
         self.events: list | None = None  # KV events for a router's index, as BlockPool's
         self.spill = None  # write-back tiers, as BlockPool's
         self.kids = None  # leaves-only and node eviction are radix mode's (BlockPool)
@@ -136,18 +117,10 @@ class ArrayBlockPool:
         return self._n[NCACHED]
 
     @property
-    def num_held(self) -> int:
-        return 0
-
-    @property
     def num_available(self) -> int:
         """Blocks that can be handed out now: free plus cached ones."""
         n = self._n
         return n[NFREE] + n[VIRTUAL] + n[NCACHED]
-
-    @property
-    def slots_allocated(self) -> int:
-        return self.num_used * self.block_size
 
     @property
     def index(self) -> dict[int, int]:
@@ -204,12 +177,8 @@ class ArrayBlockPool:
                                 "counted free): the bound given as `physical` was too small")
         return IndexError(f"no evictable block ({n:,} wanted, {self.num_available:,} free or cached)")
 
-    def incref(self, b: int) -> None:
-        """Take another reference to a block; a cached one becomes used again."""
-        self.incref_many((b,))
-
     def incref_many(self, blocks) -> None:
-        """``incref`` each block, in order."""
+        """Take another reference to each block, in order; a cached one becomes used again."""
         if self._cc.incref(self._s32, self._c, np.asarray(blocks, dtype=np.int32)) < 0:
             raise KeyError("incref of a free block")
 
@@ -233,16 +202,7 @@ class ArrayBlockPool:
         if len(blocks):
             self._cc.add_fill(self._s32, self._c, np.asarray(blocks, dtype=np.int32), n)
 
-    def split_after(self, b: int) -> None:
-        """Node eviction's (radix mode): nothing to do here."""
-
     # -- prefix cache -----------------------------------------------------------------------
-    def register(self, b: int, key: int, parent_key: int, tokens: np.ndarray,
-                 next_use: int = NEVER, parent_block: int = -1, extend: bool = False) -> bool:
-        """Index one computed block under ``key``; False when the key is cached already."""
-        return self.register_run([b], np.array([key], dtype=np.uint64), parent_key,
-                                 np.asarray(tokens, dtype=np.int32)) == 1
-
     def register_run(self, blocks: list[int], keys, parent_key: int, tokens: np.ndarray,
                      next_uses=None, parent_block: int = -1, extend: bool = False) -> int:
         """Index consecutive computed blocks (``tokens`` holds exactly their ids, in order);
@@ -255,7 +215,7 @@ class ArrayBlockPool:
         if len(blocks) == 1:  # a decode step's block: no arrays to build
             if len(tokens) != self.block_size:
                 raise ValueError(f"a block of {self.block_size} tokens, not {len(tokens)}")
-            n = self._cc.register_one(self._s32, self._s64, self._hk, self._hv, self._c, self.tokens, blocks[0],
+            n = self._cc.register_one(self._s32, self._s64, self._hk, self._hv, self.tokens, blocks[0],
                                       np.uint64(keys[0]), np.uint64(parent_key), tokens)
             if n and self.events is not None:
                 self.events.append((True, [int(keys[0])]))
@@ -264,7 +224,7 @@ class ArrayBlockPool:
             raise ValueError(f"{len(blocks)} blocks need {len(blocks)} keys and {len(blocks) * self.block_size} tokens")
         keys = np.asarray(keys, dtype=np.uint64)
         out = self._scratch[:len(blocks)]  # (a run's blocks are distinct: at most physical)
-        n = self._cc.register(self._s32, self._s64, self._hk, self._hv, self._c, self.tokens,
+        n = self._cc.register(self._s32, self._s64, self._hk, self._hv, self.tokens,
                               np.asarray(blocks, dtype=np.int32), keys, np.uint64(parent_key),
                               np.asarray(tokens, dtype=np.int32), out)
         if n and self.events is not None:
@@ -289,6 +249,16 @@ class ArrayBlockPool:
         """A hit: lru orders by release only."""
 
     # -- checks -----------------------------------------------------------------------------
+    def lru_order(self) -> list[int]:
+        """The cached blocks, next victim first (for tests; O(cached))."""
+        nxt, n = self._s32[self._cc.NEXT], self.physical
+        lru, b = [], int(nxt[n])
+        while b != n:
+            lru.append(b)
+            assert len(lru) <= n, "the LRU list has a cycle"
+            b = int(nxt[b])
+        return lru
+
     def recount(self) -> dict:
         """Recompute the counters from scratch, and check the LRU list, the free stack and the index
         against the blocks' states (for tests; O(num_blocks))."""
@@ -297,17 +267,13 @@ class ArrayBlockPool:
         cached = self._cached[:n].astype(bool)
         fill = self._s32[cc.FILL, :n]
         used = refcnt > 0
-        lru, b = [], int(self._s32[cc.NEXT, n])
-        while b != n:
-            lru.append(b)
-            assert len(lru) <= n, "the LRU list has a cycle"
-            b = int(self._s32[cc.NEXT, b])
+        lru = self.lru_order()
         assert sorted(lru) == np.flatnonzero(~used & cached).tolist(), "the LRU list is not the cached blocks"
         free = self._free
         assert sorted(free) == np.flatnonzero(~used & ~cached).tolist(), "the free stack is not the empty blocks"
         assert not fill[free].any(), "a free block holds tokens"
         index = self.index
-        assert len(index) == int(cached.sum()) == int(self._c[cc.INDEXED]), "the index is not the keyed blocks"
+        assert len(index) == int(cached.sum()) == int((self._hv >= 0).sum()), "the index is not the keyed blocks, once each"
         key = self._s64[cc.KEY, :n]
         assert all(cached[b] and int(key[b]) == k for k, b in index.items()), "an index entry is stale"
         return {"num_used": int(used.sum()), "tokens_live": int(fill[used].sum()),

@@ -26,8 +26,8 @@ import numpy as np
 
 REFCNT, FILL, CACHED, FREE, PREV, NEXT = range(6)  # rows of s32 (CACHED: 1 when the block has a key)
 KEY, PARENT = range(2)  # rows of s64
-USED, LIVE, EVICTIONS, NFREE, NCACHED, VIRTUAL, INDEXED = range(7)  # counters
-NO_VICTIM, VIRTUAL_SHORT, NOT_CACHED = -1, -2, -3  # error returns
+USED, LIVE, EVICTIONS, NFREE, NCACHED, VIRTUAL = range(6)  # counters
+SHORT, NOT_CACHED = -1, -2  # error returns
 
 
 @numba.njit(cache=True, inline="always")
@@ -85,16 +85,14 @@ def alloc(s32, s64, hk, hv, c, n, out, vkeys, vparents):
     """Write ``n`` newly allocated blocks (refcount 1) to ``out``: free ones first (the top of the
     free stack first), then cached ones in LRU order (least recently released first), forgotten by
     the index. Returns how many were evicted (their keys and parents' keys are then in ``vkeys`` and
-    ``vparents``), or NO_VICTIM / VIRTUAL_SHORT (nothing changed) when the blocks are not there."""
+    ``vparents``), or SHORT (nothing changed) when the blocks are not there: too few cached, or the
+    free blocks beyond the materialised ones (VIRTUAL) wanted."""
     refcnt, fill, cached, free, nxt = s32[REFCNT], s32[FILL], s32[CACHED], s32[FREE], s32[NEXT]
     nfree = c[NFREE]
     take = min(n, nfree)
     need = n - take
-    if need:
-        if c[VIRTUAL]:
-            return VIRTUAL_SHORT
-        if need > c[NCACHED]:
-            return NO_VICTIM
+    if need and (c[VIRTUAL] or need > c[NCACHED]):
+        return SHORT
     for i in range(take):
         b = free[nfree - 1 - i]
         refcnt[b] = 1
@@ -113,7 +111,6 @@ def alloc(s32, s64, hk, hv, c, n, out, vkeys, vparents):
         refcnt[b] = 1
         out[take + i] = b
     c[NCACHED] -= need
-    c[INDEXED] -= need
     c[EVICTIONS] += need
     c[USED] += n
     return need
@@ -167,7 +164,7 @@ def incref(s32, c, blocks):
 
 
 @numba.njit(cache=True)
-def register(s32, s64, hk, hv, c, rows, blocks, keys, parent_key, tokens, indexed):
+def register(s32, s64, hk, hv, rows, blocks, keys, parent_key, tokens, indexed):
     """Index consecutive computed blocks: ``keys[i]`` is ``blocks[i]``'s chained key, ``parent_key``
     the key before the first, ``tokens`` their ids (block_size each). A block that has a key already
     is skipped; one whose key the index holds stays private. Writes the positions of the blocks
@@ -191,12 +188,11 @@ def register(s32, s64, hk, hv, c, rows, blocks, keys, parent_key, tokens, indexe
                 indexed[n] = i
                 n += 1
         par = k
-    c[INDEXED] += n
     return n
 
 
 @numba.njit(cache=True)
-def register_one(s32, s64, hk, hv, c, rows, b, k, parent_key, tokens):
+def register_one(s32, s64, hk, hv, rows, b, k, parent_key, tokens):
     """``register`` of one block (a decode step's): 1 if it was indexed, else 0."""
     cached = s32[CACHED]
     if cached[b]:
@@ -210,7 +206,6 @@ def register_one(s32, s64, hk, hv, c, rows, b, k, parent_key, tokens):
     s64[PARENT, b] = parent_key
     cached[b] = 1
     rows[b, :] = tokens[:rows.shape[1]]
-    c[INDEXED] += 1
     return 1
 
 
