@@ -11,7 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS = {  # package -> layer (design.md's numbering; errors is the shared base)
-    "kvbench.errors": 0, "kvbench.jsonio": 0,
+    "kvbench.errors": 0, "kvbench.jsonio": 0, "kvbench.provenance": 0, "kvbench.jit": 0,
     "kvbench.trace": 1, "kvbench.workloads": 1,
     "kvbench.memory": 2,
     "kvbench.eviction": 3,

@@ -50,4 +50,28 @@ def report(dirs, out, title, on_bad, as_json):
         click.echo(f"kvbench report: {len(rep.charts)} charts in {out}", err=True)
 
 
-COMMANDS = [report]
+@click.command(epilog="""
+\b
+Examples:
+  kvbench export runs/chat-paged                 # requests.csv, steps.csv, summary.csv beside the parquet
+  kvbench export runs/chat-sweep-1a2b3c4d --out csv/chat
+""")
+@click.argument("dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["csv"]), default="csv", show_default=True,
+              help="what to write")
+@click.option("--out", "out", type=click.Path(file_okay=False), default=None,
+              help="directory for the files [default: beside each run's parquet files; with several "
+                   "DIRS, one folder per DIR under --out]")
+def export(dirs, fmt, out):
+    """Write a run's or a sweep's tables as CSV (requests, steps, sweep, and summary.json as one row),
+    for a spreadsheet; the parquet files stay the source of truth."""
+    from kvbench.report.export import export_csv
+
+    for d in dirs:
+        dest = None if out is None else (out if len(dirs) == 1 else os.path.join(out, os.path.basename(
+            os.path.normpath(d))))
+        for path in export_csv(d, dest):
+            click.echo(path)
+
+
+COMMANDS = [report, export]

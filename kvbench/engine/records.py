@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
-import subprocess
 import sys
 
 import numpy as np
@@ -19,6 +18,7 @@ import pyarrow.parquet as pq
 from kvbench import __version__
 from kvbench.errors import InputError
 from kvbench.jsonio import dumps
+from kvbench.provenance import code_fingerprint, git_info, now_iso
 
 REQUEST_SCHEMA = pa.schema([
     ("id", pa.string()), ("session", pa.string()), ("replica", pa.int64()), ("arrival_s", pa.float64()),
@@ -71,19 +71,10 @@ class _Table:
         self.writer.close()
 
 
-def _git_commit() -> str | None:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def environment(device_name: str | None = None) -> dict:
-    """Versions and device, for config.json."""
-    env = {"kvbench": __version__, "git_commit": _git_commit(), "python": sys.version.split()[0],
+    """Versions, the code's fingerprint and device, for config.json (git only for kvbench's own
+    checkout: kvbench.provenance.git_info)."""
+    env = {"kvbench": __version__, **git_info(), "code": code_fingerprint(), "python": sys.version.split()[0],
            "platform": platform.platform(), "device_name": device_name}
     for dist in ("torch", "triton", "transformers", "numpy", "pandas", "pyarrow"):
         try:  # from the installed metadata: importing transformers and triton costs a second per run
@@ -154,9 +145,10 @@ class RunWriter:
 
     def __init__(self, run_dir: str, config: dict):
         self.dir = run_dir
+        self.config = {**config, "started_at": now_iso(), "finished_at": None}
         try:
             write_json(os.path.join(run_dir, "summary.json"), {"complete": False})
-            write_json(os.path.join(run_dir, "config.json"), config)
+            write_json(os.path.join(run_dir, "config.json"), self.config)
             self.requests = _Table(os.path.join(run_dir, "requests.parquet"), REQUEST_SCHEMA, 1024)
             self.steps = _Table(os.path.join(run_dir, "steps.parquet"), STEP_SCHEMA, 8192)
         except OSError as e:
@@ -171,6 +163,8 @@ class RunWriter:
             self.requests.close()
             self.steps.close()
         finally:
+            self.config["finished_at"] = now_iso()
+            write_json(os.path.join(self.dir, "config.json"), self.config)
             write_json(os.path.join(self.dir, "summary.json"), summary)
 
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 
 from kvbench import __version__
+from kvbench.provenance import code_fingerprint
 from kvbench.sweep.runner import Event, import_ray, run_shipped
 
 
-def run_ray(trace: str, store, todo, *, address, cpus_per_task, max_retries, emit, finished) -> None:
+def run_ray(trace: str, store, todo, *, address, cpus_per_task, max_retries, emit, finished,
+            invocation=None) -> None:
     ray = import_ray()
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False)
     with open(trace, "rb") as fh:
@@ -28,7 +30,8 @@ def run_ray(trace: str, store, todo, *, address, cpus_per_task, max_retries, emi
     for c in todo:
         gpus = 1 if c.cfg.executor == "model" else 0
         ref = task.options(num_gpus=gpus, num_cpus=cpus_per_task, max_retries=max_retries,
-                           retry_exceptions=False).remote(trace_ref, label, c.settings, c.name, __version__, dest)
+                           retry_exceptions=False).remote(trace_ref, label, c.settings, c.name, __version__, dest,
+                                                         code_fingerprint(), invocation)
         refs[ref] = c
         emit(Event("start", c.name))
     pending = list(refs)

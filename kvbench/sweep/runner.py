@@ -1,9 +1,12 @@
 """The sweep runner (layer 7): every configuration of a grid (kvbench.sweep.grid) replayed into one
 resumable directory.
 
-A run whose summary.json says complete and whose config.json has the same settings is kept, anything
-else is deleted and run again. ``sweep.parquet`` (one row per finished configuration: settings, then
-every summary key) is rewritten after each run; ``sweep.json`` is the manifest of the grid.
+A finished run is reused only when everything that decides its output is equal (reuse_verdict): the
+trace's content, the settings, the files the settings name and the code. A run that differs only in
+settings, files or code is run again with a note; a directory that holds another trace's or another
+grid's sweep is refused (check_sweep_dir), so no input's results are ever deleted for another's.
+``sweep.parquet`` (one row per finished configuration: settings, then every summary key) is rewritten
+after each run; ``sweep.json`` is the manifest of the grid and of how the sweep was made.
 
 Runs go to local worker processes (forkserver; each calls kvbench.engine.replay) or to Ray tasks.
 """
@@ -20,6 +23,7 @@ from typing import Callable
 from kvbench import __version__
 from kvbench.engine.config import ReplayConfig
 from kvbench.errors import InputError, RunError
+from kvbench.provenance import Invocation, code_fingerprint, file_sha256, git_info, now_iso, setting_files
 from kvbench.sweep.store import SweepStore
 from kvbench.sweep.grid import Config, expand, not_applicable
 
@@ -28,23 +32,26 @@ SWEEP_JSON = "sweep.json"
 
 
 # -- running -----------------------------------------------------------------------------------
-def run_one(trace: str, settings: dict, run_dir: str) -> dict:
+def run_one(trace: str, settings: dict, run_dir: str, invocation: Invocation | None = None) -> dict:
     """One configuration into ``run_dir`` (in this process or a local worker); its summary."""
     from kvbench.engine.replay import replay
 
-    return replay(trace, ReplayConfig(**settings), run_dir)
+    return replay(trace, ReplayConfig(**settings), run_dir, invocation=invocation)
 
 
 def run_shipped(trace: bytes | str, trace_label: str, settings: dict, name: str, driver_version: str,
-                dest: str | None = None) -> tuple[dict, dict[str, bytes] | None]:
+                dest: str | None = None, driver_code: str | None = None,
+                invocation: Invocation | None = None) -> tuple[dict, dict[str, bytes] | None]:
     """One configuration run where the sweep directory may not be (a Ray task on another node, or a
     sweep whose --out is a storage URI): the trace comes as bytes (or a local path), the run goes to a
     temporary directory, and its files come back as bytes, or go straight to ``dest`` (a SweepStore
     location every node reaches). No path of the driver's is opened. -> (summary, files or None)."""
     from kvbench.engine.replay import replay
 
-    if __version__ != driver_version:
-        raise RunError(f"this worker runs kvbench {__version__} but the driver {driver_version}: install "
+    if __version__ != driver_version or (driver_code is not None and code_fingerprint() != driver_code):
+        mine, theirs = (__version__, driver_version) if __version__ != driver_version else \
+            (f"code {code_fingerprint()}", f"code {driver_code}")
+        raise RunError(f"this worker runs kvbench {mine} but the driver {theirs}: install "
                        "the same kvbench on every node")
     with tempfile.TemporaryDirectory(prefix="kvbench-task-") as tmp:
         path = trace
@@ -53,7 +60,7 @@ def run_shipped(trace: bytes | str, trace_label: str, settings: dict, name: str,
             with open(path, "wb") as fh:
                 fh.write(trace)
         run_dir = os.path.join(tmp, name)
-        summary = replay(path, ReplayConfig(**settings), run_dir, trace_label=trace_label)
+        summary = replay(path, ReplayConfig(**settings), run_dir, trace_label=trace_label, invocation=invocation)
         files = {}
         for f in sorted(os.listdir(run_dir)):
             with open(os.path.join(run_dir, f), "rb") as fh:
@@ -85,7 +92,7 @@ def preflight(configs: list[Config], requests=None, trace_path: str = "") -> Non
         cfg = c.cfg
         key = (cfg.executor, cfg.model, cfg.gpu, cfg.calibration, cfg.kv_dtype, cfg.device, cfg.tp,
                cfg.kv_mem_bytes, cfg.num_blocks, cfg.block_size, cfg.layout, cfg.slab_reserve,
-               cfg.max_model_len, cfg.limit)
+               cfg.max_model_len, cfg.limit, cfg.max_num_seqs)
         if key not in checked:
             checked[key] = None
             model = get_model(cfg.model)
@@ -107,13 +114,75 @@ def preflight(configs: list[Config], requests=None, trace_path: str = "") -> Non
         raise outcomes[0]
 
 
-def finished_summary(store: SweepStore, name: str, settings: dict) -> dict | None:
-    """The summary of a complete run of exactly these settings in the sweep's run ``name``, else None."""
+def _changed(old: dict, new: dict) -> list[str]:
+    """'name: old -> new' for every key whose value differs."""
+    keys = sorted(set(old) | set(new))
+    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in keys if old.get(k) != new.get(k)]
+
+
+def reuse_verdict(store: SweepStore, name: str, settings: dict, trace_sha: str | None
+                  ) -> tuple[dict | None, str | None]:
+    """Whether the sweep's run ``name`` can stand for a run of ``settings`` on the trace whose content
+    hash is ``trace_sha``: (its summary, None) when it is complete and everything that decides its
+    output is equal -- the trace's content, the settings, the content of every file a setting names
+    and the code --, else (None, why it runs again) (why is None where there is no finished run)."""
     summary = store.read_json(name, "summary.json")
     config = store.read_json(name, "config.json")
-    if not summary or not summary.get("complete") or not config:
-        return None
-    return summary if config.get("settings") == settings else None
+    if not summary or not config:
+        return None, None
+    if not summary.get("complete"):
+        return None, "it was interrupted"
+    trace = config.get("trace") if isinstance(config.get("trace"), dict) else {}
+    if trace.get("sha256") != trace_sha:
+        return None, "it replayed another trace"
+    if config.get("settings") != settings:
+        old = config.get("settings") if isinstance(config.get("settings"), dict) else {}
+        return None, "its settings changed (" + "; ".join(_changed(old, settings)[:3]) + ")"
+    files = setting_files(settings)
+    if (config.get("files") or {}) != files:
+        changed = [k for k in files if (config.get("files") or {}).get(k) != files[k]]
+        return None, f"the file its --{(changed or ['?'])[0].replace('_', '-')} names changed"
+    env = config.get("environment") if isinstance(config.get("environment"), dict) else {}
+    if env.get("code") != code_fingerprint() or env.get("kvbench") != __version__:
+        return None, (f"it was made by other kvbench code ({env.get('kvbench')} {env.get('code')}; "
+                      f"this is {__version__} {code_fingerprint()})")
+    return summary, None
+
+
+def finished_at(store: SweepStore, name: str) -> str | None:
+    """When the sweep's run ``name`` finished, as its config.json records it."""
+    config = store.read_json(name, "config.json") or {}
+    return config.get("finished_at")
+
+
+def _grid_key(grid: dict) -> str:
+    import json
+
+    return json.dumps(grid, sort_keys=True, default=str)
+
+
+def check_sweep_dir(store: SweepStore, trace: str, trace_sha: str | None, grid: dict[str, list]) -> None:
+    """Refuse a sweep directory that holds the results of another trace or another grid (one line,
+    exit 2): they would be hidden from the report or deleted to make room for this sweep's."""
+    manifest = store.read_json(SWEEP_JSON)
+    if manifest is None:
+        return
+    where = store.location
+    old_sha = manifest.get("trace_sha256")
+    if old_sha is None:  # written before sweeps recorded the trace's hash: its runs know it
+        for c in manifest.get("configurations") or []:
+            cfg = store.read_json(str(c.get("run")), "config.json") if isinstance(c, dict) else None
+            old_sha = ((cfg or {}).get("trace") or {}).get("sha256")
+            if old_sha:
+                break
+    if old_sha is not None and old_sha != trace_sha:
+        raise InputError(f"holds a sweep of another trace ({manifest.get('trace')}, sha256 {str(old_sha)[:12]}; "
+                         f"this one is {trace}, sha256 {str(trace_sha)[:12]}): name another --out",
+                         file=where, field="--out")
+    if "grid" in manifest and _grid_key(manifest["grid"]) != _grid_key(grid):
+        old = ", ".join(f"--{k.replace('_', '-')} {','.join(map(str, v))}" for k, v in manifest["grid"].items())
+        raise InputError(f"holds a sweep of another grid ({old or 'no options'}): name another --out",
+                         file=where, field="--out")
 
 
 @dataclass
@@ -124,6 +193,10 @@ class SweepState:
     trace: str
     grid: dict[str, list]
     configs: list[Config]
+    trace_sha: str | None = None
+    invocation: Invocation = field(default_factory=Invocation)
+    started_at: str = field(default_factory=now_iso)
+    finished_at: str | None = None
     summaries: dict[str, dict] = field(default_factory=dict)  # run name -> summary
     status: dict[str, str] = field(default_factory=dict)  # run name -> done|skipped|failed: ...
 
@@ -156,8 +229,14 @@ class SweepState:
     def write_manifest(self) -> None:
         self.store.write_json({
             "kvbench": __version__,
+            **git_info(),
+            "code": code_fingerprint(),
             "trace": os.path.abspath(self.trace),
+            "trace_sha256": self.trace_sha,
             "grid": self.grid,
+            **self.invocation.record(),
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
             "configurations": [{"run": c.name, "status": self.status.get(c.name, "pending"),
                                 "settings": c.settings} for c in self.configs],
         }, SWEEP_JSON)
@@ -167,34 +246,41 @@ class SweepState:
 class Event:
     """Reported to the progress display: a configuration started, finished, was skipped or failed."""
 
-    kind: str  # start | done | skip | fail
+    kind: str  # start | done | skip | fail | note
     name: str
     summary: dict | None = None
     error: str | None = None
+    message: str | None = None  # skip: where the run was reused from; note: why it runs again
 
 
 def run_sweep(trace: str, grid: dict[str, list], out_dir: str, *, jobs: int = 1,
               backend: str = "local", ray_address: str | None = None,
               on_event: Callable[[Event], None] | None = None, cpus_per_task: float = 1,
-              max_retries: int = 3) -> SweepState:
+              max_retries: int = 3, invocation: Invocation | None = None) -> SweepState:
     """Run every configuration of ``grid`` not already finished in ``out_dir`` (a directory, or a
     storage URI: see kvbench.sweep.store)."""
     configs = expand(grid)
     if backend == "ray":
         import_ray()  # before anything is written: a missing extra is a usage error
     preflight(configs)
+    trace_sha = file_sha256(trace)
     store = SweepStore(out_dir)
+    check_sweep_dir(store, os.path.abspath(trace), trace_sha, grid)
     store.makedirs()
-    state = SweepState(store, trace, grid, configs)
+    invocation = invocation or Invocation()
+    state = SweepState(store, trace, grid, configs, trace_sha, invocation)
     emit = on_event or (lambda e: None)
     todo: list[Config] = []
     for c in configs:
-        s = finished_summary(store, c.name, c.settings)
+        s, why = reuse_verdict(store, c.name, c.settings, trace_sha)
         if s is not None:
             state.summaries[c.name], state.status[c.name] = s, "skipped"
-            emit(Event("skip", c.name, s))
+            emit(Event("skip", c.name, s, message=f"reused from {store.path(c.name)}, finished "
+                                                 f"{finished_at(store, c.name) or 'at an unrecorded time'}"))
             continue
-        if store.exists(c.name):  # interrupted or different settings: start it again cleanly
+        if why is not None:
+            emit(Event("note", c.name, message=f"runs again: {why}"))
+        if store.exists(c.name):  # interrupted, or this input under other settings or code
             store.remove_run(c.name)
         todo.append(c)
     state.write()
@@ -212,28 +298,30 @@ def run_sweep(trace: str, grid: dict[str, list], out_dir: str, *, jobs: int = 1,
         from kvbench.sweep.ray_backend import run_ray
 
         run_ray(trace, store, todo, address=ray_address, cpus_per_task=cpus_per_task,
-                max_retries=max_retries, emit=emit, finished=finished)
+                max_retries=max_retries, emit=emit, finished=finished, invocation=invocation)
     elif store.local is None:  # a storage URI: each run in a temporary directory, then shipped
         for c in todo:
             emit(Event("start", c.name))
             try:
                 summary, _ = run_shipped(trace, os.path.abspath(trace), c.settings, c.name, __version__,
-                                         store.location)
+                                         store.location, invocation=invocation)
             except Exception as e:  # one configuration failing must not stop the rest
                 finished(c, None, str(e))
             else:
                 finished(c, summary, None)
     else:
-        _run_local(trace, store.local, todo, jobs, emit, finished)
+        _run_local(trace, store.local, todo, jobs, emit, finished, invocation)
+    state.finished_at = now_iso()
+    state.write_manifest()
     return state
 
 
-def _run_local(trace, out_dir, todo, jobs, emit, finished) -> None:
+def _run_local(trace, out_dir, todo, jobs, emit, finished, invocation) -> None:
     if jobs <= 1:  # in this process: no start-up cost, and Ctrl-C reaches the engine directly
         for c in todo:
             emit(Event("start", c.name))
             try:
-                s = run_one(trace, c.settings, os.path.join(out_dir, c.name))
+                s = run_one(trace, c.settings, os.path.join(out_dir, c.name), invocation)
             except Exception as e:  # one configuration failing must not stop the rest
                 finished(c, None, str(e))
             else:
@@ -248,7 +336,7 @@ def _run_local(trace, out_dir, todo, jobs, emit, finished) -> None:
     try:
         futures = {}
         for c in todo:
-            futures[pool.submit(_run_in_worker, trace, c.settings, os.path.join(out_dir, c.name))] = c
+            futures[pool.submit(_run_in_worker, trace, c.settings, os.path.join(out_dir, c.name), invocation)] = c
         started = set()
         pending = set(futures)
         while pending:
@@ -292,13 +380,13 @@ def _on_sigint(_signum, _frame) -> None:
         raise KeyboardInterrupt
 
 
-def _run_in_worker(trace: str, settings: dict, run_dir: str) -> dict:
+def _run_in_worker(trace: str, settings: dict, run_dir: str, invocation: Invocation) -> dict:
     global _IN_RUN
     if _STOPPING:
         raise KeyboardInterrupt("the sweep was interrupted before this configuration started")
     _IN_RUN = True
     try:
-        return run_one(trace, settings, run_dir)
+        return run_one(trace, settings, run_dir, invocation)
     finally:
         _IN_RUN = False
 
