@@ -130,7 +130,12 @@ def test_corpus_replay_options(worker, tmp_path, opts, flag):
 @pytest.mark.parametrize("opts,flag", [(["trace", "gen", "chat", "--rate", "nan"], "--rate"),
                                        (["trace", "gen", "agent", "--think-s", "inf"], "--think-s"),
                                        (["trace", "gen", "rag", "--requests", "100000000000"], "--requests"),
-                                       (["trace", "whatif", TRACE, "--warmup", "nan"], "--warmup")])
+                                       (["trace", "whatif", TRACE, "--warmup", "nan"], "--warmup"),
+                                       (["trace", "whatif", TRACE, "--budgets", ""], "--budgets"),
+                                       (["trace", "whatif", TRACE, "--policies", ""], "--policies"),
+                                       (["trace", "whatif", TRACE, "--policies", "lru,"], "--policies"),
+                                       (["replay", TRACE, "--metadata", "no-equals-sign"], "--metadata"),
+                                       (["export", "/"], "/")])
 def test_corpus_other_commands_options(worker, tmp_path, opts, flag):
     r = worker.run([*opts, *(["-o", tmp_path / "x.jsonl"] if "gen" in opts else [])], tmp_path)
     check_refused(r, flag)
@@ -225,6 +230,9 @@ def test_corpus_importers(worker, tmp_path):
                               "inf,x,1,1,2,Conversation log\n", ["b.csv:2:", "Timestamp"]),
         ("sharegpt", "s.json", json.dumps([{"id": "x", "conversations": [{"from": "human", "value": "hi"}]}]),
          ["s.json", "no conversation"]),
+        ("sharegpt", "deep.json", "[" * 100_000 + "]" * 100_000, ["deep.json", "nested too deeply"]),
+        ("sharegpt", "digits.json", '[{"id": ' + "9" * 5000 + ', "conversations": []}]',
+         ["digits.json", "unusable JSON", "4300 digits"]),
     ]
     for fmt, name, text, fragments in cases:
         p = tmp_path / name
@@ -303,6 +311,8 @@ def _run_dir(worker, tmp_path: Path, name: str) -> Path:
 BREAKS = {
     "summary a list": ("summary.json", b"[1, 2]"),
     "summary truncated": ("summary.json", b'{"complete": tr'),
+    "a figure of the wrong type": ("summary.json", b'{"complete": true, "output_tok_per_s": "fast"}'),
+    "a list where a figure belongs": ("summary.json", b'{"complete": true, "ttft_ms_p50": [1, 2]}'),
     "config without settings": ("config.json", b'{"trace": {}}'),
     "steps empty": ("steps.parquet", b""),
     "steps truncated": ("steps.parquet", None),

@@ -52,6 +52,12 @@ def main(argv: list[str] | None = None) -> None:
         _fail("interrupted", 130)
     except click.exceptions.NoSuchOption as e:
         _fail(e.format_message(), 2)
+    except click.UsageError as e:
+        if type(e).__name__ != "NoArgsIsHelpError" or e.ctx is None:  # click >= 8.2: a bare group
+            ctx = e.ctx
+            _fail(f"{ctx.command_path + ': ' if ctx is not None else ''}{e.format_message()}", e.exit_code or 2)
+        click.echo(e.ctx.get_help())  # a bare group asks for its help: on stdout, exit 0
+        return
     except click.ClickException as e:
         code = e.exit_code if e.exit_code else 1
         ctx = getattr(e, "ctx", None)

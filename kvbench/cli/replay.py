@@ -49,8 +49,9 @@ REPLAY_OPTIONS: list[Opt] = [
     Opt("eviction", click.Choice(C.EVICTIONS), "token-level KV eviction inside a sequence"),
     Opt("kv_budget", Finite(min=0, max=MAX_REQUEST_TOKENS, min_open=True), "per-sequence KV budget: a fraction of the sequence (< 1), or tokens (a whole number >= 1)"),
     Opt("sink_tokens", Count(0), "first tokens every eviction policy keeps"),
-    Opt("executor", click.Choice(C.EXECUTORS), "real model forward, or the calibrated cost model"),
-    Opt("model", str, "preset (tiny, llama-3-8b, llama-3-70b, qwen2.5-7b, mistral-7b) or a local HF model folder"),
+    Opt("executor", click.Choice(C.EXECUTORS), "the calibrated cost model (sim), or a real model forward over real KV tensors (model)"),
+    Opt("model", str, "preset (tiny, llama-3-8b, llama-3-70b, qwen2.5-7b, mistral-7b, ...) or a local HF model "
+        "folder [default: llama-3-8b for the sim; tiny for the model executor on a CPU]"),
     Opt("device", click.Choice(C.DEVICES), "where the model executor runs"),
     Opt("gpu", str, "hardware preset for the sim cost model (h200, h100, a100, l40s)"),
     Opt("tp", Count(1, C.MAX_TP), "sim: tensor parallelism, weights and KV heads over N GPUs, two all-reduces per layer"),
@@ -97,6 +98,29 @@ def replay_options(fn):
     return fn
 
 
+def metadata_option(fn):
+    """``--metadata KEY=VALUE`` (repeatable): tags recorded in config.json / sweep.json."""
+    def convert(ctx, param, value):
+        from kvbench.provenance import parse_metadata
+
+        try:
+            return parse_metadata(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--metadata") from None
+    return click.option("--metadata", "metadata", multiple=True, callback=convert, metavar="KEY=VALUE",
+                        help="a tag recorded with the results (repeatable), as vllm bench serve's --metadata")(fn)
+
+
+def what_runs(cfg: ReplayConfig) -> str:
+    """One line saying what a replay runs: the executor, the model and its hardware."""
+    if cfg.executor == "sim":
+        costs = f"calibration {os.path.basename(cfg.calibration)}" if cfg.calibration else "preset costs"
+        tp = f" x{cfg.tp} (tensor parallel)" if cfg.tp > 1 else ""
+        return (f"sim executor: {cfg.model} on the {cfg.gpu.upper()}{tp} cost model ({costs}); "
+                "--executor model runs a real forward")
+    return f"model executor: {cfg.model} with random weights, a real forward over real KV tensors (--device {cfg.device})"
+
+
 def default_run_dir(trace: str) -> str:
     stem = os.path.splitext(os.path.basename(trace))[0]
     return os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -122,36 +146,31 @@ TIER_HEADLINE = [  # with a tier behind the pool
 
 
 def print_summary(summary: dict, run_dir: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from kvbench.cli.console import Column, print_table
 
-    t = Table(title=f"kvbench replay -> {run_dir}", show_header=True)
-    t.add_column("metric")
-    t.add_column("value", justify="right")
+    rows = []
     tiers = summary.get("hit_rate_cpu") is not None or summary.get("hit_rate_disk") is not None
     for key, label, fmt in HEADLINE + (TIER_HEADLINE if tiers else []):
         v = summary.get(key)
-        t.add_row(label, "-" if v is None else fmt.format(v))
+        rows.append([label, "-" if v is None else fmt.format(v)])
     if summary.get("replicas"):
-        t.add_row("requests max/mean per replica", f"{summary['balance_requests_max_over_mean']:.2f}")
-        t.add_row("busy time max/mean per replica", f"{summary['balance_busy_max_over_mean']:.2f}")
-        t.add_row("Jain's index (requests, busy)", f"{summary['jain_requests']:.3f}, {summary['jain_busy']:.3f}")
+        rows.append(["requests max/mean per replica", f"{summary['balance_requests_max_over_mean']:.2f}"])
+        rows.append(["busy time max/mean per replica", f"{summary['balance_busy_max_over_mean']:.2f}"])
+        rows.append(["Jain's index (requests, busy)", f"{summary['jain_requests']:.3f}, {summary['jain_busy']:.3f}"])
         if summary.get("router_predicted_blocks") is not None:
-            t.add_row("router predicted / hit blocks",
-                      f"{summary['router_predicted_blocks']:,} / {summary['router_hit_blocks']:,}")
-    console = Console(file=sys.stdout)
-    console.print(t)
+            rows.append(["router predicted / hit blocks",
+                         f"{summary['router_predicted_blocks']:,} / {summary['router_hit_blocks']:,}"])
+    print_table(f"kvbench replay -> {run_dir}", [Column("metric", right=False), Column("value")], rows)
     if summary.get("per_replica"):
-        r = Table(title=f"{summary['replicas']} replicas, router {summary['router']} (times in ms)")
-        for col in ("replica", "reqs", "hit", "TTFT p50", "TTFT p99", "TPOT p50", "running", "preempt", "busy s"):
-            r.add_column(col, justify="right")
-        for p in summary["per_replica"]:
-            def f(v, fmt):
-                return "-" if v is None else fmt.format(v)
-            r.add_row(str(p["replica"]), f"{p['requests']:,}", f(p["prefix_hit_rate"], "{:.4f}"),
-                      f(p["ttft_ms_p50"], "{:.1f}"), f(p["ttft_ms_p99"], "{:.1f}"), f(p["tpot_ms_p50"], "{:.2f}"),
-                      f(p["mean_running"], "{:.1f}"), str(p["preemptions"]), f(p["busy_s"], "{:.1f}"))
-        console.print(r)
+        def f(v, fmt):
+            return "-" if v is None else fmt.format(v)
+        heads = [Column(c) for c in ("replica", "reqs", "hit", "TTFT p50", "TTFT p99", "TPOT p50", "running",
+                                     "preempt", "busy s")]
+        rows = [[str(p["replica"]), f"{p['requests']:,}", f(p["prefix_hit_rate"], "{:.4f}"),
+                 f(p["ttft_ms_p50"], "{:.1f}"), f(p["ttft_ms_p99"], "{:.1f}"), f(p["tpot_ms_p50"], "{:.2f}"),
+                 f(p["mean_running"], "{:.1f}"), str(p["preemptions"]), f(p["busy_s"], "{:.1f}")]
+                for p in summary["per_replica"]]
+        print_table(f"{summary['replicas']} replicas, router {summary['router']} (times in ms)", heads, rows)
 
 
 def unused_options(cfg: ReplayConfig) -> list[str]:
@@ -178,30 +197,28 @@ def _word(v) -> str:
 
 
 def run_with_progress(trace: str, cfg: ReplayConfig, out: str | None, quiet: bool = False,
-                      force: bool = False):
+                      force: bool = False, invocation=None):
     """Replay with a rich progress bar on stderr when stderr is a terminal; (summary, run dir).
     Without ``out`` the run goes to a new directory under runs/ named after the trace. Ctrl-C
     leaves a readable partial run (complete: false) and exits 130."""
+    from kvbench.cli.console import say_compiling
     from kvbench.engine.replay import Replay
+    from kvbench.jit import REPLAY_MODULES
 
-    rp = Replay(trace, cfg, out or default_run_dir(trace), force=force, unique=out is None)
+    say_compiling(REPLAY_MODULES)
+    rp = Replay(trace, cfg, out or default_run_dir(trace), force=force, unique=out is None,
+                invocation=invocation)
+    rp.claim()
+    click.echo(f"kvbench: {what_runs(rp.cfg)}", err=True)
     if cfg.layout == "slab" and cfg.slab_reserve == "max":
         why = "--max-model-len" if cfg.max_model_len else "the longest request, rounded up to a block"
         click.echo(f"kvbench: slab reservation: {rp.slab_reserve_tokens:,} tokens per sequence ({why})", err=True)
     try:
         if quiet or not sys.stderr.isatty():
             return rp.run(), rp.out_dir
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
+        from kvbench.cli.console import progress_bar
 
-        with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                      TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        with progress_bar("replay") as bar:
             task = bar.add_task("replay", total=len(rp.requests), info="")
 
             def tick(p):
@@ -217,24 +234,33 @@ def run_with_progress(trace: str, cfg: ReplayConfig, out: str | None, quiet: boo
 @click.command(epilog="""
 \b
 Examples:
-  kvbench replay traces/chat.jsonl --executor sim --model llama-3-8b --gpu h200
-  kvbench replay traces/chat.jsonl --layout slab --max-model-len 8192 --executor sim
-  kvbench replay traces/agent.jsonl --executor model --device cpu --limit 50
+  kvbench replay traces/chat.jsonl                      # the sim: Llama-3-8B on the H200 cost model
+  kvbench replay traces/chat.jsonl --layout slab --max-model-len 8192 --gpu h100
+  kvbench replay traces/chat_cpu.jsonl --executor model --device cpu --limit 50 --metadata purpose=check
 """)
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False))
 @replay_options
 @click.option("--out", "out", type=click.Path(file_okay=False), default=None,
               help="run directory [default: runs/<trace>-<timestamp>, a new one for every run]")
 @click.option("--force", is_flag=True, help="replace the run already in --out")
+@metadata_option
+@click.option("--csv", "csv", is_flag=True, help="also write the tables as CSV beside the parquet files")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as one JSON object on stdout")
-def replay(trace, out, force, as_json, **opts):
+def replay(trace, out, force, metadata, csv, as_json, **opts):
     """Replay TRACE under one configuration and write a run directory (config.json, summary.json,
     requests.parquet, steps.parquet)."""
+    from kvbench.provenance import Invocation
+
     given = ReplayConfig(**opts)  # as the user gave it (validate turns a slab's prefix cache off)
     cfg = ReplayConfig(**opts).validate()
     for note in unused_options(given):
         click.echo(f"kvbench: note: {note}", err=True)
-    summary, out = run_with_progress(trace, cfg, out, quiet=as_json, force=force)
+    summary, out = run_with_progress(trace, cfg, out, quiet=as_json, force=force,
+                                     invocation=Invocation.from_argv(metadata))
+    if csv:
+        from kvbench.report.export import export_csv
+
+        export_csv(out)
     if summary["rejected"] * 2 > summary["requests"]:
         click.echo(f"kvbench: warning: {summary['rejected']:,} of {summary['requests']:,} requests were rejected: "
                    "their prompt + output is longer than the max model length (--max-model-len)", err=True)

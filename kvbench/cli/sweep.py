@@ -10,7 +10,8 @@ import sys
 
 import click
 
-from kvbench.cli.replay import REPLAY_OPTIONS
+from kvbench.cli.console import Column, print_table, progress_bar
+from kvbench.cli.replay import REPLAY_OPTIONS, metadata_option
 from kvbench.cli.types import Count, Finite
 from kvbench.engine.config import has_tiers
 from kvbench.errors import RunError
@@ -47,18 +48,7 @@ class _Display:
         self.running: list[str] = []
         if not enabled:
             return
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
-
-        self.bar = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
-                            console=Console(stderr=True), transient=True)
+        self.bar = progress_bar("sweep")
         self.task = self.bar.add_task("sweep", total=total, info="")
 
     def __enter__(self):
@@ -77,6 +67,8 @@ class _Display:
             self.running.remove(e.name)
         if e.kind == "fail":
             click.echo(f"kvbench: {e.name} failed: {e.error}", err=True)
+        elif e.kind in ("skip", "note"):
+            click.echo(f"kvbench sweep: {e.name}: {e.message}", err=True)
         if self.bar is None:
             return
         if e.kind in ("done", "skip", "fail"):
@@ -86,10 +78,7 @@ class _Display:
 
 
 def _print_table(state, out_dir: str, grid: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from kvbench.report.words import rows_identical, why_identical
+    from kvbench.report.words import performs_alike, rows_identical, why_identical
 
     summaries = [state.summaries.get(c.name) or {} for c in state.configs]
     columns = list(TABLE)
@@ -102,27 +91,27 @@ def _print_table(state, out_dir: str, grid: dict) -> None:
     notes = []
     if rows_identical(done, [k for k, _, _ in columns]):
         notes.append(why_identical(varying, done))
+    else:
+        alike = performs_alike(done, measured=any(c.settings.get("executor") != "sim" for c in state.configs))
+        if alike:
+            notes.append(alike)
     notes.append(f"charts: kvbench report {out_dir}")
-    t = Table(title=f"kvbench sweep -> {out_dir}", caption="\n".join(notes), caption_justify="left")
-    t.add_column("run")
     vs_slab = "slab" in grid.get("layout", ())
-    if vs_slab:
-        t.add_column("vs slab")
-    for _, label, _ in columns:
-        t.add_column(label, justify="right")
-    t.add_column("status")
+    heads = [Column("run", right=False)] + ([Column("vs slab", right=False)] if vs_slab else [])
+    heads += [Column(label) for _, label, _ in columns] + [Column("status", right=False)]
+    rows = []
     for c, s in zip(state.configs, summaries):
         cells = ["-" if s.get(k) is None else fmt.format(s[k]) for k, _, fmt in columns]
         first = [compares(c.settings, grid)] if vs_slab else []
-        t.add_row(c.name, *first, *cells, state.status.get(c.name, "pending").split(":")[0])
-    Console(file=sys.stdout, width=None if sys.stdout.isatty() else 200).print(t)
+        rows.append([c.name, *first, *cells, state.status.get(c.name, "pending").split(":")[0]])
+    print_table(f"kvbench sweep -> {out_dir}", heads, rows, caption="\n".join(notes))
 
 
 @click.command(epilog="""
 \b
 Examples:
-  kvbench sweep traces/chat.jsonl --executor sim --model llama-3-8b --block-size 8,16,32,64 \\
-      --layout paged,slab --prefix-cache on,off --max-model-len 8192 --kv-mem 8GiB -j 2
+  kvbench sweep traces/chat.jsonl --block-size 8,16,32,64 --layout paged,slab \\
+      --max-model-len 8192 --kv-mem 4GiB --time-scale 0.1 -j 2
   kvbench sweep traces/agent.jsonl --executor model --eviction none,h2o,infinigen \\
       --backend ray --ray-address auto
 Re-running the same command resumes: finished configurations are kept, the rest are run again.
@@ -143,10 +132,15 @@ Re-running the same command resumes: finished configurations are kept, the rest 
               help="ray: CPUs each configuration's task asks for (the model executor also asks one GPU)")
 @click.option("--max-retries", type=Count(0, 100), default=3, show_default=True,
               help="ray: times a task lost with its node is run again")
+@metadata_option
+@click.option("--csv", "csv", is_flag=True, help="also write sweep.parquet as sweep.csv")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
-def sweep(trace, jobs, out, backend, ray_address, cpus_per_task, max_retries, as_json, **raw):
+def sweep(trace, jobs, out, backend, ray_address, cpus_per_task, max_retries, metadata, csv, as_json, **raw):
     """Replay TRACE under every configuration of a grid: one run directory per distinct
     configuration, plus sweep.parquet (one row per configuration) and sweep.json (the grid)."""
+    from kvbench.provenance import Invocation, file_sha256
+    from kvbench.sweep.runner import check_sweep_dir
+    from kvbench.sweep.store import SweepStore
     from kvbench.trace.format import load_trace
 
     grid, notes = add_comparisons(parse_grid(raw, REPLAY_OPTIONS))
@@ -160,18 +154,28 @@ def sweep(trace, jobs, out, backend, ray_address, cpus_per_task, max_retries, as
         import_ray()
     preflight(configs, requests, trace)
     out = out or default_sweep_dir(trace, grid)
+    check_sweep_dir(SweepStore(out), os.path.abspath(trace), file_sha256(trace), grid)  # before a word is said
     make_sweep_dir(out)
     click.echo(f"kvbench sweep: {total} configuration{'s' * (total != 1)} -> {out}", err=True)
+    from kvbench.cli.console import say_compiling
+    from kvbench.jit import REPLAY_MODULES
+
+    say_compiling(REPLAY_MODULES)
     display = _Display(total, enabled=sys.stderr.isatty() and not as_json)
     try:
         with display:
             state = run_sweep(trace, grid, out, jobs=jobs, backend=backend, ray_address=ray_address,
-                              on_event=display, cpus_per_task=cpus_per_task, max_retries=max_retries)
+                              on_event=display, cpus_per_task=cpus_per_task, max_retries=max_retries,
+                              invocation=Invocation.from_argv(metadata))
     except KeyboardInterrupt:
         click.echo(f"kvbench: interrupted; finished runs kept in {out}; "
                    "run the same command again to resume", err=True)
         sys.exit(130)
     failed = [n for n, st in state.status.items() if st.startswith("failed")]
+    if csv and state.store.local is not None:
+        from kvbench.report.export import export_csv
+
+        export_csv(out)
     if as_json:
         click.echo(dumps({"sweep_dir": out, "configurations": total,
                                "ran": sum(st == "done" for st in state.status.values()),

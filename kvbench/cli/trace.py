@@ -246,8 +246,16 @@ def _print_table(title: str, s) -> None:
 DEFAULT_BUDGETS = "8GiB,16GiB,32GiB,64GiB,128GiB,1024GiB"
 
 
-def _split(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
+def _split(text: str, field: str) -> list[str]:
+    """A comma list given on the command line; an empty list or an empty item is refused (an empty
+    --policies is no policy, not the default)."""
+    items = [x.strip() for x in text.split(",")]
+    if not any(items):
+        raise InputError("is empty: give a comma-separated list, or leave the option out for its default",
+                         field=field)
+    if not all(items):
+        raise InputError(f"empty value in the list {text!r}", field=field)
+    return items
 
 
 @trace.command(context_settings=_SETTINGS, epilog=f"""
@@ -328,7 +336,8 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     block_bytes = per_token * block_size
     if out:  # before the work: a path that cannot hold the results is refused now
         make_out_dir(out)
-    chosen = _split(policies) if policies else ["lru"] if prefix_mode == "radix" else list(CACHE_POLICIES)
+    chosen = (_split(policies, "--policies") if policies is not None
+              else ["lru"] if prefix_mode == "radix" else list(CACHE_POLICIES))
     if prefix_mode == "radix" and chosen != ["lru"]:
         raise InputError("radix mode evicts whole leaf nodes by recency (SGLang's lru): give --policies lru",
                          field="--policies")
@@ -350,11 +359,16 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     plan = _budget_plan(budgets, budget_blocks, block_size, block_bytes)
     _note(f"{spec.name} {kv_dtype}: {per_token:,} bytes of KV per token ({wi.format_bytes(per_token)}); "
           f"a block of {block_size} tokens is {wi.format_bytes(block_bytes)}")
-    reqs = read_pieces(trace_path)  # the trace as the what-if needs it, without a Request per line
-    result = wi.whatif(reqs, trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
-                       kv_bytes_per_token=per_token, block_size=block_size, budgets=plan,
-                       policies=chosen, warmup=warmup, jobs=jobs, prefix_mode=prefix_mode,
-                       replicas=replicas, router=router, router_prefix_blocks=router_prefix_blocks)
+    from kvbench.cli.console import say_compiling, working
+    from kvbench.jit import WHATIF_MODULES
+
+    compiling = say_compiling(WHATIF_MODULES)
+    with working("compiling, then the what-if (once per install)", compiling):
+        reqs = read_pieces(trace_path)  # the trace as the what-if needs it, without a Request per line
+        result = wi.whatif(reqs, trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
+                           kv_bytes_per_token=per_token, block_size=block_size, budgets=plan,
+                           policies=chosen, warmup=warmup, jobs=jobs, prefix_mode=prefix_mode,
+                           replicas=replicas, router=router, router_prefix_blocks=router_prefix_blocks)
     if not _show(result, wi.write_outputs(result, out) if out else [], as_json, wi.table, wi.gap_table):
         return
     if result.replicas > 1:
@@ -376,13 +390,13 @@ def _budget_plan(budgets, budget_blocks, block_size: int, block_bytes: int):
 
     if budget_blocks is not None:
         counts = []
-        for x in _split(budget_blocks):
+        for x in _split(budget_blocks, "--budget-blocks"):
             if not x.isdigit() or not 1 <= int(x) <= 2**31 - 1:
                 raise InputError(f"not a block count in [1, 2^31): {x[:30]!r}", field="--budget-blocks")
             counts.append(int(x))
         plan = wi.budgets_from_blocks(counts, block_bytes)
     else:
-        texts = _split(budgets or DEFAULT_BUDGETS)
+        texts = _split(DEFAULT_BUDGETS if budgets is None else budgets, "--budgets")
         plan = wi.budgets_from_bytes([parse_size(x, "--budgets") for x in texts], block_bytes, texts)
     if not plan:
         raise InputError("no budget given", field="--budget-blocks" if budget_blocks else "--budgets")
@@ -420,7 +434,11 @@ def _whatif_stores(trace_path, spec, kv_dtype, per_token, block_size, chosen, wa
     from kvbench.whatif import curve as wi
     from kvbench.whatif import tiers as wt
 
+    from kvbench.cli.console import say_compiling
+    from kvbench.jit import WHATIF_MODULES
+
     what = "--tiers" if tiers_text is not None else "--budget-counts cache"
+    say_compiling(WHATIF_MODULES)
     if prefix_mode != "hash":
         raise InputError("block-hash prefixes only (give --prefix-mode hash)", field=what)
     if replicas > 1:

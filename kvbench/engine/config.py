@@ -71,6 +71,19 @@ def has_tiers(settings: dict) -> bool:
                 or tier_bytes(settings.get("disk_kv_mem"), "--disk-kv-mem"))
 
 
+def default_model(executor: str, device: str) -> str:
+    """The model a run gets when none is named (spec §1): Llama-3-8B on the sim's cost model; the
+    tiny random model for the model executor on a CPU (a real 8B forward there takes minutes a step),
+    Llama-3-8B's shape with random weights for it on a GPU."""
+    if executor != "model":
+        return "llama-3-8b"
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "tiny" if device == "cpu" else "llama-3-8b"
+
+
 @dataclass(slots=True)
 class ReplayConfig:
     layout: str = "paged"
@@ -83,8 +96,8 @@ class ReplayConfig:
     eviction: str = "none"
     kv_budget: float = 0.2  # < 1: share of the sequence; >= 1: tokens
     sink_tokens: int = 4
-    executor: str = "model"
-    model: str = "tiny"
+    executor: str = "sim"
+    model: str | None = None  # None: default_model(executor, device)
     device: str = "auto"
     gpu: str = "h200"
     tp: int = 1  # sim: tensor parallelism (GPUs holding a share of the weights and KV heads)
@@ -130,6 +143,8 @@ class ReplayConfig:
                               ("radix_eviction", RADIX_EVICTIONS), ("router", ROUTERS),
                               ("offload", OFFLOADS), ("load_policy", LOAD_POLICIES)):
             choice(name, allowed)
+        if self.model is None:
+            self.model = default_model(self.executor, self.device)
         try:  # a registry name, or learned:FILE (its file read now: a bad one fails before the run)
             check_policy(self.cache_policy, load=True)
         except ValueError as e:

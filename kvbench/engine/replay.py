@@ -28,6 +28,7 @@ from kvbench.memory import make_kv
 from kvbench.memory.future import next_uses
 from kvbench.memory.tiers import TIER_NAMES, Tiers, TierSpec, op_bytes
 from kvbench.executors.presets import available_host_bytes, get_model
+from kvbench.provenance import Invocation, file_sha256, setting_files
 from kvbench.engine.records import RunWriter, claim_run_dir, distribution, environment, holds_run
 from kvbench.engine.routing import Router, jain, max_over_mean
 from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig
@@ -167,7 +168,13 @@ def slab_reserve_tokens(requests: list[Request], cfg: ReplayConfig, max_len: int
 
 def check_fits(r: Request, cfg: ReplayConfig, num_blocks: int, slab_reserve: int, trace_path: str) -> None:
     """A request that cannot fit in the empty pool would stall the replay: say so up front (RunError,
-    a usage error naming the trace line)."""
+    a usage error naming the trace line). So would a request with more samples than --max-num-seqs:
+    kvbench forks a request's n samples in one admission, and n counts against the cap."""
+    if r.n > cfg.max_num_seqs:
+        raise RunError(f"{trace_path}:{r.line}: field 'n': request {r.id!r} has n={r.n} samples but "
+                       f"--max-num-seqs is {cfg.max_num_seqs}: kvbench runs a request's samples together, "
+                       f"so raise --max-num-seqs to {r.n} (vLLM would fan it out into {r.n} child requests "
+                       "instead)", usage=True)
     bs = cfg.block_size
     if cfg.layout == "slab":  # a slab for each sample, reserved at admission
         reserve = slab_reserve if cfg.slab_reserve == "max" else r.prompt_len + r.output_len
@@ -198,7 +205,7 @@ class Replay:
 
     def __init__(self, trace_path: str, cfg: ReplayConfig, out_dir: str,
                  requests: list[Request] | None = None, *, force: bool = False, unique: bool = False,
-                 trace_label: str | None = None):
+                 trace_label: str | None = None, invocation: Invocation | None = None):
         """``out_dir`` must not hold a run unless ``force``; with ``unique`` (a default name) a taken
         name gets a suffix instead (see records.claim_run_dir: ``self.out_dir`` is the one used).
         ``trace_label``: the trace's path as config.json records it, when the file read is a copy
@@ -206,8 +213,9 @@ class Replay:
         self.cfg = cfg.validate()
         self.trace_path = trace_path
         self.trace_label = trace_label or os.path.abspath(trace_path)
+        self.invocation = invocation or Invocation()
         self.out_dir = out_dir
-        self._force, self._unique = force, unique
+        self._force, self._unique, self._claimed = force, unique, False
         if not unique and not force and os.path.isdir(out_dir) and holds_run(out_dir):
             claim_run_dir(out_dir)  # refuses, naming --out: before the model is built
         self.requests = requests if requests is not None else load_trace(trace_path, limit=cfg.limit)
@@ -244,6 +252,17 @@ class Replay:
         self.finished: list[RequestState] | None = None  # set to [] to keep finished requests
         # set to [] to keep every step's plan: ([(request id, sample, tokens)], [preempted request ids])
         self.step_log: list | None = None
+        for r in self.requests:  # a request that cannot run is refused before the run, naming its line
+            if self._reject_reason(r) is None:
+                self._check_fits(r)
+
+    def claim(self) -> str:
+        """Create the run directory (``run`` does it first if nobody has): after every check, so a
+        refused run writes nothing. -> the directory (with ``unique``, the name taken)."""
+        if not self._claimed:
+            self.out_dir = claim_run_dir(self.out_dir, force=self._force, unique=self._unique)
+            self._claimed = True
+        return self.out_dir
 
     def _replica(self, i: int, executor) -> _Replica:
         cfg = self.cfg
@@ -325,9 +344,6 @@ class Replay:
         tiers = cfg.tier_sizes()
         belady = cfg.cache_policy == "belady" or any(getattr(cfg, f"{t}_cache_policy") == "belady" for t in tiers)
         future = next_uses(reqs, bs, self.streams) if kv.prefix_cache and belady else None
-        for r in reqs:
-            if self._reject_reason(r) is None:
-                self._check_fits(r)
         # The ideal hit rate counts requests in trace order; arrival order is the same unless the
         # trace is unsorted, and then it gets a pass of its own.
         in_order = all(reqs[i].index < reqs[i + 1].index for i in range(len(reqs) - 1))
@@ -341,7 +357,7 @@ class Replay:
         else:
             self._ideal = IdealCounter(bs) if in_order else None
             ideal = None if in_order else ideal_hits(admitted, bs, self.streams)
-        self.out_dir = claim_run_dir(self.out_dir, force=self._force, unique=self._unique)
+        self.claim()
         writer = RunWriter(self.out_dir, self._config_json())
         self._writer = writer
         st = _Totals(peak=0)  # the cluster's: requests and tokens (steps are counted per replica)
@@ -630,9 +646,11 @@ class Replay:
         return {"settings": self.cfg.to_dict(), "max_model_len_effective": self.max_len,
                 "slab_reserve_tokens": self.slab_reserve_tokens if self.cfg.layout == "slab" else None,
                 "num_blocks": self.num_blocks, "model_spec": self.model.to_dict(),
-                "trace": {"path": self.trace_label, "sha256": _sha256(self.trace_path),
+                "trace": {"path": self.trace_label, "sha256": file_sha256(self.trace_path),
                           "requests": len(self.requests)},
-                "environment": environment(getattr(self.executor, "device_name", None))}
+                "files": setting_files(self.cfg.to_dict()),
+                "environment": environment(getattr(self.executor, "device_name", None)),
+                **self.invocation.record()}
 
 
 @dataclass(slots=True)
@@ -691,20 +709,9 @@ def _merge_evictors(evictors: list) -> dict:
     return out
 
 
-def _sha256(path: str) -> str | None:
-    import hashlib
-
-    try:
-        h = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-        return h.hexdigest()
-    except OSError:
-        return None
-
-
 def replay(trace_path: str, cfg: ReplayConfig, out_dir: str, on_progress=None,
-           requests: list[Request] | None = None, force: bool = False, trace_label: str | None = None) -> dict:
+           requests: list[Request] | None = None, force: bool = False, trace_label: str | None = None,
+           invocation: Invocation | None = None) -> dict:
     """Replay a trace under one configuration into ``out_dir``; return summary.json's contents."""
-    return Replay(trace_path, cfg, out_dir, requests, force=force, trace_label=trace_label).run(on_progress)
+    return Replay(trace_path, cfg, out_dir, requests, force=force, trace_label=trace_label,
+                  invocation=invocation).run(on_progress)

@@ -21,7 +21,7 @@ int64, each masked with its own type.
 """
 from __future__ import annotations
 
-import numba
+from kvbench.jit import numba
 import numpy as np
 
 REFCNT, FILL, CACHED, FREE, PREV, NEXT = range(6)  # rows of s32 (CACHED: 1 when the block has a key)

@@ -12,7 +12,7 @@ shift count too.
 """
 from __future__ import annotations
 
-import numba
+from kvbench.jit import numba
 import numpy as np
 
 _U = np.uint64

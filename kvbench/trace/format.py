@@ -287,18 +287,56 @@ TRACE = "a kvbench JSONL trace"  # what json_lines's errors say a trace file sho
 
 
 def iter_trace(path: str | os.PathLike, text_len=None) -> Iterator[Request]:
-    """Stream the requests of a JSONL trace, validating each; blank lines are skipped."""
+    """Stream the requests of a JSONL trace, validating each; blank lines are skipped. A file in a
+    format kvbench imports (Mooncake, Azure, BurstGPT, ShareGPT) is refused at its first line with
+    the command that converts it."""
     path = os.fspath(path)
     seen: set[str] = set()
     index = 0
-    for lineno, obj in json_lines(path, TRACE):
-        where = {"file": path, "line": lineno}
-        r = parse_request(obj, where, index, text_len)
-        check_unique_id(r.id, seen, where)
-        index += 1
-        yield r
+    try:
+        for lineno, obj in json_lines(path, TRACE):
+            where = {"file": path, "line": lineno}
+            r = parse_request(obj, where, index, text_len)
+            check_unique_id(r.id, seen, where)
+            index += 1
+            yield r
+    except InputError as e:
+        raise (foreign_format_error(path) or e) if index == 0 else e from None
     if index == 0:
         raise InputError("trace has no requests", file=path)
+
+
+# (importer name, what it is, a test of the file's first non-blank line and its first 64 KiB): files
+# people hand to replay by mistake, recognised so the error can name the conversion
+_FOREIGN = (
+    ("mooncake", "a Mooncake trace", lambda first, head: first.startswith("{") and all(
+        f'"{k}"' in first for k in ("timestamp", "input_length", "output_length", "hash_ids"))),
+    ("azure", "an Azure LLM inference CSV", lambda first, head: first.replace(" ", "").startswith(
+        "TIMESTAMP,ContextTokens,GeneratedTokens")),
+    ("burstgpt", "a BurstGPT CSV", lambda first, head: first.startswith("Timestamp,") and "Request tokens" in first),
+    ("sharegpt", "a ShareGPT JSON file", lambda first, head: first.startswith("[") and '"conversations"' in head),
+)
+
+
+def foreign_format(path: str) -> tuple[str, str] | None:
+    """(importer, description) when ``path`` starts like a trace format kvbench imports, else None."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(1 << 16).decode("utf-8", "replace").lstrip("\ufeff")
+    except OSError:
+        return None
+    first = next((ln.strip() for ln in head.splitlines() if ln.strip()), "")
+    return next(((name, what) for name, what, test in _FOREIGN if first and test(first, head)), None)
+
+
+def foreign_format_error(path: str) -> InputError | None:
+    """The one-line refusal of a file in an imported format, naming its conversion; None otherwise."""
+    found = foreign_format(path)
+    if found is None:
+        return None
+    name, what = found
+    return InputError(f"this is {what}, not a kvbench trace: convert it first with "
+                      f"kvbench trace convert --from {name} {path} -o out.jsonl", file=path, line=1)
 
 
 def check_unique_id(rid: str, seen: set[str], where: dict) -> None:

@@ -276,6 +276,10 @@ def _load_json(path: str, what: str):
     except json.JSONDecodeError as e:
         raise InputError(f"malformed JSON ({e.msg} at column {e.colno}; expected {what})",
                          file=path, line=e.lineno) from None
+    except RecursionError:
+        raise InputError(f"nested too deeply to be {what}", file=path) from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise InputError(f"unusable JSON ({str(e).split(':')[0]}; expected {what})", file=path) from None
 
 
 def _sharegpt_turns(path: str, what: str, count_tokens, report: ImportReport):

@@ -34,6 +34,7 @@ from kvbench.trace.format import (
     check_unique_id,
     decode_line,
     load_trace,
+    foreign_format_error,
     parse_request,
 )
 from kvbench.trace.ideal import _flatten, once_streams
@@ -129,12 +130,15 @@ def _first_request(fh, path: str) -> None:
     line before it) or there is none: a file given by mistake (a CSV, a model's weights) is refused at
     its first line, not read and scanned whole first."""
     lineno = 0
-    while raw := fh.readline(MAX_LINE_BYTES + 1):
-        lineno += 1
-        obj = decode_line(raw, path, lineno, TRACE)
-        if obj is not _BLANK:
-            parse_request(obj, {"file": path, "line": lineno}, 0)
-            return
+    try:
+        while raw := fh.readline(MAX_LINE_BYTES + 1):
+            lineno += 1
+            obj = decode_line(raw, path, lineno, TRACE)
+            if obj is not _BLANK:
+                parse_request(obj, {"file": path, "line": lineno}, 0)
+                return
+    except InputError as e:
+        raise foreign_format_error(path) or e from None
     raise InputError("trace has no requests", file=path)
 
 

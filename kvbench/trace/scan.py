@@ -19,7 +19,7 @@ is PrefixKeys.count_once's rule, by their bytes.
 """
 from __future__ import annotations
 
-import numba
+from kvbench.jit import numba
 import numpy as np
 
 from kvbench.trace.compiled import xxh64

@@ -63,7 +63,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-import numba
+from kvbench.jit import numba
 import numpy as np
 
 from kvbench.jsonio import dumps
