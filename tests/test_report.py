@@ -437,3 +437,91 @@ def test_make_example_report(tmp_path):
     kept = {r.dir for s in inputs.sections for r in s.runs}
     check_report((tmp_path / "again" / "index.html").read_text(), inputs, list(_figures(inputs)),
                  [d for d in _run_dirs(runs) if str(d) in kept])
+
+
+# -- ratios, winners, axes: what a reader takes from the page -----------------------------------
+def test_every_figure_the_slab_has_gets_its_ratio_and_colour(example):
+    """A worse TPOT than the slab's is a red ratio, as a better throughput is a green one (the TPOT
+    ratio was once missing); within 5% no colour. Mutation: ratio off for TPOT -> fails."""
+    from kvbench.report.html import HEADLINE, _headline
+
+    section = _section(example.inputs, *CHAT40)
+    table = _headline(section)
+    base = next(r for r in section.runs if r.is_baseline)
+    seen = set()
+    for r in section.runs:
+        if r.is_baseline:
+            continue
+        row = next(tr for tr in table.split("<tr")[2:] if f">{r.label}<" in tr)
+        cells = re.findall(r"<td>(.*?)</td>", row)
+        for (key, _, _, up, ratio), cell in zip(HEADLINE, cells):
+            if key == "prefix_hit_rate":
+                assert "× slab" not in cell  # the slab has no prefix cache: no ratio
+                continue
+            a, b = r.metric(key), base.metric(key)
+            if a is None or not b:
+                continue
+            x = a / b
+            cls = "" if abs(x - 1) <= 0.05 else (" up" if (x > 1) == up else " down")
+            assert f"<span class='x{cls}'>" in cell, (r.label, key, cell)
+            seen.add((key, cls))
+    assert ("tpot_ms_p50", " down") in seen  # paged holds more sequences at once: each decodes slower
+
+
+def test_a_ratio_reads_as_a_person_says_it():
+    from kvbench.report.html import _times
+
+    assert _times(2.941) == "2.94× slab" and _times(0.53) == "0.53× slab"
+    assert _times(0.00033) == "3,000× lower than slab" and _times(0.044) == "23× lower than slab"
+    assert _times(250.0) == "250× higher than slab" and _times(12345.0) == "12,000× higher than slab"
+    assert _times(0.0) == "none (vs slab)" and _times(None) == "–"
+
+
+def test_configurations_that_cannot_differ_name_no_winner(tmp_path):
+    """Paged against slab on a pool the trace never fills: every throughput and latency is the same,
+    so the report says why instead of naming a 'highest throughput' (mutation: always name one)."""
+    grid = parse_grid({"layout": "paged,slab", "block_size": "16,64", "prefix_cache": "off", "limit": "15"},
+                      REPLAY_OPTIONS)
+    run_sweep(str(REPO / "traces" / "chat.jsonl"), grid, str(tmp_path / "sw"))
+    build_report([str(tmp_path / "sw")], str(tmp_path / "rep"))
+    page = (tmp_path / "rep" / "index.html").read_text()
+    assert "Highest throughput" not in page
+    assert ("No configuration is faster: throughput, latency and concurrency agree exactly because the KV pool "
+            "never filled") in page
+    # and where memory binds, the winner is named
+    assert "Highest throughput" in build_report_page(tmp_path, kv_mem="4GiB", time_scale="0.1")
+
+
+def build_report_page(tmp_path: Path, **grid) -> str:
+    g = parse_grid({"layout": "paged,slab", "prefix_cache": "off", "limit": "40", "max_model_len": "8192",
+                    **grid}, REPLAY_OPTIONS)
+    run_sweep(str(REPO / "traces" / "chat.jsonl"), g, str(tmp_path / "sw2"))
+    build_report([str(tmp_path / "sw2")], str(tmp_path / "rep2"))
+    return (tmp_path / "rep2" / "index.html").read_text()
+
+
+def test_settings_read_as_words_and_the_figures_are_defined_on_the_page(example):
+    shared = re.findall(r"Shared by every run: ([^<]*)<", example.page)
+    assert shared and not any("None" in s or "=" in s for s in shared), shared[:1]
+    assert "<a href='#metrics'>What each figure means</a>" in example.page
+    glossary = example.page.split("<h2 id=metrics>", 1)[1]
+    for name in ("TTFT", "TPOT", "internal frag.", "KV util", "× slab"):
+        assert f">{name}<" in glossary
+
+
+def test_a_linear_latency_axis_has_plain_ticks_from_zero_when_values_agree():
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    with matplotlib.rc_context(charts.RC):
+        fig = Figure()
+        ax = fig.subplots()
+        ax.plot([1_000_000.0, 1_000_000.4], [0, 1], "o")
+        charts._log_if_wide(ax, seconds=True)
+        ax.margins(x=0.15)
+        FigureCanvasAgg(fig).draw()
+        labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    assert ax.xaxis.get_offset_text().get_text() == ""  # no '1e6' in the corner
+    assert ax.get_xlim()[0] == 0 and len(labels) == len(set(labels)) >= 2
+    assert all(label.endswith(" s") or label.endswith(" ms") for label in labels), labels

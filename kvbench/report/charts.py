@@ -112,16 +112,24 @@ def _ms_text(v: float, _=None) -> str:
 
 def _log_if_wide(ax, seconds: bool = False) -> None:
     """Log x for data spanning a decade or more, with plain tick labels (1000, not 10^3; with
-    ``seconds``, milliseconds written as 16 ms or 2 s)."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    ``seconds``, milliseconds written as 16 ms or 2 s). A linear axis gets the same labels (never an
+    offset such as 1e6 in the corner) and, where the values are (nearly) equal, starts at zero so the
+    ticks are not crowded into a sliver of the range."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
+    text = FuncFormatter(_ms_text if seconds else lambda v, _: f"{v:g}")
     lo, hi = ax.dataLim.intervalx
     if np.isfinite(lo) and np.isfinite(hi) and lo > 0 and hi / lo >= 10:  # narrower: a linear axis
         ax.set_xscale("log")
         # two decades or less get 1-2-5 ticks, so that at least two are labelled
         ax.xaxis.set_major_locator(LogLocator(base=10, numticks=6, subs=(1.0,) if hi / lo > 100 else (1.0, 2.0, 5.0)))
-        ax.xaxis.set_major_formatter(FuncFormatter(_ms_text if seconds else lambda v, _: f"{v:g}"))
+        ax.xaxis.set_major_formatter(text)
         ax.xaxis.set_minor_formatter(NullFormatter())
+        return
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=4))
+    ax.xaxis.set_major_formatter(text)
+    if np.isfinite(lo) and np.isfinite(hi) and hi > 0 and hi - lo <= 0.05 * hi:
+        ax.set_xlim(0, hi * 1.3)
 
 
 def _grid(fig: Figure, n: int, ncols: int = 4, **kw):

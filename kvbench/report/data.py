@@ -237,10 +237,31 @@ def _check_parquet(path: str, schema: pa.Schema | None = None, columns=()) -> No
         raise InputError(f"lacks column {missing[0]!r}", file=path)
 
 
+# summary.json keys that are not numbers (every other key is a number or null)
+SUMMARY_TYPES = {"complete": (bool,), "router": (str, type(None)), "per_replica": (list, type(None)),
+                 "metadata": (dict, type(None))}
+
+
+def _check_summary(summary: dict, path: str) -> None:
+    """Every figure a number or null (NaN accepted: older runs wrote it), the few other keys of their
+    type: a summary.json edited by hand or by another tool is refused naming the key."""
+    for key, value in summary.items():
+        kinds = SUMMARY_TYPES.get(key)
+        if kinds is not None:
+            ok = isinstance(value, kinds)
+        else:
+            ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+        if not ok:
+            names = {type(None): "null", bool: "true or false", str: "a string", list: "a list", dict: "an object"}
+            want = " or ".join(names[k] for k in kinds) if kinds else "a number or null"
+            raise InputError(f"must be {want}, got {json.dumps(value)[:40]}", file=path, field=key)
+
+
 def _load_run(run_dir: str, name: str) -> Run:
     """A run whose files are all readable and of the right shape, else InputError naming the file."""
     config = _read_json(os.path.join(run_dir, "config.json"))
     summary = _read_json(os.path.join(run_dir, "summary.json"))
+    _check_summary(summary, os.path.join(run_dir, "summary.json"))
     if not isinstance(config.get("settings"), dict):
         raise InputError("has no 'settings' object (not a kvbench run's config)", file=os.path.join(run_dir, "config.json"))
     for fname, schema in RUN_PARQUETS.items():

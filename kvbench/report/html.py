@@ -17,27 +17,28 @@ from kvbench import __version__
 from kvbench.errors import InputError
 from kvbench.report.charts import SECTION_CHARTS, assign_styles, render, tiered, whatif, whatif_tiers
 from kvbench.report.data import BASELINE, COMPARABLE, Inputs, Run, Section, load_inputs
-from kvbench.report.words import rows_identical, setting_words, why_identical
+from kvbench.report.words import METRIC_DEFINITIONS, performs_alike, rows_identical, setting_words, why_identical
 
 
 def _ms(v: float) -> str:
     return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 100 else f"{v:,.0f}"
 
 
-# (summary key, header, format, higher is better, ratio to the baseline shown) -- the headline table
+# (summary key, header, format, higher is better, ratio to the baseline shown) -- the headline table.
+# Every figure the slab baseline also has gets its ratio (the slab has no prefix cache).
 HEADLINE = [
     ("output_tok_per_s", "output tok/s", "{:,.0f}".format, True, True),
     ("mean_running", "mean running seqs", "{:.1f}".format, True, True),
-    ("peak_running", "peak running seqs", "{:.0f}".format, True, False),
+    ("peak_running", "peak running seqs", "{:.0f}".format, True, True),
     ("ttft_ms_p50", "TTFT p50 (ms)", _ms, False, True),
-    ("ttft_ms_p99", "TTFT p99 (ms)", _ms, False, False),
-    ("tpot_ms_p50", "TPOT p50 (ms)", _ms, False, False),
-    ("tpot_ms_p99", "TPOT p99 (ms)", _ms, False, False),
+    ("ttft_ms_p99", "TTFT p99 (ms)", _ms, False, True),
+    ("tpot_ms_p50", "TPOT p50 (ms)", _ms, False, True),
+    ("tpot_ms_p99", "TPOT p99 (ms)", _ms, False, True),
     ("e2e_ms_p50", "E2E p50 (ms)", _ms, False, True),
     ("prefix_hit_rate", "prefix hit rate", "{:.1%}".format, True, False),
-    ("internal_frag", "internal frag.", "{:.1%}".format, False, False),
-    ("kv_util", "KV util", "{:.1%}".format, True, False),
-    ("preemptions", "preempt&shy;ions", "{:,.0f}".format, False, False),
+    ("internal_frag", "internal frag.", "{:.1%}".format, False, True),
+    ("kv_util", "KV util", "{:.1%}".format, True, True),
+    ("preemptions", "preempt&shy;ions", "{:,.0f}".format, False, True),
 ]
 ENVIRONMENT = ["kvbench", "git_commit", "python", "torch", "triton", "transformers", "device_name"]
 KEY_WORDS = {"trace": "trace", "requests": "requests replayed", "model": "model", "executor": "executor",
@@ -89,7 +90,8 @@ def build_report(paths: list[str], out_dir: str, title: str = "kvbench report", 
         body.append("<p class=meta>Runs are compared only inside a group: the same "
                     + ", ".join(_e(KEY_WORDS.get(k, k)) for k, _ in COMPARABLE)
                     + ". Every other setting may vary inside a group, and a configuration is named by the "
-                    "settings that do. Metric definitions: docs/metrics.md in the kvbench repository.</p>")
+                    "settings that do. <a href='#metrics'>What each figure means</a> (every figure: "
+                    "docs/metrics.md in the kvbench repository).</p>")
     if inputs.skipped:
         body.append("<p class=meta>Left out, unreadable: " + "; ".join(_e(x) for x in inputs.skipped) + "</p>")
     if len(inputs.sections) + len(inputs.whatifs) > 1:
@@ -111,6 +113,8 @@ def build_report(paths: list[str], out_dir: str, title: str = "kvbench report", 
         else:
             body.append("<p>This table has no budget_bytes and hit_rate columns to chart.</p>")
         body.append(_gap_table(w.table))
+    if inputs.sections:
+        body.append(_glossary(any(s.baselines for s in inputs.sections)))
     page = ("<!DOCTYPE html><html lang=en><head><meta charset=utf-8>"
             "<meta name=viewport content='width=device-width, initial-scale=1'>"
             f"<title>{_e(title)}</title><style>{CSS}</style></head><body>"
@@ -118,6 +122,12 @@ def build_report(paths: list[str], out_dir: str, title: str = "kvbench report", 
     with open(report.index, "w", encoding="utf-8") as fh:
         fh.write(page)
     return report
+
+
+def _glossary(ratios: bool) -> str:
+    rows = "".join(f"<tr><td class=name>{_e(name)}</td><td class=path>{_e(text)}</td></tr>"
+                   for name, text in METRIC_DEFINITIONS if ratios or not name.startswith("×"))
+    return f"<h2 id=metrics>What each figure means</h2><table>{rows}</table>"
 
 
 def _gap_table(df) -> str:
@@ -200,11 +210,24 @@ def _ratio(run: Run, base: Run | None, key: str) -> float | None:
     return a / b if a is not None and b not in (None, 0) else None
 
 
-def _times(x: float | None) -> str:
-    """A ratio with two significant digits at least: 2.94×, 0.0012×."""
+def _sig2(v: float) -> str:
+    """A number to two significant digits, grouped: 3,000; 45; 1.2."""
+    r = float(f"{v:.2g}")
+    return f"{r:,.0f}" if r >= 10 else f"{r:g}"
+
+
+def _times(x: float | None, base: str = BASELINE[1]) -> str:
+    """A ratio to the baseline as a reader says it: 2.94× slab, 0.53× slab; far from 1, how many
+    times higher or lower (3,000× lower than slab, not 0.00033× slab)."""
     if x is None:
         return "–"
-    return f"{x:.2f}×" if x >= 0.1 else f"{x:.2g}×"
+    if x == 0:
+        return f"none (vs {base})"
+    if x < 0.1:
+        return f"{_sig2(1 / x)}× lower than {base}"
+    if x >= 100:
+        return f"{_sig2(x)}× higher than {base}"
+    return f"{x:.2f}× {base}"
 
 
 def _cell(run: Run, section: Section, key: str, fmt, up: bool, ratio: bool) -> str:
@@ -215,7 +238,7 @@ def _cell(run: Run, section: Section, key: str, fmt, up: bool, ratio: bool) -> s
     x = _ratio(run, section.baseline_for(run), key) if ratio else None
     if x is not None:
         cls = "" if abs(x - 1) <= 0.05 else (" up" if (x > 1) == up else " down")
-        text += f"<span class='x{cls}'>{_times(x)} {_e(BASELINE[1])}</span>"
+        text += f"<span class='x{cls}'>{_e(_times(x))}</span>"
     return f"<td>{text}</td>"
 
 
@@ -265,13 +288,17 @@ def _findings(section: Section) -> str:
             items.append(f"<b>{_e(base.label)}</b> leaves {base.metric('internal_frag'):.1%} of the KV slots it "
                          f"holds empty; the other configurations {span}.")
             break
-    best = max(runs, key=lambda r: r.metric("output_tok_per_s"))
-    base = section.baseline_for(best)
-    x = _ratio(best, base, "output_tok_per_s")
-    items.append(f"Highest throughput: <b>{_e(best.label)}</b>, {best.metric('output_tok_per_s'):,.0f} output "
-                 f"tok/s at a mean of {best.metric('mean_running') or 0:.1f} running sequences"
-                 + (f", {x:.2f}× <b>{_e(base.label)}</b> ({base.metric('mean_running') or 0:.1f} running)"
-                    if x is not None else "") + ".")
+    alike = performs_alike([r.summary for r in runs], measured=any(r.setting("executor") != "sim" for r in runs))
+    if alike is not None:
+        items.append(_e(alike))
+    else:
+        best = max(runs, key=lambda r: r.metric("output_tok_per_s"))
+        base = section.baseline_for(best)
+        x = _ratio(best, base, "output_tok_per_s")
+        items.append(f"Highest throughput: <b>{_e(best.label)}</b>, {best.metric('output_tok_per_s'):,.0f} output "
+                     f"tok/s at a mean of {best.metric('mean_running') or 0:.1f} running sequences"
+                     + (f", {x:.2f}× <b>{_e(base.label)}</b> ({base.metric('mean_running') or 0:.1f} running)"
+                        if x is not None else "") + ".")
     cached = [r for r in runs if r.setting("prefix_cache") and r.metric("prefix_hit_rate") is not None]
     if cached:
         top = max(cached, key=lambda r: r.metric("prefix_hit_rate"))
@@ -286,7 +313,7 @@ def _settings(section: Section) -> str:
     runs = section.runs
     first = runs[0]
     common = [k for k in first.settings if k not in section.varying and all(r.uses(k) for r in runs)]
-    pairs = " · ".join(f"{_e(k)}={_e(first.value(k))}" for k in common)
+    pairs = " · ".join(_e(setting_words(k, first.value(k))[0]) for k in common)
     extra = [("kv_capacity_tokens", "KV slots"), ("slab_reserve_tokens", "slab reserve (tokens)")]
     heads = "".join(f"<th>{h}</th>" for h in ["configuration", "run directory",
                                                 *(_e(n.replace("_", " ")) for n in section.varying),

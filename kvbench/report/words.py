@@ -119,6 +119,28 @@ def why_identical(varying: list[str], summaries: list[dict]) -> str:
     return f"Every row is the same although {names} varied: " + "; ".join(reasons) + "."
 
 
+# what a user compares configurations by: if these are equal, no configuration is better
+PERFORMANCE = ("output_tok_per_s", "ttft_ms_p50", "tpot_ms_p50", "e2e_ms_p50", "mean_running")
+SIM_NOISE = 1e-6  # the sim is deterministic: equal is equal
+MEASURED_NOISE = 0.03  # measured step times (the model executor) move by a few percent run to run
+
+
+def performs_alike(summaries: list[dict], measured: bool) -> str | None:
+    """Why configurations whose throughput, latency and concurrency are equal within noise cannot be
+    told apart, in one sentence; None when they differ (or there is only one)."""
+    if not rows_identical(summaries, list(PERFORMANCE), MEASURED_NOISE if measured else SIM_NOISE):
+        return None
+    util = max((s.get("kv_util") or 0) for s in summaries)
+    noise = "within the few percent measured step times vary" if measured else "exactly"
+    if not any(s.get("preemptions") for s in summaries) and util < 0.5:
+        why = (f"the KV pool never filled (time-weighted KV use at most {util:.1%}, no preemption), so no "
+               "layout, block size or cache setting could change how many sequences ran: give the pool less "
+               "memory (--kv-mem, --num-blocks) or replay faster (--time-scale below 1)")
+    else:
+        why = "what varied did not change when or how much work the engine could do on this trace"
+    return f"No configuration is faster: throughput, latency and concurrency agree {noise} because {why}."
+
+
 def rows_identical(summaries: list[dict], keys: list[str], rel: float = 1e-9) -> bool:
     """Whether every summary has the same value (within ``rel``) for every key; a single row is not
     'identical' (there is nothing to compare)."""
@@ -134,3 +156,23 @@ def rows_identical(summaries: list[dict], keys: list[str], rel: float = 1e-9) ->
         if hi - lo > rel * max(abs(hi), abs(lo), 1e-12):
             return False
     return True
+
+
+# -- what each headline figure means (the report's glossary; docs/metrics.md has every figure) --
+METRIC_DEFINITIONS = [
+    ("output tok/s", "output tokens generated / the whole replay's engine time (idle gaps included)"),
+    ("mean / peak running seqs", "sequences an engine step worked on (those finishing in it included): "
+     "the time-weighted mean over busy steps, and the largest"),
+    ("TTFT", "time to first token: first token - arrival, per request; p50/p99 over requests"),
+    ("TPOT", "time per output token: (finish - first token) / (output tokens - 1)"),
+    ("E2E", "finish - arrival"),
+    ("prefix hit rate", "prompt tokens served from the prefix cache / prompt tokens looked up; the "
+     "ceiling is the hit rate of an infinite cache with no concurrency"),
+    ("internal frag.", "share of the KV slots held by running sequences that hold no token, weighted "
+     "by step time (a slab holds its whole reservation)"),
+    ("KV util", "tokens held / pool capacity in tokens, weighted by step time; cached-but-unused "
+     "blocks count as neither"),
+    ("preemptions", "running requests sent back to wait, their KV freed, recomputed later"),
+    ("× slab", "the figure over the slab baseline's in the same group: green where better, red where "
+     "worse, uncoloured within 5%"),
+]
