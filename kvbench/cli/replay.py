@@ -62,9 +62,17 @@ REPLAY_OPTIONS: list[Opt] = [
     Opt("max_num_seqs", Count(1, MAX_NUM_SEQS), "most sequences running at once"),
     Opt("max_batched_tokens", Count(1), "token budget per engine step"),
     Opt("max_model_len", Count(1), "longest request (prompt + output) [default: the model's]"),
+    Opt("overlong", click.Choice(C.OVERLONG), "a request longer than --max-model-len: refused (reject), or, when "
+        "its prompt fits, its output cut to the length (truncate: vLLM's OpenAI server)"),
     Opt("admission", click.Choice(C.ADMISSIONS), "admit a waiting request when its whole prompt fits (vLLM >= 0.33), or its first chunk"),
     Opt("watermark", Finite(0, 1, max_open=True), "share of KV blocks kept free when admitting while others run (vLLM's watermark)"),
     Opt("time_scale", Finite(min=0, max=MAX_TIME_SCALE, min_open=True), "multiply arrival times (0.5 = twice the rate)"),
+    Opt("max_concurrency", Count(1, C.MAX_CONCURRENCY), "closed loop: at most C requests in flight, the next issued "
+        "when one finishes (vllm bench serve --max-concurrency); arrival, queue and TTFT count from the issue"),
+    Opt("slo", str, "service-level objectives in ms, e.g. ttft=200,tpot=50 (also e2e, itl: a request's longest "
+        "gap): goodput counts the requests that meet all of them (vllm bench serve --goodput)"),
+    Opt("dependent_turns", "flag", "a request that re-sends a named answer is issued only once that answer has "
+        "finished, as a chat client sends its next turn"),
     Opt("limit", Count(1, 2**31 - 1), "replay only the first N requests"),
     Opt("seed", Count(0, 2**63 - 1), "seed for every random choice"),
     Opt("replicas", Count(1, C.MAX_REPLICAS), "engine instances, each its own pool, scheduler and executor, one clock"),
@@ -246,17 +254,51 @@ Examples:
 @metadata_option
 @click.option("--csv", "csv", is_flag=True, help="also write the tables as CSV beside the parquet files")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as one JSON object on stdout")
-def replay(trace, out, force, metadata, csv, as_json, **opts):
+@click.option("--endpoint", default=None, metavar="URL",
+              help="live: send the trace to this OpenAI-compatible server (e.g. http://127.0.0.1:8000) and "
+                   "measure it, instead of simulating; token-id prompts, streamed")
+@click.option("--api", type=click.Choice(["completions", "chat"]), default="completions", show_default=True,
+              help="live: /v1/completions or /v1/chat/completions")
+@click.option("--served-model", default=None, help="live: the model name the server serves [default: its first]")
+@click.option("--api-key", default=None, envvar="OPENAI_API_KEY", help="live: bearer token [env OPENAI_API_KEY]")
+@click.option("--header", "headers", multiple=True, metavar="'NAME: VALUE'", help="live: an HTTP header (repeatable)")
+@click.option("--warmup", type=Count(0, 10**6), default=0, show_default=True,
+              help="live: requests sent first and left out of every statistic")
+@click.option("--max-seconds", type=Finite(min=0, min_open=True), default=None,
+              help="live: stop issuing requests after this many seconds")
+@click.option("--max-requests", type=Count(1, 2**31 - 1), default=None, help="live: stop after this many requests")
+@click.option("--request-timeout", type=Finite(min=0, min_open=True), default=600.0, show_default=True,
+              help="live: seconds before a request is given up (recorded as an error)")
+@click.option("--retries", type=Count(0, 100), default=2, show_default=True,
+              help="live: times a request that failed before its first byte is sent again")
+@click.option("--metrics-interval", type=Finite(min=0), default=1.0, show_default=True,
+              help="live: seconds between scrapes of the server's /metrics (0: before and after only)")
+@click.option("--remap-vocab", is_flag=True,
+              help="live: map token ids the served model does not have onto its vocabulary, keeping the sharing")
+def replay(trace, out, force, metadata, csv, as_json, endpoint, api, served_model, api_key, headers, warmup,
+           max_seconds, max_requests, request_timeout, retries, metrics_interval, remap_vocab, **opts):
     """Replay TRACE under one configuration and write a run directory (config.json, summary.json,
-    requests.parquet, steps.parquet)."""
+    requests.parquet, steps.parquet). With --endpoint, send it to a running server and measure that
+    instead (the same run files; a /metrics timeline in place of steps.parquet)."""
     from kvbench.provenance import Invocation
 
-    given = ReplayConfig(**opts)  # as the user gave it (validate turns a slab's prefix cache off)
-    cfg = ReplayConfig(**opts).validate()
-    for note in unused_options(given):
-        click.echo(f"kvbench: note: {note}", err=True)
-    summary, out = run_with_progress(trace, cfg, out, quiet=as_json, force=force,
-                                     invocation=Invocation.from_argv(metadata))
+    invocation = Invocation.from_argv(metadata)
+    if endpoint is not None:
+        summary, out = _replay_live(trace, out, force, as_json, invocation, opts, endpoint, api, served_model,
+                                    api_key, headers, warmup, max_seconds, max_requests, request_timeout,
+                                    retries, metrics_interval, remap_vocab)
+    else:
+        live_only = {"--api": api != "completions", "--served-model": served_model is not None,
+                     "--header": bool(headers), "--warmup": warmup != 0, "--max-seconds": max_seconds is not None,
+                     "--max-requests": max_requests is not None, "--remap-vocab": remap_vocab}
+        for flag, given_ in live_only.items():
+            if given_:
+                click.echo(f"kvbench: note: {flag} has no effect without --endpoint", err=True)
+        given = ReplayConfig(**opts)  # as the user gave it (validate turns a slab's prefix cache off)
+        cfg = ReplayConfig(**opts).validate()
+        for note in unused_options(given):
+            click.echo(f"kvbench: note: {note}", err=True)
+        summary, out = run_with_progress(trace, cfg, out, quiet=as_json, force=force, invocation=invocation)
     if csv:
         from kvbench.report.export import export_csv
 
@@ -269,6 +311,29 @@ def replay(trace, out, force, metadata, csv, as_json, **opts):
     else:
         print_summary(summary, out)
         click.echo(f"run directory: {out}", err=True)
+
+
+def _replay_live(trace, out, force, as_json, invocation, opts, endpoint, api, served_model, api_key, headers,
+                 warmup, max_seconds, max_requests, request_timeout, retries, metrics_interval, remap_vocab):
+    """replay --endpoint: the same workload settings, sent to a server (kvbench.engine.live)."""
+    from kvbench.engine.live import LiveOptions, replay_live
+
+    ctx = click.get_current_context()
+    if ctx.get_parameter_source("dependent_turns") is click.core.ParameterSource.DEFAULT:
+        opts["dependent_turns"] = True  # a client sends a turn once the answer it quotes is in
+    cfg = ReplayConfig(**opts).validate()
+    parsed = {}
+    for h in headers:
+        name, sep, value = h.partition(":")
+        if not sep or not name.strip():
+            raise InputError(f"expected 'NAME: VALUE', got {h!r}", field="--header")
+        parsed[name.strip()] = value.strip()
+    live = LiveOptions(endpoint=endpoint, api=api, served_model=served_model, api_key=api_key, headers=parsed,
+                       warmup=warmup, max_seconds=max_seconds, max_requests=max_requests,
+                       request_timeout_s=request_timeout, retries=retries, metrics_interval_s=metrics_interval,
+                       remap_vocab=remap_vocab)
+    return replay_live(trace, cfg, live, out or default_run_dir(trace), force=force, unique=out is None,
+                       invocation=invocation, quiet=as_json)
 
 
 COMMANDS = [replay]

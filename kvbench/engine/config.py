@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 
 from kvbench import eviction, executors, memory, scheduler
 from kvbench.engine import routing
+from kvbench.engine.records import parse_slo
 from kvbench.errors import InputError
 from kvbench.memory.policies import check_policy
 from kvbench.memory.tiers import DEFAULT_BW, LOAD_POLICIES, OFFLOADS
@@ -21,6 +22,7 @@ CACHE_POLICIES = tuple(memory.CACHE_POLICIES)
 EVICTIONS = ("none", *eviction.EVICTION_POLICIES)
 EXECUTORS = tuple(executors.EXECUTORS)
 SLAB_RESERVES = ("max", "exact")
+OVERLONG = ("reject", "truncate")
 PREFIX_MODES = ("hash", "radix")
 RADIX_EVICTIONS = memory.RADIX_EVICTIONS
 DEVICES = ("auto", "cuda", "cpu")
@@ -32,6 +34,7 @@ MAX_TIER_BW_GBPS = 1e6  # GB/s
 MAX_BLOCK_SIZE = 4096  # tokens per block
 MAX_NUM_BLOCKS = 2**31 - 1  # block ids are int32 in block tables
 MAX_NUM_SEQS = 2**20
+MAX_CONCURRENCY = 2**20  # requests in flight (--max-concurrency)
 MAX_TIME_SCALE = 1e6
 MAX_KV_MEM_BYTES = 2**50  # 1 PiB
 MAX_TP = 64  # GPUs in one tensor-parallel group
@@ -108,9 +111,13 @@ class ReplayConfig:
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
     max_model_len: int | None = None
+    overlong: str = "reject"  # a request longer than max_model_len: refused, or its output cut (vLLM's server)
     admission: str = "full-prompt"
     watermark: float = 0.0
     time_scale: float = 1.0
+    max_concurrency: int | None = None  # closed loop: at most this many requests in flight (engine.issuer)
+    dependent_turns: bool = False  # a turn that re-sends an answer waits for it (engine.issuer)
+    slo: str | None = None  # 'ttft=200,tpot=50' (ms): goodput counts the requests that meet every one
     limit: int | None = None
     seed: int = 0
     attention: str = "auto"  # model executor: triton kernels or torch reference
@@ -141,7 +148,7 @@ class ReplayConfig:
                               ("eviction", EVICTIONS), ("executor", EXECUTORS), ("device", DEVICES),
                               ("kv_dtype", KV_DTYPES), ("admission", ADMISSIONS),
                               ("radix_eviction", RADIX_EVICTIONS), ("router", ROUTERS),
-                              ("offload", OFFLOADS), ("load_policy", LOAD_POLICIES)):
+                              ("offload", OFFLOADS), ("load_policy", LOAD_POLICIES), ("overlong", OVERLONG)):
             choice(name, allowed)
         if self.model is None:
             self.model = default_model(self.executor, self.device)
@@ -168,6 +175,11 @@ class ReplayConfig:
         positive("max_model_len", self.max_model_len)
         positive("num_blocks", self.num_blocks, most=MAX_NUM_BLOCKS)
         positive("limit", self.limit, most=2**31 - 1)
+        positive("max_concurrency", self.max_concurrency, most=MAX_CONCURRENCY)
+        try:
+            parse_slo(self.slo)
+        except ValueError as e:
+            raise InputError(str(e), field="--slo") from None
         positive("sink_tokens", self.sink_tokens, 0)
         positive("seed", self.seed, 0, most=2**63 - 1)
         positive("tp", self.tp, most=MAX_TP)

@@ -7,6 +7,7 @@ parquet footers and writes summary.json with ``complete`` true or false, leaving
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
 import platform
 import sys
@@ -27,7 +28,7 @@ REQUEST_SCHEMA = pa.schema([
     ("ttft_ms", pa.float64()), ("tpot_ms", pa.float64()), ("e2e_ms", pa.float64()),
     ("queue_ms", pa.float64()), ("preemptions", pa.int64()), ("recomputed_tokens", pa.int64()),
     ("evicted_tokens", pa.int64()), ("recalled_tokens", pa.int64()), ("loaded_tokens", pa.int64()),
-    ("rejected", pa.string()),
+    ("rejected", pa.string()), ("itl_ms_max", pa.float64()),
 ])
 STEP_SCHEMA = pa.schema([
     ("step", pa.int64()), ("replica", pa.int64()), ("t_s", pa.float64()), ("dur_ms", pa.float64()),
@@ -166,6 +167,70 @@ class RunWriter:
             self.config["finished_at"] = now_iso()
             write_json(os.path.join(self.dir, "config.json"), self.config)
             write_json(os.path.join(self.dir, "summary.json"), summary)
+
+
+def weighted_percentile(values: np.ndarray, counts: np.ndarray, q: float) -> float:
+    """np.percentile(np.repeat(values, counts), q) (linear interpolation) without the repeat."""
+    order = np.argsort(values, kind="stable")
+    v, c = values[order], np.cumsum(counts[order])
+    pos = q / 100.0 * (c[-1] - 1)
+    lo, hi = int(math.floor(pos)), int(math.ceil(pos))
+    a, b = v[np.searchsorted(c, lo, side="right")], v[np.searchsorted(c, hi, side="right")]
+    return float(a + (b - a) * (pos - lo))
+
+
+def itl_summary(gaps: dict[float, int] | list[dict[float, int]]) -> dict:
+    """``itl_ms_{mean,p50,p90,p99}`` over every gap between two tokens of one sample, pooled over the
+    requests (vllm bench serve's ITL); ``gaps`` maps gap seconds to how often it occurred."""
+    merged: dict[float, int] = {}
+    for g in (gaps if isinstance(gaps, list) else [gaps]):
+        for k, n in g.items():
+            merged[k] = merged.get(k, 0) + n
+    if not merged:
+        return {f"itl_ms_{name}": None for name, _ in PCTS}
+    v = np.fromiter(merged.keys(), dtype=np.float64, count=len(merged)) * 1e3
+    c = np.fromiter(merged.values(), dtype=np.int64, count=len(merged))
+    out = {"itl_ms_mean": float((v * c).sum() / c.sum())}
+    for name, q in PCTS[1:]:
+        out[f"itl_ms_{name}"] = weighted_percentile(v, c, q)
+    return out
+
+
+SLO_KEYS = ("ttft", "tpot", "e2e", "itl")  # --slo names; itl is a request's longest gap
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """'ttft=200,tpot=50' (milliseconds) -> {'ttft': 200.0, 'tpot': 50.0}; ValueError naming the
+    part that is not NAME=MS with NAME one of ttft, tpot, e2e, itl."""
+    out: dict[str, float] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, value = part.partition("=")
+        name = name.strip().lower()
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if not sep or name not in SLO_KEYS or not (math.isfinite(ms) and ms > 0):
+            raise ValueError(f"expected NAME=MILLISECONDS with NAME one of {', '.join(SLO_KEYS)}, got {part!r}")
+        out[name] = ms
+    return out
+
+
+def goodput(latencies: dict[str, np.ndarray], slo: dict[str, float], duration_s: float) -> dict:
+    """Requests meeting every SLO (vllm bench serve's --goodput): their share and their rate.
+    ``latencies``: per completed request, in ms, 'ttft', 'tpot', 'e2e' and 'itl' (its longest gap);
+    a request without a figure (one output token: no TPOT) meets that SLO."""
+    if not slo:
+        return {"slo_attainment": None, "goodput_req_per_s": None}
+    n = len(latencies["ttft"])
+    ok = np.ones(n, dtype=bool)
+    for name, ms in slo.items():
+        ok &= ~(np.asarray(latencies[name]) > ms)  # NaN (no figure) passes
+    good = int(ok.sum())
+    return {"slo_attainment": good / n if n else None,
+            "goodput_req_per_s": good / duration_s if duration_s > 0 else None}
 
 
 def distribution(prefix: str, values) -> dict:

@@ -11,6 +11,7 @@ before any step that starts at or after it. One replica is exactly the single en
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -29,7 +30,9 @@ from kvbench.memory.future import next_uses
 from kvbench.memory.tiers import TIER_NAMES, Tiers, TierSpec, op_bytes
 from kvbench.executors.presets import available_host_bytes, get_model
 from kvbench.provenance import Invocation, file_sha256, setting_files
-from kvbench.engine.records import RunWriter, claim_run_dir, distribution, environment, holds_run
+from kvbench.engine.issuer import Issuer
+from kvbench.engine.records import (RunWriter, claim_run_dir, distribution, environment, goodput, holds_run,
+                                    itl_summary, parse_slo)
 from kvbench.engine.routing import Router, jain, max_over_mean
 from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig
 from kvbench.trace.format import Request, load_trace
@@ -190,10 +193,26 @@ def check_fits(r: Request, cfg: ReplayConfig, num_blocks: int, slab_reserve: int
             "or lower --max-model-len", usage=True)
 
 
+def fit_overlong(requests: list[Request], max_len: int, overlong: str) -> tuple[list[Request], int]:
+    """``--overlong truncate``: a request whose prompt fits ``max_len`` but whose prompt and output do
+    not generates only up to the length (vLLM's OpenAI server: get_max_tokens caps max_tokens at
+    max_model_len - prompt length); ``reject`` leaves it to be refused. -> (requests, how many cut)."""
+    if overlong != "truncate":
+        return requests, 0
+    out, cut = [], 0
+    for r in requests:
+        if r.prompt_len < max_len < r.prompt_len + r.output_len:
+            r = dataclasses.replace(r, output_len=max_len - r.prompt_len)
+            cut += 1
+        out.append(r)
+    return out, cut
+
+
 def check_trace_fits(requests: list[Request], cfg: ReplayConfig, num_blocks: int, max_len: int,
                      trace_path: str) -> None:
     """check_fits for every request a run of ``cfg`` admits (the first ``--limit`` of them)."""
     reqs = requests if cfg.limit is None else requests[:cfg.limit]
+    reqs, _ = fit_overlong(reqs, max_len, cfg.overlong)
     reserve = slab_reserve_tokens(reqs, cfg, max_len)
     for r in reqs:
         if r.prompt_len + r.output_len <= max_len:
@@ -223,6 +242,7 @@ class Replay:
         self.requests = sorted(self.requests, key=lambda r: r.t)
         self.model = get_model(cfg.model)
         self.max_len = cfg.max_model_len or self.model.max_model_len
+        self.requests, self.truncated = fit_overlong(self.requests, self.max_len, cfg.overlong)
         self.slab_reserve_tokens = self._slab_reserve_tokens()
         self.streams = TokenStreams()
         check_model_memory(cfg, self.model)
@@ -246,7 +266,8 @@ class Replay:
                 pool = getattr(rep.kv, "pool", None)
                 if pool is not None and rep.kv.prefix_cache:
                     pool.events = []
-        self._lat: list[tuple[float, float, float, float]] = []  # ttft, tpot, e2e, queue (ms)
+        self._lat: list[tuple[float, ...]] = []  # ttft, tpot, e2e, queue, longest gap (ms) of finished requests
+        self._prompt_tokens_done = 0
         self._routing = [0, 0, 0]  # router: blocks predicted to hit, blocks hit, |difference| summed
         self._predicted: dict[RequestState, int] = {}
         self.finished: list[RequestState] | None = None  # set to [] to keep finished requests
@@ -345,8 +366,10 @@ class Replay:
         belady = cfg.cache_policy == "belady" or any(getattr(cfg, f"{t}_cache_policy") == "belady" for t in tiers)
         future = next_uses(reqs, bs, self.streams) if kv.prefix_cache and belady else None
         # The ideal hit rate counts requests in trace order; arrival order is the same unless the
-        # trace is unsorted, and then it gets a pass of its own.
-        in_order = all(reqs[i].index < reqs[i + 1].index for i in range(len(reqs) - 1))
+        # trace is unsorted, or dependent turns wait for answers, and then it gets a pass of its own.
+        in_order = not cfg.dependent_turns and all(reqs[i].index < reqs[i + 1].index for i in range(len(reqs) - 1))
+        issuer = Issuer(reqs, cfg.time_scale, cfg.max_concurrency, cfg.dependent_turns)
+        self._issuer = issuer
         self._keys_of = PrefixKeys(bs, self.streams)
         self._keys_of.count_once(r for r in reqs if self._reject_reason(r) is None)
         # Radix runs use a token-granular ideal (spec §4): a radix tree can hit inside a block.
@@ -370,7 +393,6 @@ class Replay:
             rep.clock = clock
         index = self.router.index
         loads_seen = len(replicas) > 1 and self.router.name != "round-robin"
-        nxt = 0
         step = 0
         wall0 = time.perf_counter()
         try:
@@ -380,13 +402,15 @@ class Replay:
                 for r in replicas:
                     if r.sched.has_work() and (rep is None or r.clock < rep.clock):
                         rep = r
-                if nxt < len(reqs):
-                    arrival = reqs[nxt].t * cfg.time_scale
-                    if rep is None or arrival <= rep.clock:  # arrivals up to the step's start first
-                        self._arrive(reqs[nxt], nxt, future, use_tokens, writer, st, arrival)
-                        nxt += 1
-                        continue
-                elif rep is None:
+                issue_s = issuer.next_time()
+                if issue_s is not None and (rep is None or issue_s <= rep.clock):
+                    pos, issue_s = issuer.issue()  # arrivals up to the step's start first
+                    self._arrive(reqs[pos], pos, future, use_tokens, writer, st, issue_s)
+                    continue
+                if rep is None:
+                    if not issuer.done():
+                        raise RunError("requests are left that can never be issued (each waits for an "
+                                       "answer that does not come)")
                     break
                 sched = rep.sched
                 pool = getattr(rep.kv, "pool", None)
@@ -420,6 +444,7 @@ class Replay:
                     self._record_request(writer, rs, rep)
                     st.completed += 1
                     st.output_tokens += rs.output_tokens
+                    issuer.finished(rs.position, rep.clock)
                 prog.steps = step
                 if on_progress is not None and (step & 63) == 0:
                     prog.requests_done = st.completed + st.rejected
@@ -438,12 +463,13 @@ class Replay:
         return summary
 
     def _arrive(self, r: Request, index: int, future, use_tokens: bool, writer, st, arrival: float) -> None:
-        rs = RequestState(req=r, arrival_s=arrival, prompt=None)
+        rs = RequestState(req=r, arrival_s=arrival, prompt=None, position=index)
         reason = self._reject_reason(r)
         if reason is not None:
             rs.reject_reason = reason
             st.rejected += 1
             self._record_request(writer, rs, None)
+            self._issuer.finished(index, arrival)
             return
         keys, prompt_len, pieces = self._keys_of.with_pieces(r)
         if self._ideal is not None:  # the ceiling of the requests this run admits
@@ -522,13 +548,15 @@ class Replay:
         tpot = ((rs.finish_s - rs.first_token_s) * 1e3 / (r.output_len - 1)
                 if done and r.output_len > 1 else nan)
         queue = (rs.first_sched_s - rs.arrival_s) * 1e3 if done else nan
+        itl_max = rs.itl_max_s * 1e3
         writer.requests.add((r.id, r.session, None if rep is None else rep.index, rs.arrival_s,
                              rs.first_token_s, rs.finish_s,
                              r.prompt_len, rs.cached_tokens, rs.output_tokens, r.n, ttft, tpot, e2e,
                              queue, rs.preemptions, rs.recomputed_tokens, rs.evicted_tokens,
-                             rs.recalled_tokens, rs.loaded_tokens, rs.reject_reason))
+                             rs.recalled_tokens, rs.loaded_tokens, rs.reject_reason, itl_max))
         if done:
-            self._lat.append((ttft, tpot, e2e, queue))
+            self._lat.append((ttft, tpot, e2e, queue, itl_max))
+            self._prompt_tokens_done += r.prompt_len
             rep.lat.append((ttft, tpot, e2e, queue))
             rep.st.completed += 1
             rep.st.output_tokens += rs.output_tokens
@@ -547,12 +575,17 @@ class Replay:
                 setattr(tot, name, getattr(tot, name) + getattr(r.st, name))
             tot.peak, tot.peak_slots = max(tot.peak, r.st.peak), max(tot.peak_slots, r.st.peak_slots)
             tot.peak_live = max(tot.peak_live, r.st.peak_live)
-        lat = np.array(self._lat, dtype=np.float64).reshape(-1, 4)
+        lat = np.array(self._lat, dtype=np.float64).reshape(-1, 5)
         s = {"complete": complete, "requests": len(self.requests), "completed": st.completed,
-             "rejected": st.rejected, "duration_s": duration_s,
-             "output_tok_per_s": st.output_tokens / duration_s if duration_s > 0 else 0.0}
+             "rejected": st.rejected, "truncated": self.truncated, "duration_s": duration_s,
+             "output_tok_per_s": st.output_tokens / duration_s if duration_s > 0 else 0.0,
+             "total_tok_per_s": (st.output_tokens + self._prompt_tokens_done) / duration_s if duration_s > 0 else 0.0,
+             "req_per_s": st.completed / duration_s if duration_s > 0 else 0.0}
         for k, name in enumerate(("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms")):
             s.update(distribution(name, lat[:, k]))
+        s.update(itl_summary([r.sched.itl_gaps for r in reps]))
+        s.update(goodput(dict(zip(("ttft", "tpot", "e2e", "itl"), lat[:, [0, 1, 2, 4]].T)),
+                         parse_slo(self.cfg.slo), duration_s))
 
         def total(get):
             return sum(get(r) for r in reps)

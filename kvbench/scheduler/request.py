@@ -34,6 +34,8 @@ class RequestState:
     output_tokens: int = 0
     reject_reason: str | None = None
     samples: list[tuple[int, list[int]]] | None = None  # (seq_id, generated ids) per finished sample
+    position: int = -1  # in the replay's arrival order (engine.issuer)
+    itl_max_s: float = NAN  # the longest gap between two tokens of one sample
 
 
 @dataclass(slots=True, eq=False)
@@ -50,6 +52,7 @@ class Sequence(SeqKV):
     num_tokens: int = 0
     num_out: int = 0
     last_token: int = 0
+    last_emit_s: float = NAN  # when it last emitted a token (inter-token latency)
     out_tokens: list[int] | None = None  # generated ids, kept only when the executor needs tokens
     computed_before: int = 0  # KV tokens held before its last preemption (recompute accounting)
     resumed: bool = False

@@ -87,6 +87,9 @@ class Scheduler:
         self.resumed_hit_tokens = 0
         self.preemptions = 0
         self.recomputed_tokens = 0
+        # inter-token latency: gap (s) -> how many times a sample waited that long between two tokens
+        # (most gaps are one step's duration, so a count per distinct value keeps them all, exactly)
+        self.itl_gaps: dict[float, int] = {}
         # of hit_tokens, those loaded from each tier behind the pool (kvbench.memory.tiers), by name
         self.tier_hit_tokens = {name: 0 for name in kv.tiers.names} if kv.tiers is not None else {}
         self.resumed_loaded_tokens = 0  # resumed requests' tokens loaded from the tiers
@@ -239,6 +242,7 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult, now_s: float) -> list[RequestState]:
         """Commit the step (KV written, tokens sampled, forks, finishes); return finished requests."""
         emit = self._emit
+        gaps = self.itl_gaps
         finished: list[RequestState] = []
         done_seqs = False
         self.kv.commit_all(plan.seqs, plan.num_new)  # (commits touch only each sequence's own tail)
@@ -247,6 +251,12 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end
             rs = s.rs
             req = rs.req
+            if s.num_out:  # the gap since its last token: the inter-token latency a client sees
+                gap = now_s - s.last_emit_s
+                gaps[gap] = gaps.get(gap, 0) + 1
+                if not gap <= rs.itl_max_s:
+                    rs.itl_max_s = gap
+            s.last_emit_s = now_s
             if s.out_tokens is None:  # _emit, for executors that take no tokens (the sim)
                 s.num_out += 1
                 s.num_tokens += 1
@@ -308,6 +318,7 @@ class Scheduler:
                              keys=None if parent.keys is None else parent.keys[:shared],
                              seq_id=self._next_id, rs=rs, sample=k, num_tokens=parent.num_tokens,
                              num_out=parent.num_out, last_token=parent.last_token,
+                             last_emit_s=parent.last_emit_s,
                              out_tokens=None if parent.out_tokens is None else list(parent.out_tokens))
             rs.live_seqs += 1
             rs.output_tokens += 1

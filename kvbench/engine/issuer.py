@@ -1,0 +1,114 @@
+"""When each request of a trace is issued: the client's side of a replay, the same for the sim's engine
+clock and for a live server's wall clock (kvbench.engine.live).
+
+A request is *ready* at its trace time times the time scale or, with dependent turns, when the answer
+it quotes has finished, whichever is later; it is *issued* when it is ready and one of
+``max_concurrency`` slots is free (none: no limit), ready requests taking free slots first come first
+served -- the semantics of ``vllm bench serve --max-concurrency C``: its requests leave at their
+arrival times and wait on a semaphore of C. A trace whose times are all 0 is then a closed loop of C
+users. Arrival, queue and TTFT count from the issue time.
+
+Dependent turns: a request whose prompt re-sends a named answer (a ``shared`` segment naming an earlier
+request's ``output``) depends on the last earlier request that wrote it, as a chat client sends turn
+k+1 only after turn k's answer has arrived. A rejected request finishes when it is issued.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+from kvbench.trace.format import Request
+
+
+def answer_dependencies(requests: Sequence[Request]) -> dict[int, int]:
+    """position -> position of the request whose answer it re-sends (the last one before it, in trace
+    order, whose ``output`` names a stream its prompt quotes). Requests that quote none are absent."""
+    writer: dict[str, int] = {}  # output stream name -> position of its latest writer so far
+    deps: dict[int, int] = {}
+    for pos in sorted(range(len(requests)), key=lambda i: requests[i].index):
+        r = requests[pos]
+        quoted = [writer[s.name] for s in r.prompt if s.kind == "shared" and s.name in writer]
+        if quoted:
+            deps[pos] = max(quoted, key=lambda p: requests[p].index)
+        if r.output is not None:
+            writer[r.output] = pos
+    return deps
+
+
+class Issuer:
+    """Issues ``requests`` (positions 0..n-1, in arrival order) under the rules above. The caller asks
+    ``next_time`` when the next request can go, takes it with ``issue``, and reports every finish
+    (or rejection) with ``finished``."""
+
+    def __init__(self, requests: Sequence[Request], time_scale: float = 1.0,
+                 max_concurrency: int | None = None, dependent_turns: bool = False):
+        self.requests = requests
+        self.time_scale = time_scale
+        self.cap = max_concurrency
+        self.deps = answer_dependencies(requests) if dependent_turns else {}
+        self._dependents: dict[int, list[int]] = {}  # position -> dependents not yet ready
+        for pos, dep in self.deps.items():
+            self._dependents.setdefault(dep, []).append(pos)
+        self.finish_s: dict[int, float] = {}
+        self.in_flight = 0
+        self.issued = 0
+        self._next_plain = 0  # the next position in arrival order that is not a dependent
+        self._ready: list[tuple[float, int]] = []  # (ready time, position) of dependents now free to go
+        # when each free slot became free (a heap; no cap: no slots to wait for)
+        self._free: list[float] = [-math.inf] * max_concurrency if max_concurrency else []
+        self._last_s = -math.inf  # the line is first come first served: no issue before an earlier one
+
+    def done(self) -> bool:
+        return self.issued == len(self.requests)
+
+    def _arrival(self, pos: int) -> float:
+        return self.requests[pos].t * self.time_scale
+
+    def _head(self) -> tuple[float, int] | None:
+        """(ready time, position) of the first ready request in line, or None."""
+        n = len(self.requests)
+        while self._next_plain < n and self._next_plain in self.deps:
+            self._next_plain += 1  # a dependent joins the line through _ready once its answer is in
+        plain = (self._arrival(self._next_plain), self._next_plain) if self._next_plain < n else None
+        ready = self._ready[0] if self._ready else None
+        if plain is None or (ready is not None and ready < plain):
+            return ready
+        return plain
+
+    def next_time(self) -> float | None:
+        """When the next request is issued unless something finishes first; None when none can go
+        before a finish (every slot busy, or the rest wait on answers) or none is left."""
+        if self.cap is not None and not self._free:
+            return None
+        head = self._head()
+        if head is None:
+            return None
+        slot = self._free[0] if self.cap is not None else -math.inf
+        return max(head[0], slot, self._last_s)
+
+    def issue(self) -> tuple[int, float]:
+        """Take the next request: (its position, its issue time). Only when next_time() is not None."""
+        at = self.next_time()
+        if at is None:
+            raise RuntimeError("no request can be issued now")
+        _, pos = self._head()
+        if self._ready and self._ready[0][1] == pos:
+            heapq.heappop(self._ready)
+        else:
+            self._next_plain += 1
+        if self.cap is not None:
+            heapq.heappop(self._free)
+        self.in_flight += 1
+        self.issued += 1
+        self._last_s = at
+        return pos, at
+
+    def finished(self, pos: int, at: float) -> None:
+        """Request ``pos`` finished (or was rejected) at ``at``: its slot frees, its dependents get ready."""
+        self.in_flight -= 1
+        self.finish_s[pos] = at
+        if self.cap is not None:
+            heapq.heappush(self._free, at)
+        for dep in self._dependents.pop(pos, ()):
+            heapq.heappush(self._ready, (max(self._arrival(dep), at), dep))

@@ -1,0 +1,150 @@
+"""When requests are issued (kvbench.engine.issuer) and what the client sees of them: a closed loop of
+C slots as vllm bench serve --max-concurrency runs it, dependent turns that wait for the answer they
+quote, the inter-token latency of every gap, request and token throughput, goodput against SLOs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kvbench.engine.config import ReplayConfig
+from kvbench.engine.issuer import Issuer, answer_dependencies
+from kvbench.engine.records import goodput, itl_summary, parse_slo, weighted_percentile
+from kvbench.engine.replay import replay
+from kvbench.trace.format import Request, Segment, load_trace
+
+REPO = Path(__file__).resolve().parents[1]
+CHAT = REPO / "traces" / "chat.jsonl"
+
+
+def _req(i: int, t: float, prompt=(("unique", 8),), output: str | None = None) -> Request:
+    segs = [Segment(kind=k, length=v) if k == "unique" else Segment(kind="shared", name=k, length=v)
+            for k, v in prompt]
+    return Request(id=f"r{i}", t=t, prompt=tuple(segs), output_len=4, index=i, output=output)
+
+
+def _drive(issuer: Issuer, service_s: float) -> list[float]:
+    """Issue everything, each request taking ``service_s`` from its issue: the issue times."""
+    import heapq
+
+    running: list[tuple[float, int]] = []
+    issued = {}
+    while not issuer.done():
+        t = issuer.next_time()
+        if t is not None and (not running or t <= running[0][0]):
+            pos, at = issuer.issue()
+            issued[pos] = at
+            heapq.heappush(running, (at + service_s, pos))
+        else:
+            end, pos = heapq.heappop(running)
+            issuer.finished(pos, end)
+    return [issued[i] for i in range(len(issued))]
+
+
+def test_no_cap_issues_at_the_trace_times_scaled():
+    reqs = [_req(i, t) for i, t in enumerate((0.0, 1.0, 1.0, 5.0))]
+    assert _drive(Issuer(reqs, time_scale=2.0), service_s=10.0) == [0.0, 2.0, 2.0, 10.0]
+
+
+def test_a_cap_of_c_is_a_closed_loop_when_every_time_is_zero():
+    reqs = [_req(i, 0.0) for i in range(7)]
+    # C = 3 users, each request 1 s: 3 at 0, 3 at 1, 1 at 2 (vllm bench serve --max-concurrency 3)
+    assert _drive(Issuer(reqs, max_concurrency=3), 1.0) == [0, 0, 0, 1, 1, 1, 2]
+    # with arrival times, a request goes at max(its time, a free slot), first come first served
+    reqs = [_req(i, t) for i, t in enumerate((0.0, 0.5, 0.6, 3.0))]
+    assert _drive(Issuer(reqs, max_concurrency=1), 1.0) == [0.0, 1.0, 2.0, 3.0]
+    # mutation: slots never freed -> it never finishes (guarded by done())
+
+
+def test_dependent_turns_wait_for_the_answer_they_quote():
+    a = _req(0, 0.0, output="s/answer-1")
+    b = _req(1, 0.5, prompt=(("s/answer-1", 4), ("unique", 8)))  # re-sends a's answer
+    c = _req(2, 0.6)
+    assert answer_dependencies([a, b, c]) == {1: 0}
+    times = _drive(Issuer([a, b, c], dependent_turns=True), service_s=2.0)
+    assert times == [0.0, 2.0, 0.6]  # b waits for a's finish; c does not wait for b
+    assert _drive(Issuer([a, b, c]), service_s=2.0) == [0.0, 0.5, 0.6]  # off: the trace's times
+
+
+def test_the_last_writer_of_an_answer_is_the_one_waited_for():
+    reqs = [_req(0, 0.0, output="x"), _req(1, 1.0, output="x"), _req(2, 2.0, prompt=(("x", 2),))]
+    assert answer_dependencies(reqs) == {2: 1}
+
+
+def test_a_closed_loop_replay_never_holds_more_than_c(tmp_path):
+    cfg = ReplayConfig(limit=40, max_concurrency=3)
+    summary = replay(str(CHAT), cfg, str(tmp_path / "c3"))
+    assert summary["peak_running"] <= 3 and summary["completed"] == 40
+    rows = pd.read_parquet(tmp_path / "c3" / "requests.parquet")
+    # at any moment at most 3 requests are between issue (arrival_s) and finish
+    events = sorted([(t, 1) for t in rows["arrival_s"]] + [(t, -1) for t in rows["finish_s"]],
+                    key=lambda e: (e[0], e[1]))
+    assert max(np.cumsum([d for _, d in events])) <= 3
+    # open loop: the trace's own arrivals, more at once
+    open_ = replay(str(CHAT), ReplayConfig(limit=40, time_scale=0.05), str(tmp_path / "open"))
+    assert open_["peak_running"] > 3
+
+
+def test_dependent_turns_in_the_sim_reach_the_ceiling_the_trace_allows(tmp_path):
+    """Chat turns re-send the previous answer: waiting for it, every such block is cached when the
+    turn arrives, and at a high arrival rate the hit rate rises toward the ideal."""
+    fast = dict(limit=60, time_scale=0.02)
+    off = replay(str(CHAT), ReplayConfig(**fast), str(tmp_path / "off"))
+    on = replay(str(CHAT), ReplayConfig(**fast, dependent_turns=True), str(tmp_path / "on"))
+    assert on["prefix_hit_rate"] > off["prefix_hit_rate"]
+    rows = pd.read_parquet(tmp_path / "on" / "requests.parquet").set_index("id")
+    reqs = load_trace(CHAT, limit=60)
+    for pos, dep in answer_dependencies(reqs).items():
+        assert rows.loc[reqs[pos].id, "arrival_s"] >= rows.loc[reqs[dep].id, "finish_s"] - 1e-9
+
+
+def test_itl_counts_every_gap_and_tpot_is_its_mean_per_request(tmp_path):
+    summary = replay(str(CHAT), ReplayConfig(limit=30, time_scale=0.1), str(tmp_path / "r"))
+    rows = pd.read_parquet(tmp_path / "r" / "requests.parquet")
+    done = rows[rows["output_tokens"] > 1]
+    # a request's TPOT is the mean of its gaps, so its longest gap is at least its TPOT
+    assert (done["itl_ms_max"] >= done["tpot_ms"] - 1e-9).all()
+    # the pooled mean of all gaps is the token-weighted mean of TPOT
+    weights = done["output_tokens"] - 1
+    assert summary["itl_ms_mean"] == pytest.approx((done["tpot_ms"] * weights).sum() / weights.sum(), rel=1e-9)
+    assert summary["itl_ms_p50"] <= summary["itl_ms_p90"] <= summary["itl_ms_p99"]
+    assert summary["req_per_s"] == pytest.approx(30 / summary["duration_s"])
+    assert summary["total_tok_per_s"] > summary["output_tok_per_s"]
+
+
+def test_weighted_percentiles_equal_numpys_on_the_repeated_values():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        v = rng.choice(rng.random(6), size=rng.integers(1, 6), replace=False)
+        c = rng.integers(1, 9, size=len(v))
+        for q in (0, 1, 50, 90, 99, 100):
+            assert weighted_percentile(v, c, q) == pytest.approx(np.percentile(np.repeat(v, c), q))
+    s = itl_summary([{0.01: 3}, {0.01: 1, 0.05: 1}])
+    assert s["itl_ms_mean"] == pytest.approx((4 * 10 + 50) / 5) and s["itl_ms_p50"] == pytest.approx(10)
+    assert itl_summary({})["itl_ms_p99"] is None
+
+
+def test_goodput_counts_requests_that_meet_every_slo():
+    lat = {"ttft": np.array([100.0, 300.0, 50.0]), "tpot": np.array([10.0, 10.0, np.nan]),
+           "e2e": np.array([1.0, 1.0, 1.0]), "itl": np.array([20.0, 20.0, 20.0])}
+    assert goodput(lat, parse_slo("ttft=200,tpot=20"), 2.0) == {"slo_attainment": 2 / 3, "goodput_req_per_s": 1.0}
+    assert goodput(lat, {}, 2.0)["goodput_req_per_s"] is None
+    for bad in ("ttft", "ttft=x", "speed=5", "ttft=-1", "tpot=nan"):
+        with pytest.raises(ValueError):
+            parse_slo(bad)
+
+
+def test_slo_and_concurrency_are_options_with_one_line_errors(tmp_path, capsys):
+    from kvbench.cli import main
+
+    for args, flag in ((["--slo", "ttft=fast"], "--slo"), (["--max-concurrency", "0"], "--max-concurrency")):
+        with pytest.raises(SystemExit) as e:
+            main(["replay", str(CHAT), "--limit", "2", "--out", str(tmp_path / "x"), *args])
+        assert e.value.code == 2 and flag in capsys.readouterr().err
+    main(["replay", str(CHAT), "--limit", "20", "--slo", "ttft=1000,tpot=100", "--max-concurrency", "2",
+          "--out", str(tmp_path / "ok"), "--json"])
+    s = json.loads(capsys.readouterr().out)
+    assert s["slo_attainment"] == 1.0 and s["peak_running"] <= 2
