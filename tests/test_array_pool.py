@@ -35,6 +35,7 @@ def state(kv: PagedKV) -> dict:
     lru = p.lru_order() if isinstance(p, ArrayBlockPool) else list(p.policy._q)
     return {"refcnt": list(p.refcnt), "fill": list(p.fill), "key": [p.key[b] for b in range(n)],
             "free": list(p._free), "lru": lru, "index": dict(p.index) if p.enable_cache else {},
+            "dups": p.dup_chains() if p.enable_cache else {},
             "counters": (p.num_used, p.tokens_live, p.num_cached, p.num_free, p.num_available, p.evictions),
             "tokens": None if p.tokens is None else p.tokens[[b for b in range(n) if p.key[b] is not None]].tolist()}
 

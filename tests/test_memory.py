@@ -485,3 +485,32 @@ def test_radix_node_hit_past_a_private_copy_splits_the_node_it_leaves():
     for op, k, n in [("new", 1, 3), ("free", 0, 1), ("new", 1, 1), ("append", 0, 9), ("new", 1, 5)]:
         apply_op(kv, seqs, prompts, op, k, n)
         check_invariants(kv, seqs)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_recomputed_cached_block_is_cached_twice_as_vllm_does(tmp_path, compiled):
+    """vLLM's BlockPool caches a block computed again under a cached key beside the first copy
+    (BlockHashToBlockMap.insert), so the copy takes a cached slot. Five requests, 63 usable blocks of
+    16: B re-sends A (whose last block no lookup covers, so B recomputes it: a second copy); C needs 59
+    blocks, the empty ones and then the least recently released cached block, E's tail, because the
+    copy holds the slot that would have been empty; F, E plus 16 tokens, hits 16 tokens as vLLM 0.34's
+    own scheduler does, not 32 (mutation: keep the copy private -> F hits 32)."""
+    import json
+
+    from kvbench.engine.config import ReplayConfig
+    from kvbench.engine.replay import Replay
+
+    rng = np.random.default_rng(1)
+    e, a, c, x = (rng.integers(100, 30000, n).tolist() for n in (32, 32, 942, 16))
+    trace = tmp_path / "dup.jsonl"
+    trace.write_text("".join(json.dumps({"id": i, "t": t, "output_len": 2, "prompt": [{"tokens": toks}]}) + "\n"
+                             for i, t, toks in (("E", 0, e), ("A", 1, a), ("B", 2, a), ("C", 3, c), ("F", 4, e + x))))
+    PagedKV.compiled_pool, before = compiled, PagedKV.compiled_pool
+    try:
+        rp = Replay(str(trace), ReplayConfig(num_blocks=63, block_size=16), str(tmp_path / f"r{compiled}"))
+        rp.finished = []
+        rp.run()
+    finally:
+        PagedKV.compiled_pool = before
+    assert {rs.req.id: rs.cached_tokens for rs in rp.finished} == {"E": 0, "A": 0, "B": 16, "C": 0, "F": 16}
+    rp.kv.pool.recount()

@@ -61,7 +61,7 @@ class ArrayBlockPool:
         self.block_size = block_size
         self.enable_cache = enable_cache
         n = physical
-        s32 = np.zeros((6, n + 1), dtype=np.int32)
+        s32 = np.zeros((8, n + 1), dtype=np.int32)
         s32[cc.FREE, :n] = np.arange(n - 1, -1, -1, dtype=np.int32)  # the stack's top hands out block 0 first
         s32[cc.PREV, n] = s32[cc.NEXT, n] = n  # the LRU list: empty, its sentinel at n
         self._s32 = s32
@@ -83,6 +83,7 @@ class ArrayBlockPool:
         self._scratch = np.empty(n, dtype=np.int32)
         self._vkeys = np.empty(n, dtype=np.uint64)
         self._vparents = np.empty(n, dtype=np.uint64)
+        self._vgone = np.empty(n, dtype=np.uint8)
         self.clock = 0  # logical time for policies (lru reads none)
         self.events: list | None = None  # KV events for a router's index, as BlockPool's
         self.spill = None  # write-back tiers, as BlockPool's
@@ -158,14 +159,14 @@ class ArrayBlockPool:
             raise self._short(n)
         out = self._scratch[:n]
         evicted = self._cc.alloc(self._s32, self._s64, self._hk, self._hv, self._c, n, out, self._vkeys,
-                                 self._vparents)
+                                 self._vparents, self._vgone)
         if evicted < 0:
             raise self._short(n)
         got = out.tolist()
         if evicted and (self.events is not None or self.spill is not None):
             keys = self._vkeys[:evicted].tolist()
-            if self.events is not None:
-                self.events.append((False, keys))
+            if self.events is not None:  # a key leaves the cache with its last block
+                self.events.append((False, [k for k, gone in zip(keys, self._vgone[:evicted].tolist()) if gone]))
             if self.spill is not None:  # the victims' KV is still in their blocks until the forward
                 self.spill(got[n - evicted:], keys, self._vparents[:evicted].tolist())
         table.extend(got)
@@ -204,14 +205,14 @@ class ArrayBlockPool:
 
     # -- prefix cache -----------------------------------------------------------------------
     def register_run(self, blocks: list[int], keys, parent_key: int, tokens: np.ndarray,
-                     next_uses=None, parent_block: int = -1, extend: bool = False) -> int:
-        """Index consecutive computed blocks (``tokens`` holds exactly their ids, in order);
+                     next_uses=None, parent_block: int = -1, extend: bool = False) -> list[int]:
+        """Cache consecutive computed blocks (``tokens`` holds exactly their ids, in order);
         ``keys[i]`` is ``blocks[i]``'s key, ``parent_key`` the key before the first. A block whose key
-        another block caches already stays private. Returns how many blocks were indexed. Keys are
-        chained, so none repeats within a run (BlockPool assumes it too). (lru reads no next use;
-        radix links are BlockPool's.)"""
+        another block caches already is cached beside it (vLLM's BlockPool). Returns the positions
+        whose key is new to the cache. Keys are chained, so none repeats within a run (BlockPool
+        assumes it too). (lru reads no next use; radix links are BlockPool's.)"""
         if not self.enable_cache or not len(blocks):
-            return 0
+            return []
         if len(blocks) == 1:  # a decode step's block: no arrays to build
             if len(tokens) != self.block_size:
                 raise ValueError(f"a block of {self.block_size} tokens, not {len(tokens)}")
@@ -219,7 +220,7 @@ class ArrayBlockPool:
                                       np.uint64(keys[0]), np.uint64(parent_key), tokens)
             if n and self.events is not None:
                 self.events.append((True, [int(keys[0])]))
-            return n
+            return [0] if n else []
         if len(tokens) != len(blocks) * self.block_size or len(keys) < len(blocks):
             raise ValueError(f"{len(blocks)} blocks need {len(blocks)} keys and {len(blocks) * self.block_size} tokens")
         keys = np.asarray(keys, dtype=np.uint64)
@@ -229,7 +230,7 @@ class ArrayBlockPool:
                               np.asarray(tokens, dtype=np.int32), out)
         if n and self.events is not None:
             self.events.append((True, keys[out[:n]].tolist()))
-        return n
+        return out[:n].tolist()
 
     def match(self, keys, tokens: np.ndarray, n_max: int, parent_key: int) -> list[int]:
         """The blocks caching the longest run of ``keys[:n_max]``, confirmed against tokens.
@@ -249,6 +250,20 @@ class ArrayBlockPool:
         """A hit: lru orders by release only."""
 
     # -- checks -----------------------------------------------------------------------------
+    def dup_chains(self) -> dict[int, list[int]]:
+        """Keys cached by several blocks -> those blocks, the one found first (for tests)."""
+        dnext = self._s32[self._cc.DNEXT]
+        out = {}
+        for k, head in self.index.items():
+            ring, b = [head], int(dnext[head])
+            while b != head:
+                ring.append(b)
+                assert len(ring) <= self.physical, "a key's ring has a cycle"
+                b = int(dnext[b])
+            if len(ring) > 1:
+                out[k] = ring
+        return out
+
     def lru_order(self) -> list[int]:
         """The cached blocks, next victim first (for tests; O(cached))."""
         nxt, n = self._s32[self._cc.NEXT], self.physical
@@ -273,8 +288,12 @@ class ArrayBlockPool:
         assert sorted(free) == np.flatnonzero(~used & ~cached).tolist(), "the free stack is not the empty blocks"
         assert not fill[free].any(), "a free block holds tokens"
         index = self.index
-        assert len(index) == int(cached.sum()) == int((self._hv >= 0).sum()), "the index is not the keyed blocks, once each"
+        assert len(index) == int((self._hv >= 0).sum()), "the index holds a key twice"
         key = self._s64[cc.KEY, :n]
         assert all(cached[b] and int(key[b]) == k for k, b in index.items()), "an index entry is stale"
+        chains = self.dup_chains()
+        rings = [b for k, b in index.items() for b in chains.get(k, [b])]
+        assert sorted(rings) == np.flatnonzero(cached).tolist(), "the rings are not the keyed blocks, once each"
+        assert all(int(key[b]) == k for k, ring in chains.items() for b in ring), "a ring holds another key"
         return {"num_used": int(used.sum()), "tokens_live": int(fill[used].sum()),
                 "num_cached": len(lru), "num_free": self.num_blocks - int(used.sum()) - len(lru)}

@@ -33,10 +33,11 @@ class BlockPool:
     keys_as_arrays = False  # a sequence's keys are a list of ints (the index is a dict of them)
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_cache: bool = True,
-                 policy: str | CachePolicy = "lru", physical: int | None = None):
+                 policy: str | CachePolicy = "lru", physical: int | None = None, duplicate_keys: bool = False):
         """``physical``: blocks to hold state for, when the caller knows the run can never use more
         than that many (a pool larger than the whole trace): the other ``num_blocks - physical``
-        count as free but cost no memory. Ids are < physical."""
+        count as free but cost no memory. Ids are < physical. ``duplicate_keys``: a block computed
+        under a key that another block caches is cached under it too (vLLM's BlockPool, hash mode)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
@@ -54,13 +55,16 @@ class BlockPool:
         self.parent: list[int] = [0] * num_blocks
         # Tokens of registered blocks, to confirm hits. Rows are written on register only.
         self.tokens = np.zeros((num_blocks, block_size), dtype=np.int32) if enable_cache else None
-        # Prefix key -> block. One block per key: a block whose key is cached already stays private
-        # (dropped at free). vLLM's map may hold several blocks per key, but its scheduling, which
-        # kvbench follows, never computes one key twice at once: blocks are registered when allocated,
-        # and a prefill chunk takes all the budget left, so a later request sharing the prefix is
-        # admitted only once every block of it is registered. Only a policy other than lru can leave
-        # a cached block past its evicted prefix and so have a key computed again.
+        # Prefix key -> the block a lookup finds. With duplicate_keys, as vLLM's BlockHashToBlockMap
+        # (vllm/v1/core/block_pool.py: insert, pop, get_one_block), a block computed again under a
+        # cached key (a prompt's last block, which no lookup covers; a prefix recomputed past a miss)
+        # is cached under that key too: ``dups`` holds every block of such a key in the order they
+        # were cached, the first is the one found, and when it is evicted the next takes the key
+        # over. Without it (radix mode, and the policies that are kvbench's own) such a block stays
+        # private and is freed at release.
         self.index: dict[int, int] = {}
+        self.duplicate_keys = duplicate_keys and enable_cache
+        self.dups: dict[int, dict[int, None]] = {}
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         # counters (spec §4), kept incrementally
         self.num_used = 0
@@ -146,8 +150,8 @@ class BlockPool:
             index, key, fill, refcnt, on_evict = self.index, self.key, self.fill, self.refcnt, self.on_evict
             k = need if self.kids is None else 1  # leaves-only: each victim may make its parent next
             victims = self.policy.pop_many(k)
-            if self.events is not None:
-                self.events.append((False, [key[b] for b in victims]))
+            if self.events is not None:  # a key leaves the cache with its last block
+                self.events.append((False, self._keys_leaving(victims)))
             if self.spill is not None:
                 self.spill(victims, [key[b] for b in victims], [self.parent[b] for b in victims])
             if len(victims) > k:  # node eviction frees whole nodes: the rest of the last one is free
@@ -162,7 +166,7 @@ class BlockPool:
                 del victims[k:]
             if on_evict is None and self.kids is None:  # hash mode: the victims are only forgotten
                 for b in victims:
-                    del index[key[b]]
+                    self._unindex(b)
                     key[b] = None
                     fill[b] = 0
                     refcnt[b] = 1
@@ -181,6 +185,36 @@ class BlockPool:
             self.evictions += k
             self.num_used += k
             need -= k
+
+    def _keys_leaving(self, victims: list[int]) -> list[int]:
+        """The keys that leave the cache when ``victims`` are evicted in this order: each with the
+        last of its blocks."""
+        key = self.key
+        if not self.dups:
+            return [key[b] for b in victims]
+        left = {}
+        out = []
+        for b in victims:
+            k = key[b]
+            d = self.dups.get(k)
+            n = left.get(k, 1 if d is None else len(d)) - 1
+            left[k] = n
+            if not n:
+                out.append(k)
+        return out
+
+    def _unindex(self, b: int) -> None:
+        """Forget cached block ``b`` under its key: the key's next block in caching order takes it
+        over, or the key leaves the index (vLLM: BlockHashToBlockMap.pop)."""
+        k = self.key[b]
+        d = self.dups.get(k) if self.dups else None
+        if d is None:
+            del self.index[k]
+            return
+        del d[b]
+        self.index[k] = next(iter(d))
+        if len(d) == 1:
+            del self.dups[k]
 
     def _leaf_gone(self, b: int) -> None:
         """Leaves-only: evicted ``b`` no longer holds its parent back."""
@@ -266,8 +300,8 @@ class BlockPool:
         """Index one computed block under ``key`` (``register_run`` of one; ``tokens``: its row of
         block_size ids). False when the key is already cached (another sequence computed the same
         block first): this block then stays private."""
-        return self.register_run([b], [key], parent_key, tokens, None if next_use == NEVER else [next_use],
-                                 parent_block, extend) == 1
+        return len(self.register_run([b], [key], parent_key, tokens, None if next_use == NEVER else [next_use],
+                                     parent_block, extend)) == 1
 
     def _count_kid(self, b: int, parent_block: int, parent_key: int) -> None:
         """Leaves-only: a new cached child holds its parent back when the sequence that registers
@@ -277,15 +311,16 @@ class BlockPool:
             self.kid_of[b] = parent_block
 
     def register_run(self, blocks: list[int], keys: list[int], parent_key: int, tokens: np.ndarray,
-                     next_uses=None, parent_block: int = -1, extend: bool = False) -> int:
+                     next_uses=None, parent_block: int = -1, extend: bool = False) -> list[int]:
         """Index consecutive computed blocks (``tokens`` holds exactly their ids, in order);
         ``keys[i]`` is ``blocks[i]``'s key, ``parent_key`` the key before the first and
         ``parent_block`` the sequence's block before the first (leaves-only and node eviction). A
-        block whose key another block caches already stays private. Node eviction: the blocks join
-        one node, which continues ``parent_block``'s with ``extend`` (RadixNodes.link). Returns how
-        many blocks were indexed."""
+        block whose key another block caches already is cached beside it (``duplicate_keys``) or
+        stays private. Node eviction: the blocks join one node, which continues ``parent_block``'s
+        with ``extend`` (RadixNodes.link). Returns the positions in ``blocks`` whose key is new to
+        the cache."""
         if not self.enable_cache or not blocks:
-            return 0
+            return []
         index, key_of, parent_of = self.index, self.key, self.parent
         if self.kids is None and self.nodes is None:  # hash mode: no tree to keep
             return self._register_flat(blocks, keys, parent_key, tokens, next_uses)
@@ -318,35 +353,47 @@ class BlockPool:
         if links:
             nodes.link_run(links, extend)
         self._indexed(blocks, keys, tokens, next_uses, rows, again)
-        return len(rows)
+        return rows
 
     def _register_flat(self, blocks: list[int], keys: list[int], parent_key: int, tokens: np.ndarray,
-                       next_uses) -> int:
+                       next_uses) -> list[int]:
         """``register_run`` without radix links: the same rule, one pass of comprehensions. Keys are
-        chained, so no key repeats within a run."""
+        chained, so no key repeats within a run. -> the positions whose key is new to the cache."""
         index, key_of, parent_of = self.index, self.key, self.parent
         parents = [parent_key, *keys[:-1]]
         fresh = [i for i, b in enumerate(blocks) if key_of[b] is None]
         again = [i for i in fresh if keys[i] in index]
-        rows = [i for i in fresh if keys[i] not in index] if again else fresh
-        for i in rows:
+        new = [i for i in fresh if keys[i] not in index] if again else fresh
+        rows = fresh if self.duplicate_keys else new
+        for i in new:
             b, k = blocks[i], keys[i]
             index[k] = b
             key_of[b] = k
             parent_of[b] = parents[i]
-        self._indexed(blocks, keys, tokens, next_uses, rows, again)
-        return len(rows)
+        if again and self.duplicate_keys:  # cached beside the block that holds the key
+            dups = self.dups
+            for i in again:
+                b, k = blocks[i], keys[i]
+                d = dups.get(k)
+                if d is None:
+                    d = dups[k] = {index[k]: None}
+                d[b] = None
+                key_of[b] = k
+                parent_of[b] = parents[i]
+        self._indexed(blocks, keys, tokens, next_uses, rows, [] if self.duplicate_keys else again, new)
+        return new
 
-    def _indexed(self, blocks, keys, tokens, next_uses, rows, again) -> None:
-        """A registered run's rows now indexed (KV events, the policy, the token rows), and the rows
-        whose key another block caches (the policy hears they were computed again)."""
+    def _indexed(self, blocks, keys, tokens, next_uses, rows, again, new=None) -> None:
+        """A registered run's rows now cached (the policy, the token rows; KV events for ``new``,
+        the rows whose key is new to the cache), and the rows whose key another block caches and
+        that stay private (the policy hears they were computed again)."""
         if again and next_uses is not None:
             self.policy.on_recompute_many([self.index[keys[i]] for i in again], self.clock,
                                           [int(next_uses[i]) for i in again])
         if not rows:
             return
-        if self.events is not None:
-            self.events.append((True, [keys[i] for i in rows]))
+        if self.events is not None and (rows if new is None else new):
+            self.events.append((True, [keys[i] for i in (rows if new is None else new)]))
         self.policy.on_insert_many([blocks[i] for i in rows] if len(rows) < len(blocks) else blocks, self.clock,
                                    None if next_uses is None else [int(next_uses[i]) for i in rows])
         t = tokens.reshape(-1, self.block_size)
@@ -385,12 +432,25 @@ class BlockPool:
         self.policy.on_use_many(blocks, self.clock, nus)
 
     # -- checks -----------------------------------------------------------------------------
+    def dup_chains(self) -> dict[int, list[int]]:
+        """Keys cached by several blocks -> those blocks, the one found first (for tests)."""
+        return {k: list(d) for k, d in self.dups.items()}
+
     def recount(self) -> dict:
         """Recompute the counters from scratch (for tests; O(num_blocks))."""
         used = [b for b in range(self.physical) if self.refcnt[b] > 0]
         cached = [b for b in range(self.physical) if self.refcnt[b] == 0 and self.key[b] is not None]
         out = {"num_used": len(used), "tokens_live": sum(self.fill[b] for b in used),
                "num_cached": len(cached), "num_free": self.num_blocks - len(used) - len(cached)}
+        by_key: dict[int, list[int]] = {}  # every block of a key, the index finding the first cached
+        for b in range(self.physical):
+            if self.key[b] is not None:
+                by_key.setdefault(self.key[b], []).append(b)
+        assert set(by_key) == set(self.index), "the index is not the keyed blocks"
+        for k, blocks in by_key.items():
+            order = list(self.dups[k]) if k in self.dups else [self.index[k]]
+            assert sorted(blocks) == sorted(order) and self.index[k] == order[0], "a key's blocks drifted"
+            assert len(order) == 1 or self.duplicate_keys, "a key cached twice"
         if self.kids is not None:  # leaves-only: children counted right, held = cached with a child
             kids = [0] * self.physical
             for b in range(self.physical):

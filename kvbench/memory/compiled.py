@@ -6,8 +6,11 @@ what kvbench.memory.block_pool.BlockPool (with kvbench.memory.policies.LRUPolicy
 call, block by block in the same order: tests/test_array_pool.py holds the two pools equal.
 
 The state, in a few arrays so that a call pays numba's per-argument dispatch only a few times:
-- ``s32``: int32 [6, num_blocks + 1], one row per field (``REFCNT`` ... ``NEXT``); the LRU list's
-  sentinel is entry num_blocks of ``PREV`` and ``NEXT``;
+- ``s32``: int32 [8, num_blocks + 1], one row per field (``REFCNT`` ... ``DNEXT``); the LRU list's
+  sentinel is entry num_blocks of ``PREV`` and ``NEXT``; ``DPREV``/``DNEXT`` ring the blocks cached
+  under one key in the order they were cached (a block alone is its own ring), vLLM's
+  BlockHashToBlockMap keeping several blocks per key: the index names the first, a lookup finds it,
+  and when it is evicted the next takes the key over;
 - ``s64``: uint64 [2, num_blocks], a block's prefix key and its parent's key (``KEY``, ``PARENT``);
 - ``hk``/``hv``: the prefix index, key -> block, an open-addressing table with linear probing
   (uint64 keys, int32 blocks, -1 an empty slot; at most half full), deleted by backward shift so no
@@ -24,7 +27,7 @@ from __future__ import annotations
 from kvbench.jit import numba
 import numpy as np
 
-REFCNT, FILL, CACHED, FREE, PREV, NEXT = range(6)  # rows of s32 (CACHED: 1 when the block has a key)
+REFCNT, FILL, CACHED, FREE, PREV, NEXT, DPREV, DNEXT = range(8)  # rows of s32 (CACHED: 1 when it has a key)
 KEY, PARENT = range(2)  # rows of s64
 USED, LIVE, EVICTIONS, NFREE, NCACHED, VIRTUAL = range(6)  # counters
 SHORT, NOT_CACHED = -1, -2  # error returns
@@ -80,13 +83,54 @@ def _lru_append(s32, b):
     prev[tail] = b
 
 
+@numba.njit(cache=True, inline="always")
+def _unindex(s32, hk, hv, key, b):
+    """Forget cached block ``b`` under ``key``: the next block of its ring takes the key over, or
+    the key leaves the index. Returns 1 when the key left."""
+    dprev, dnext = s32[DPREV], s32[DNEXT]
+    n = dnext[b]
+    if n == b:
+        _delete(hk, hv, key)
+        return 1
+    p = dprev[b]
+    dnext[p] = n
+    dprev[n] = p
+    dprev[b] = b
+    dnext[b] = b
+    slot = _find(hk, hv, key)
+    if hv[slot] == b:  # the first cached went: the next in caching order is found now
+        hv[slot] = n
+    return 0
+
+
+@numba.njit(cache=True, inline="always")
+def _index(s32, hk, hv, slot, k, b):
+    """Cache ``b`` under ``k``, whose probe ends at ``slot``: a new key, or the last of its ring.
+    Returns 1 for a new key, 0 for a block cached beside another."""
+    dprev, dnext = s32[DPREV], s32[DNEXT]
+    head = hv[slot]
+    if head < 0:
+        hk[slot] = k
+        hv[slot] = b
+        dprev[b] = b
+        dnext[b] = b
+        return 1
+    last = dprev[head]
+    dnext[last] = b
+    dprev[b] = last
+    dnext[b] = head
+    dprev[head] = b
+    return 0
+
+
 @numba.njit(cache=True)
-def alloc(s32, s64, hk, hv, c, n, out, vkeys, vparents):
+def alloc(s32, s64, hk, hv, c, n, out, vkeys, vparents, vgone):
     """Write ``n`` newly allocated blocks (refcount 1) to ``out``: free ones first (the top of the
     free stack first), then cached ones in LRU order (least recently released first), forgotten by
     the index. Returns how many were evicted (their keys and parents' keys are then in ``vkeys`` and
-    ``vparents``), or SHORT (nothing changed) when the blocks are not there: too few cached, or the
-    free blocks beyond the materialised ones (VIRTUAL) wanted."""
+    ``vparents``, and ``vgone`` is 1 where the key left the cache with it), or SHORT (nothing
+    changed) when the blocks are not there: too few cached, or the free blocks beyond the
+    materialised ones (VIRTUAL) wanted."""
     refcnt, fill, cached, free, nxt = s32[REFCNT], s32[FILL], s32[CACHED], s32[FREE], s32[NEXT]
     nfree = c[NFREE]
     take = min(n, nfree)
@@ -105,7 +149,7 @@ def alloc(s32, s64, hk, hv, c, n, out, vkeys, vparents):
         _lru_remove(s32, b)
         vkeys[i] = key[b]
         vparents[i] = parent[b]
-        _delete(hk, hv, key[b])
+        vgone[i] = _unindex(s32, hk, hv, key[b], b)
         cached[b] = 0
         fill[b] = 0
         refcnt[b] = 1
@@ -164,11 +208,11 @@ def incref(s32, c, blocks):
 
 
 @numba.njit(cache=True)
-def register(s32, s64, hk, hv, rows, blocks, keys, parent_key, tokens, indexed):
-    """Index consecutive computed blocks: ``keys[i]`` is ``blocks[i]``'s chained key, ``parent_key``
+def register(s32, s64, hk, hv, rows, blocks, keys, parent_key, tokens, fresh):
+    """Cache consecutive computed blocks: ``keys[i]`` is ``blocks[i]``'s chained key, ``parent_key``
     the key before the first, ``tokens`` their ids (block_size each). A block that has a key already
-    is skipped; one whose key the index holds stays private. Writes the positions of the blocks
-    indexed to ``indexed``; returns how many."""
+    is skipped; one whose key is cached already is cached beside it. Writes the positions whose key
+    is new to the cache to ``fresh``; returns how many."""
     cached, key, parent = s32[CACHED], s64[KEY], s64[PARENT]
     bs = rows.shape[1]
     par = parent_key
@@ -177,36 +221,29 @@ def register(s32, s64, hk, hv, rows, blocks, keys, parent_key, tokens, indexed):
         b = blocks[i]
         k = keys[i]
         if not cached[b]:
-            slot = _find(hk, hv, k)
-            if hv[slot] < 0:
-                hk[slot] = k
-                hv[slot] = b
-                key[b] = k
-                parent[b] = par
-                cached[b] = 1
-                rows[b, :] = tokens[i * bs:(i + 1) * bs]
-                indexed[n] = i
+            if _index(s32, hk, hv, _find(hk, hv, k), k, b):
+                fresh[n] = i
                 n += 1
+            key[b] = k
+            parent[b] = par
+            cached[b] = 1
+            rows[b, :] = tokens[i * bs:(i + 1) * bs]
         par = k
     return n
 
 
 @numba.njit(cache=True)
 def register_one(s32, s64, hk, hv, rows, b, k, parent_key, tokens):
-    """``register`` of one block (a decode step's): 1 if it was indexed, else 0."""
+    """``register`` of one block (a decode step's): 1 if its key is new to the cache, else 0."""
     cached = s32[CACHED]
     if cached[b]:
         return 0
-    slot = _find(hk, hv, k)
-    if hv[slot] >= 0:
-        return 0
-    hk[slot] = k
-    hv[slot] = b
+    fresh = _index(s32, hk, hv, _find(hk, hv, k), k, b)
     s64[KEY, b] = k
     s64[PARENT, b] = parent_key
     cached[b] = 1
     rows[b, :] = tokens[:rows.shape[1]]
-    return 1
+    return fresh
 
 
 @numba.njit(cache=True)

@@ -101,8 +101,9 @@ class PagedKV:
         if (self.compiled_pool if compiled is None else compiled) and not radix and cache_policy == "lru":
             self.pool = ArrayBlockPool(num_blocks, block_size, enable_cache=prefix_cache, physical=physical)
         else:
+            # hash mode under lru is vLLM's BlockPool: a key recomputed while cached is cached twice
             self.pool = BlockPool(num_blocks, block_size, enable_cache=prefix_cache, policy=cache_policy,
-                                  physical=physical)
+                                  physical=physical, duplicate_keys=not radix and cache_policy == "lru")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.prefix_cache = prefix_cache
@@ -366,13 +367,13 @@ class PagedKV:
         if self.pool.nodes is not None:  # decode steps grow the node their first block started
             extend = decode and parent >= 0 and parent == s.open_block
             s.open_block = s.table[full - 1] if decode else -1
-        self.pool.register_run(s.table[a:full], keys[a:full], keys[a - 1] if a else ROOT_KEY,
-                               s.tokens[a * bs:full * bs], nu, parent, extend)
+        fresh = self.pool.register_run(s.table[a:full], keys[a:full], keys[a - 1] if a else ROOT_KEY,
+                                       s.tokens[a * bs:full * bs], nu, parent, extend)
         s.num_registered = full
         tiers = self.tiers
         if tiers is not None and through and tiers.write_through:
-            key_of, table = self.pool.key, s.table
-            new = [j for j in range(a, full) if key_of[table[j]] == keys[j]]  # indexed now, not copies
+            table = s.table
+            new = [a + i for i in fresh]  # keys new to the pool: a copy of a cached block is stored once
             if new:
                 tiers.stored([table[j] for j in new], [keys[j] for j in new],
                              [keys[j - 1] if j else ROOT_KEY for j in new],
