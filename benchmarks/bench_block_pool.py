@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import time
 
-
 from kvbench.memory import PagedKV, SeqKV
 from kvbench.trace.tokens import TokenStreams
 

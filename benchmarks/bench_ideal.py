@@ -18,7 +18,8 @@ import time
 
 def run(mode: str, a) -> dict:
     from kvbench.trace.format import Request, Segment
-    from kvbench.trace.ideal import IdealCounter, PrefixKeys
+    from kvbench.trace.ideal import IdealCounter
+    from kvbench.trace.keys import PrefixKeys
 
     keys_of, counter = PrefixKeys(a.block_size), IdealCounter(a.block_size)
     t0 = time.perf_counter()

@@ -25,10 +25,11 @@ from rich.table import Table
 
 from kvbench.memory import PagedKV, SeqKV
 from kvbench.trace.format import load_trace
-from kvbench.trace.ideal import sequence_tokens
 from kvbench.trace.importers import convert
+from kvbench.trace.keys import sequence_tokens
 from kvbench.trace.tokens import TokenStreams
-from kvbench.whatif.curve import prepare, simulate
+from kvbench.whatif.blocktrace import prepare
+from kvbench.whatif.curve import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT.parent / "shared" / "traces" / "real" / "mooncake_conversation.jsonl"

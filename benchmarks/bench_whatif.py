@@ -24,7 +24,9 @@ from kvbench.engine.config import parse_size
 from kvbench.executors.presets import get_model
 from kvbench.trace.format import load_trace
 from kvbench.trace.pieces import read_pieces
-from kvbench.whatif.curve import budgets_from_bytes, format_bytes, prepare, run_points
+from kvbench.whatif.blocktrace import prepare
+from kvbench.whatif.curve import budgets_from_bytes, run_points
+from kvbench.whatif.output import format_bytes
 
 CONVERT = ("import sys; from kvbench.trace.importers import convert; "
            "convert('mooncake', sys.argv[1], sys.argv[2], limit=int(sys.argv[3]) if sys.argv[3] else None)")

@@ -20,7 +20,7 @@ from bench_whatif import DEFAULT, load_mooncake  # beside this script (sys.path[
 
 from kvbench.executors.presets import get_model
 from kvbench.trace.pieces import read_pieces
-from kvbench.whatif.curve import prepare
+from kvbench.whatif.blocktrace import prepare
 from kvbench.whatif.tiers import gpu_stream, parse_tiers, simulate_tiers
 
 

@@ -14,7 +14,7 @@ import os
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # the compiled modules each kind of command calls
 REPLAY_MODULES = ("kvbench.trace.compiled", "kvbench.memory.compiled")
-WHATIF_MODULES = ("kvbench.trace.scan", "kvbench.trace.compiled", "kvbench.whatif.curve")
+WHATIF_MODULES = ("kvbench.trace.scan", "kvbench.trace.compiled", "kvbench.whatif.compiled")
 
 
 def user_cache_dir() -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbench.trace.ideal import sequence_tokens
+from kvbench.trace.keys import sequence_tokens
 from kvbench.trace.tokens import TokenStreams
 
 

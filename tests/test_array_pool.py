@@ -14,6 +14,8 @@ import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_engine import REAL, TRACES
+from test_memory import apply_op
 
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.replay import Replay
@@ -21,9 +23,6 @@ from kvbench.memory import PagedKV, SeqKV
 from kvbench.memory.array_pool import ArrayBlockPool
 from kvbench.memory.block_pool import BlockPool
 from kvbench.trace.tokens import TokenStreams
-
-from test_engine import REAL, TRACES
-from test_memory import apply_op
 
 STREAMS = TokenStreams()
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from kvbench.workloads import WORKLOADS, Common, generate
 
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.replay import replay
 from kvbench.trace.format import Request, Segment, write_trace
-from kvbench.workloads import WORKLOADS, Common, generate
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
 POLICIES = ("none", "streaming", "h2o", "infinigen")
@@ -150,9 +150,9 @@ def test_compacted_decode_equals_masked_decode():
     the uncompacted cache with the evicted positions masked out: compaction only moves slots."""
     import torch
 
-    from kvbench.scheduler.batch import StepBatch
     from kvbench.executors.model import ModelExecutor
     from kvbench.memory import PagedKV, SeqKV
+    from kvbench.scheduler.batch import StepBatch
 
     bs, n = 4, 37
     toks = np.random.default_rng(0).integers(0, 32000, n).astype(np.int32)

@@ -21,7 +21,12 @@ import torch
 
 from kvbench.executors import model as model_mod
 from kvbench.executors import modeling
-from kvbench.executors.model import DecodeGraphs, ModelExecutor, eager_capture, make_model_executor
+from kvbench.executors.model import (
+    DecodeGraphs,
+    ModelExecutor,
+    eager_capture,
+    make_model_executor,
+)
 from kvbench.executors.presets import get_model
 from kvbench.scheduler.batch import StepBatch
 

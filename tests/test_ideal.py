@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.trace.format import Request, Segment, load_trace
-from kvbench.trace.ideal import IdealCounter, PrefixKeys
+from kvbench.trace.ideal import IdealCounter
+from kvbench.trace.keys import PrefixKeys
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
 

@@ -19,9 +19,10 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from kvbench import kernels  # noqa: E402
 from kvbench.kernels import cache_ops, paged_attention, tuning  # noqa: E402
 from kvbench.kernels import reference as ref  # noqa: E402
+
+from kvbench import kernels  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 HEAD_DIM = 16

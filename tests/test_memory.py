@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from kvbench.memory import PagedKV, SeqKV, SlabKV
 from kvbench.memory.future import next_uses_from_keys
 from kvbench.memory.policies import CACHE_POLICIES
-from kvbench.trace.ideal import cached_sequence, ideal_hits, lookup_blocks
+from kvbench.trace.ideal import ideal_hits
+from kvbench.trace.keys import cached_sequence, lookup_blocks
 from kvbench.trace.tokens import TokenStreams, block_keys
 
 STREAMS = TokenStreams()

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvbench.scheduler.batch import StepBatch
+from kvbench.engine.selfcheck import hf_model, run_selfcheck
 from kvbench.executors.model import ModelExecutor
 from kvbench.executors.modeling import build_inputs, build_model, make_kv_pool
 from kvbench.executors.presets import MODELS, ModelSpec
-from kvbench.engine.selfcheck import hf_model, run_selfcheck
+from kvbench.scheduler.batch import StepBatch
 
 QWEN2_TINY = ModelSpec("tiny-qwen2", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
                        intermediate_size=256, vocab_size=1000, max_model_len=4096, rope_theta=1e6,

@@ -33,3 +33,20 @@ def test_overlong_outputs_are_cut_as_vllms_server_does_or_refused(tmp_path):
     assert (cut["completed"], cut["rejected"], cut["truncated"]) == (2, 1, 1)
     refused = replay(str(trace), ReplayConfig(max_model_len=150), str(tmp_path / "refuse"))
     assert (refused["completed"], refused["rejected"], refused["truncated"]) == (1, 2, 0)
+
+
+LOG = REPO / "tests" / "data" / "live" / "vllm-0.32-startup.log"
+
+
+def test_the_sim_takes_a_servers_settings_from_its_start_up_log(tmp_path, capsys):
+    """--like-server: the block size, pool (vLLM's null block left out), sequence cap, token budget,
+    max length and prefix caching of the server in the recorded log; an option given explicitly wins."""
+    from kvbench.cli import main
+
+    main(["replay", str(REPO / "traces" / "chat.jsonl"), "--limit", "5", "--model", "tiny", "--like-server", str(LOG),
+          "--max-num-seqs", "64", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert "kvbench: like the server (vllm 0.32.0" in err and "--num-blocks 255" in err
+    s = json.loads((tmp_path / "r" / "config.json").read_text())["settings"]
+    assert (s["block_size"], s["num_blocks"], s["max_batched_tokens"], s["max_model_len"]) == (32, 255, 2048, 4096)
+    assert s["max_num_seqs"] == 64 and s["prefix_cache"] is True and s["overlong"] == "truncate"

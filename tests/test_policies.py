@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbench.memory.learned import LearnedModel, LearnedPolicy
-from kvbench.memory.policies import CACHE_POLICIES, NEVER, CacheView, make_policy
+from kvbench.memory.policies import CACHE_POLICIES, make_policy
+from kvbench.memory.policy_base import NEVER, CacheView
 
 LEARNED = LearnedModel(window_s=60.0, block_size=1, mean=[0.3, 0.2, 0.9, 0.1, 0.5, 0.4, 3.0],
                        scale=[0.9, 0.7, 1.1, 0.6, 1.3, 0.8, 2.5], coef=[0.37, 1.21, -0.43, 0.88, 0.52, -0.61, -0.79],

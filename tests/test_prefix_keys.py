@@ -17,16 +17,18 @@ from kvbench.trace import compiled
 from kvbench.trace.format import Request, Segment, load_trace
 from kvbench.trace.ideal import (
     IdealCounter,
-    PrefixKeys,
-    cached_sequence,
     dense_block_ids,
     ideal_hit_blocks,
-    lookup_blocks,
     parent_block_ids,
+)
+from kvbench.trace.importers import convert
+from kvbench.trace.keys import (
+    PrefixKeys,
+    cached_sequence,
+    lookup_blocks,
     sequence_tokens,
     sequence_tokens_of,
 )
-from kvbench.trace.importers import convert
 from kvbench.trace.tokens import FEW_BLOCKS, ROOT_KEY, TokenStreams, block_keys
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,15 +19,12 @@ from kvbench.engine.config import ReplayConfig
 from kvbench.engine.replay import Replay
 from kvbench.memory import PagedKV, SeqKV
 from kvbench.trace.format import Request, Segment, load_trace
-from kvbench.trace.ideal import (
-    cached_sequence,
-    ideal_hits,
-    radix_ideal_hits,
-    sequence_tokens,
-)
+from kvbench.trace.ideal import ideal_hits, radix_ideal_hits
 from kvbench.trace.importers import convert
+from kvbench.trace.keys import cached_sequence, sequence_tokens
 from kvbench.trace.tokens import TokenStreams
-from kvbench.whatif.curve import prepare, simulate
+from kvbench.whatif.blocktrace import prepare
+from kvbench.whatif.curve import simulate
 
 REPO = Path(__file__).resolve().parents[1]
 REAL = REPO.parent / "shared" / "traces" / "real" / "mooncake_conversation.jsonl"
@@ -305,7 +302,8 @@ def test_radix_ideal_counts_the_generated_tokens_after_the_prompt():
 
 def test_radix_ideal_counter_covers_the_requests_fed():
     """An interrupted radix run's ideal covers the requests it admitted, as the block ideal's does."""
-    from kvbench.trace.ideal import PrefixKeys, RadixIdealCounter
+    from kvbench.trace.ideal import RadixIdealCounter
+    from kvbench.trace.keys import PrefixKeys
 
     reqs = load_trace(REPO / "traces" / "rag.jsonl")
     counter, keys_of = RadixIdealCounter(16, reqs), PrefixKeys(16)

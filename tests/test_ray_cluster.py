@@ -15,8 +15,8 @@ import pytest
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
-from kvbench.sweep import parse_grid, run_sweep  # noqa: E402
 from kvbench.cli.replay import REPLAY_OPTIONS  # noqa: E402
+from kvbench.sweep import parse_grid, run_sweep  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = str(ROOT / "traces" / "chat.jsonl")

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+import vllm_reference as ref
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -19,10 +20,8 @@ from kvbench.memory.paged import PagedKV
 from kvbench.memory.slab import SlabKV
 from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig, StepResult
 from kvbench.trace.format import Request, Segment
-from kvbench.trace.ideal import sequence_tokens
+from kvbench.trace.keys import sequence_tokens
 from kvbench.trace.tokens import TokenStreams
-
-import vllm_reference as ref
 
 STREAMS = TokenStreams()
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from kvbench.engine.config import ReplayConfig
-from kvbench.engine.replay import Replay, pool_blocks
+from kvbench.engine.replay import Replay
+from kvbench.engine.setup import pool_blocks
 from kvbench.errors import InputError
 from kvbench.executors.presets import GPUS, MODELS, get_gpu, get_model
 from kvbench.executors.sim import OPERATIONS, CostModel, SimExecutor, StepCost, make_sim

@@ -220,7 +220,7 @@ def test_a_sweep_to_a_storage_uri_equals_one_to_a_directory(tmp_path):
 
 def test_a_worker_with_another_kvbench_version_refuses_to_run(tmp_path):
     from kvbench.errors import RunError
-    from kvbench.sweep.runner import run_shipped
+    from kvbench.sweep.tasks import run_shipped
 
     settings = expand(_grid(executor="sim", limit="2"))[0].settings
     with pytest.raises(RunError, match="install the same kvbench"):

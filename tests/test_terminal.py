@@ -164,13 +164,13 @@ def test_an_empty_list_is_not_the_default(capsys, flag):
 def test_the_first_run_on_an_install_says_it_compiles(tmp_path):
     """An empty numba cache: the line is said (no compiling here: the check only looks at the cache)."""
     code = ("from kvbench.jit import compile_notice, REPLAY_MODULES, WHATIF_MODULES\n"
-            "print(compile_notice(REPLAY_MODULES)); print(compile_notice(('kvbench.whatif.curve',)))")
+            "print(compile_notice(REPLAY_MODULES)); print(compile_notice(('kvbench.whatif.compiled',)))")
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     first, second = out.splitlines()
     assert first == (f"compiling trace/compiled, memory/compiled with numba, once per install (about half a "
                      f"minute on two cores; cached {tmp_path / 'numba'})")
-    assert second.startswith("compiling whatif/curve with numba, once per install")
+    assert second.startswith("compiling whatif/compiled with numba, once per install")
 
 
 def test_a_read_only_install_caches_compiled_code_in_the_users_cache(tmp_path, monkeypatch):

@@ -407,7 +407,7 @@ def test_the_report_stacks_each_tiers_hits_and_only_where_a_run_had_tiers(tmp_pa
 
 
 def test_the_report_stacks_a_tiered_what_ifs_hits(tmp_path):
-    from kvbench.report.charts import whatif_tiers
+    from kvbench.report.whatif_charts import whatif_tiers
     from kvbench.report.data import load_inputs
     from kvbench.report.html import build_report
 

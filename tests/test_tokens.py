@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.trace.format import Request, Segment, load_trace
-from kvbench.trace.ideal import cached_sequence, ideal_hits
+from kvbench.trace.ideal import ideal_hits
+from kvbench.trace.keys import cached_sequence
 from kvbench.trace.tokens import TOKEN_HI, TOKEN_LO, TokenStreams, block_keys
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,10 +14,13 @@ import pytest
 from kvbench.memory import PagedKV, SeqKV
 from kvbench.memory.policies import CACHE_POLICIES
 from kvbench.trace.format import load_trace
-from kvbench.trace.ideal import cached_sequence, ideal_hits
+from kvbench.trace.ideal import ideal_hits
 from kvbench.trace.importers import convert
+from kvbench.trace.keys import cached_sequence
 from kvbench.trace.tokens import TokenStreams
-from kvbench.whatif.curve import COLUMNS, prepare, run_points, simulate
+from kvbench.whatif.blocktrace import prepare
+from kvbench.whatif.curve import run_points, simulate
+from kvbench.whatif.output import COLUMNS
 
 REPO = Path(__file__).resolve().parents[1]
 REAL = Path(__file__).resolve().parents[2] / "shared" / "traces" / "real" / "mooncake_conversation.jsonl"
@@ -324,7 +327,7 @@ def test_a_learned_policy_whose_logits_could_overflow_is_refused(tmp_path, chang
 def test_fit_ignores_the_rounding_noise_of_a_constant_feature():
     """A feature constant in the training rows up to rounding has a scale of ~1e-16: standardising by it
     would blow that feature's values up. It is treated as constant (scale 1); real spread is kept."""
-    from kvbench.memory.learned import LearnedModel, MIN_SCALE
+    from kvbench.memory.learned import MIN_SCALE, LearnedModel
     from kvbench.whatif.fit import fit, standardise
 
     X = np.array([[0.1 + 0.2, 5.0, 1e6], [0.3, 6.0, 1e6 + 1e-9], [0.30000000000000004, 7.0, 1e6]])

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from kvbench.memory.policies import make_policy
 from kvbench.trace.format import Request, Segment, load_trace
 from kvbench.trace.importers import convert
-from kvbench.whatif.curve import COMPILED, lru_curve, prepare, run_points, simulate
+from kvbench.whatif.blocktrace import prepare
+from kvbench.whatif.compiled import COMPILED
+from kvbench.whatif.curve import lru_curve, run_points, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 REAL = REPO.parent / "shared" / "traces" / "real" / "mooncake_conversation.jsonl"
@@ -118,7 +120,9 @@ def test_run_points_takes_lru_from_the_curve():
 
 def test_whatif_carries_the_whole_lru_curve(tmp_path):
     """whatif's lru_curve runs between the smallest and largest budget through the lru rows."""
-    from kvbench.whatif.curve import budgets_from_blocks, whatif, write_outputs
+    from kvbench.whatif.curve import budgets_from_blocks
+    from kvbench.whatif.output import write_outputs
+    from kvbench.whatif.query import whatif
 
     reqs = load_trace(REPO / "traces/chat.jsonl")
     budgets = budgets_from_blocks([100, 400, 3000], 16 * 1024)

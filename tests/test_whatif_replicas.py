@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvbench import whatif as wi
 from kvbench.trace.format import Request, Segment, load_trace
-from kvbench.whatif import curve as wi
+from kvbench.trace.keys import PrefixKeys, lookup_blocks
 from kvbench.whatif import replicas as rep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,8 +123,8 @@ def test_the_warmup_window_is_the_whole_traces(router):
             want[p] += sum(h * 16 for i, h in zip(idx, got) if i >= bt.window_start)
         seen = set()
         for i in idx:  # one infinite cache per replica, counted in the window
-            k, plen = wi.PrefixKeys(16)(reqs[i])
-            look = min(wi.lookup_blocks(plen, 16), len(k))
+            k, plen = PrefixKeys(16)(reqs[i])
+            look = min(lookup_blocks(plen, 16), len(k))
             h = 0
             while h < look and int(k[h]) in seen:
                 h += 1

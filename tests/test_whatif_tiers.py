@@ -29,10 +29,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.cli.main import main as kvbench_main
-from kvbench.memory.policies import CACHE_POLICIES, NEVER, make_policy
+from kvbench.memory.policies import CACHE_POLICIES, make_policy
+from kvbench.memory.policy_base import NEVER
 from kvbench.trace.format import Request, Segment, load_trace
 from kvbench.trace.importers import convert
-from kvbench.whatif.curve import prepare, run_points, simulate
+from kvbench.whatif.blocktrace import prepare
+from kvbench.whatif.curve import run_points, simulate
 from kvbench.whatif.tiers import (
     GpuStream,
     Store,

@@ -85,8 +85,14 @@ def _natural_width(columns: list[Column], rows: list[list[str]]) -> int:
 def progress_bar(label: str, *info_columns: str):
     """A transient rich progress bar on stderr: label, bar, done/total, elapsed, remaining, info."""
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=Console(stderr=True),

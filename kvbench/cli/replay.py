@@ -53,9 +53,11 @@ REPLAY_OPTIONS: list[Opt] = [
     Opt("model", str, "preset (tiny, llama-3-8b, llama-3-70b, qwen2.5-7b, mistral-7b, ...) or a local HF model "
         "folder [default: llama-3-8b for the sim; tiny for the model executor on a CPU]"),
     Opt("device", click.Choice(C.DEVICES), "where the model executor runs"),
-    Opt("gpu", str, "hardware preset for the sim cost model (h200, h100, a100, l40s)"),
+    Opt("gpu", str, "hardware preset for the sim cost model (h200, h100, a100, a100-40gb, l40s, l4, b200, h20, mi300x)"),
     Opt("tp", Count(1, C.MAX_TP), "sim: tensor parallelism, weights and KV heads over N GPUs, two all-reduces per layer"),
     Opt("kv_dtype", click.Choice(C.KV_DTYPES), "KV cache dtype (sim: fp8 halves KV bytes; the model executor keeps KV in its compute dtype)"),
+    Opt("dtype", click.Choice(C.DTYPES), "sim: weight dtype, fp8 on fp8 tensor cores (auto: bf16, or a --calibration's)"),
+    Opt("eager", "flag", "sim: no CUDA graphs (vLLM --enforce-eager): every layer's kernel launches paid each step"),
     Opt("calibration", click.Path(dir_okay=False), "sim coefficients written by `kvbench calibrate`"),
     Opt("kv_mem", str, "KV pool size, e.g. 16GiB [default: 90% of free device memory after weights]"),
     Opt("num_blocks", Count(1, MAX_NUM_BLOCKS), "KV pool size in blocks (overrides --kv-mem)"),
@@ -145,6 +147,10 @@ HEADLINE = [
     ("peak_running", "peak running seqs", "{:.0f}"), ("preemptions", "preemptions", "{:.0f}"),
     ("evicted_tokens", "evicted tokens", "{:.0f}"), ("recalled_tokens", "recalled tokens", "{:.0f}"),
 ]
+LIVE_HEADLINE = [  # a live run's own figures
+    ("errors", "errors (failed requests)", "{:.0f}"), ("client_hit_rate", "hit rate (cached tokens reported)", "{:.4f}"),
+    ("itl_ms_p50", "ITL p50 (ms)", "{:.2f}"), ("req_per_s", "requests/s", "{:.2f}"),
+]
 TIER_HEADLINE = [  # with a tier behind the pool
     ("hit_rate_gpu", "hit rate: GPU pool", "{:.4f}"), ("hit_rate_cpu", "hit rate: CPU tier", "{:.4f}"),
     ("hit_rate_disk", "hit rate: disk tier", "{:.4f}"), ("bytes_loaded", "bytes loaded from tiers", "{:,.0f}"),
@@ -158,7 +164,8 @@ def print_summary(summary: dict, run_dir: str) -> None:
 
     rows = []
     tiers = summary.get("hit_rate_cpu") is not None or summary.get("hit_rate_disk") is not None
-    for key, label, fmt in HEADLINE + (TIER_HEADLINE if tiers else []):
+    live = summary.get("errors") is not None
+    for key, label, fmt in HEADLINE + (TIER_HEADLINE if tiers else []) + (LIVE_HEADLINE if live else []):
         v = summary.get(key)
         rows.append([label, "-" if v is None else fmt.format(v)])
     if summary.get("replicas"):
@@ -275,8 +282,12 @@ Examples:
               help="live: seconds between scrapes of the server's /metrics (0: before and after only)")
 @click.option("--remap-vocab", is_flag=True,
               help="live: map token ids the served model does not have onto its vocabulary, keeping the sharing")
+@click.option("--like-server", "like_server", default=None, metavar="URL|LOG",
+              help="sim: take the block size, pool, sequence cap, token budget, max length and prefix caching from "
+                   "a running server (its URL) or its start-up log, for a like-for-like prediction (options given "
+                   "explicitly win); outputs that do not fit are cut as vLLM's server cuts them")
 def replay(trace, out, force, metadata, csv, as_json, endpoint, api, served_model, api_key, headers, warmup,
-           max_seconds, max_requests, request_timeout, retries, metrics_interval, remap_vocab, **opts):
+           max_seconds, max_requests, request_timeout, retries, metrics_interval, remap_vocab, like_server, **opts):
     """Replay TRACE under one configuration and write a run directory (config.json, summary.json,
     requests.parquet, steps.parquet). With --endpoint, send it to a running server and measure that
     instead (the same run files; a /metrics timeline in place of steps.parquet)."""
@@ -294,6 +305,8 @@ def replay(trace, out, force, metadata, csv, as_json, endpoint, api, served_mode
         for flag, given_ in live_only.items():
             if given_:
                 click.echo(f"kvbench: note: {flag} has no effect without --endpoint", err=True)
+        if like_server is not None:
+            _take_server_settings(opts, like_server)
         given = ReplayConfig(**opts)  # as the user gave it (validate turns a slab's prefix cache off)
         cfg = ReplayConfig(**opts).validate()
         for note in unused_options(given):
@@ -303,7 +316,7 @@ def replay(trace, out, force, metadata, csv, as_json, endpoint, api, served_mode
         from kvbench.report.export import export_csv
 
         export_csv(out)
-    if summary["rejected"] * 2 > summary["requests"]:
+    if endpoint is None and summary["rejected"] * 2 > summary["requests"]:
         click.echo(f"kvbench: warning: {summary['rejected']:,} of {summary['requests']:,} requests were rejected: "
                    "their prompt + output is longer than the max model length (--max-model-len)", err=True)
     if as_json:
@@ -313,10 +326,28 @@ def replay(trace, out, force, metadata, csv, as_json, endpoint, api, served_mode
         click.echo(f"run directory: {out}", err=True)
 
 
+def _take_server_settings(opts: dict, where: str) -> None:
+    """Fill the replay options a server's settings decide, where the user left them at their default
+    (--like-server: a URL is asked, anything else read as a vLLM start-up log)."""
+    from kvbench.engine.server import server_settings_from_log, server_settings_from_server
+
+    settings = (server_settings_from_server(where) if "://" in where else server_settings_from_log(where))
+    ctx = click.get_current_context()
+    taken = []
+    fields = {**settings.replay_fields(), "overlong": "truncate"}
+    for name, value in fields.items():
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT:
+            opts[name] = value
+            taken.append(f"--{name.replace('_', '-')} {_word(value)}")
+    click.echo(f"kvbench: like the server ({settings.describe()}): {', '.join(taken) or 'nothing left to take'}",
+               err=True)
+
+
 def _replay_live(trace, out, force, as_json, invocation, opts, endpoint, api, served_model, api_key, headers,
                  warmup, max_seconds, max_requests, request_timeout, retries, metrics_interval, remap_vocab):
     """replay --endpoint: the same workload settings, sent to a server (kvbench.engine.live)."""
-    from kvbench.engine.live import LiveOptions, replay_live
+    from kvbench.cli.console import progress_bar
+    from kvbench.engine.live import LiveOptions, LiveRun
 
     ctx = click.get_current_context()
     if ctx.get_parameter_source("dependent_turns") is click.core.ParameterSource.DEFAULT:
@@ -332,8 +363,21 @@ def _replay_live(trace, out, force, as_json, invocation, opts, endpoint, api, se
                        warmup=warmup, max_seconds=max_seconds, max_requests=max_requests,
                        request_timeout_s=request_timeout, retries=retries, metrics_interval_s=metrics_interval,
                        remap_vocab=remap_vocab)
-    return replay_live(trace, cfg, live, out or default_run_dir(trace), force=force, unique=out is None,
-                       invocation=invocation, quiet=as_json)
+    run = LiveRun(trace, cfg, live, out or default_run_dir(trace), force=force, unique=out is None,
+                  invocation=invocation)
+    click.echo(f"kvbench: {run.describe()}", err=True)
+    try:
+        if as_json or not sys.stderr.isatty():
+            return run.run(), run.out_dir
+        with progress_bar("live") as bar:
+            task = bar.add_task("live", total=None, info="")
+
+            def tick(done: int, of: int, errors: int) -> None:
+                bar.update(task, completed=done, total=of, info=f"errors {errors}" if errors else "")
+            return run.run(tick), run.out_dir
+    except KeyboardInterrupt:
+        click.echo(f"kvbench: interrupted; partial run (complete=false) in {run.out_dir}", err=True)
+        sys.exit(130)
 
 
 COMMANDS = [replay]

@@ -16,8 +16,18 @@ from kvbench.cli.types import Count, Finite
 from kvbench.engine.config import has_tiers
 from kvbench.errors import RunError
 from kvbench.jsonio import dumps
-from kvbench.sweep import (Event, add_comparisons, compares, default_sweep_dir, expand, import_ray, make_sweep_dir,
-                           parse_grid, preflight, run_sweep)
+from kvbench.sweep import (
+    Event,
+    add_comparisons,
+    compares,
+    default_sweep_dir,
+    expand,
+    import_ray,
+    make_sweep_dir,
+    parse_grid,
+    preflight,
+    run_sweep,
+)
 
 TABLE = [("output_tok_per_s", "tok/s", "{:.0f}"), ("ttft_ms_p50", "TTFT p50 ms", "{:.1f}"),
          ("e2e_ms_p50", "E2E p50 ms", "{:.0f}"), ("prefix_hit_rate", "hit rate", "{:.3f}"),

@@ -329,7 +329,7 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     from kvbench.executors.presets import get_model
     from kvbench.memory.policies import CACHE_POLICIES, check_policy
     from kvbench.trace.pieces import read_pieces
-    from kvbench.whatif import curve as wi
+    from kvbench import whatif as wi
 
     spec = get_model(model)
     per_token = spec.kv_bytes_per_token(kv_dtype)
@@ -386,7 +386,7 @@ def _budget_plan(budgets, budget_blocks, block_size: int, block_bytes: int):
     """--budgets (bytes) or --budget-blocks -> curve.Budget list, each holding a block; InputError
     otherwise."""
     from kvbench.engine.config import parse_size
-    from kvbench.whatif import curve as wi
+    from kvbench import whatif as wi
 
     if budget_blocks is not None:
         counts = []
@@ -431,7 +431,7 @@ def _whatif_stores(trace_path, spec, kv_dtype, per_token, block_size, chosen, wa
     """``whatif --tiers`` and ``whatif --budget-counts cache`` (kvbench.whatif.tiers)."""
     from kvbench.memory.policies import check_policy
     from kvbench.trace.pieces import read_pieces
-    from kvbench.whatif import curve as wi
+    from kvbench import whatif as wi
     from kvbench.whatif import tiers as wt
 
     from kvbench.cli.console import say_compiling

@@ -28,6 +28,7 @@ RADIX_EVICTIONS = memory.RADIX_EVICTIONS
 DEVICES = ("auto", "cuda", "cpu")
 ADMISSIONS = scheduler.ADMISSIONS
 KV_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # auto: the dtype the model computes in
+DTYPES = ("auto", "bf16", "fp8")  # sim: the weights' dtype; auto: bf16, or the dtype a --calibration measured
 ROUTERS = routing.ROUTERS
 MAX_TIER_BW_GBPS = 1e6  # GB/s
 
@@ -105,6 +106,8 @@ class ReplayConfig:
     gpu: str = "h200"
     tp: int = 1  # sim: tensor parallelism (GPUs holding a share of the weights and KV heads)
     kv_dtype: str = "auto"
+    dtype: str = "auto"  # sim: weights in bf16 or fp8 (fp8 tensor cores where the GPU has them)
+    eager: bool = False  # sim: no CUDA graphs (vLLM --enforce-eager): every layer's kernel launches paid
     calibration: str | None = None
     kv_mem: str | None = None
     num_blocks: int | None = None
@@ -146,7 +149,7 @@ class ReplayConfig:
         for name, allowed in (("layout", LAYOUTS), ("slab_reserve", SLAB_RESERVES),
                               ("prefix_mode", PREFIX_MODES),
                               ("eviction", EVICTIONS), ("executor", EXECUTORS), ("device", DEVICES),
-                              ("kv_dtype", KV_DTYPES), ("admission", ADMISSIONS),
+                              ("kv_dtype", KV_DTYPES), ("dtype", DTYPES), ("admission", ADMISSIONS),
                               ("radix_eviction", RADIX_EVICTIONS), ("router", ROUTERS),
                               ("offload", OFFLOADS), ("load_policy", LOAD_POLICIES), ("overlong", OVERLONG)):
             choice(name, allowed)
@@ -190,6 +193,9 @@ class ReplayConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_ROUTER_WEIGHT:
                 raise InputError(f"must be a number in [0, {MAX_ROUTER_WEIGHT:g}], got {v!r}",
                                  field="--" + name.replace("_", "-"))
+        if self.executor != "sim" and (self.dtype == "fp8" or self.eager is not False):
+            raise InputError(f"--dtype fp8 and --eager are modelled by --executor sim; the {self.executor} "
+                             "executor runs its own forward", field="--dtype" if self.dtype == "fp8" else "--eager")
         if self.tp != 1 and self.executor != "sim":
             raise InputError(f"tensor parallelism is modelled by --executor sim; the {self.executor} executor "
                              "runs on one device", field="--tp")
@@ -207,6 +213,10 @@ class ReplayConfig:
         if self.kv_mem is not None:
             parse_size(self.kv_mem)
         self._validate_tiers()
+        if self.eviction != "none" and not memory.LAYOUTS[self.layout].can_compact:
+            raise InputError(f"token eviction ({self.eviction}) frees slots by packing a sequence's kept tokens, "
+                             f"which the {self.layout} layout cannot do: use --layout paged, or --eviction none",
+                             field="--eviction")
         if self.layout == "slab":  # a slab cannot share blocks: it has no prefix cache to turn on
             self.prefix_cache = False
         return self

@@ -40,10 +40,13 @@ STEP_SCHEMA = pa.schema([
     ("cpu_hit_tokens_cum", pa.int64()), ("disk_hit_tokens_cum", pa.int64()), ("bytes_loaded", pa.int64()),
     ("bytes_stored", pa.int64()), ("load_ms", pa.float64()),
 ])
+# a live run's tokens as the client received them: one row per streamed chunk (the gaps are step times)
+TOKEN_SCHEMA = pa.schema([("id", pa.string()), ("sample", pa.int64()), ("t_s", pa.float64()),
+                          ("tokens", pa.int64())])
 PCTS = (("mean", None), ("p50", 50), ("p90", 90), ("p99", 99))
 
 
-class _Table:
+class Table:
     """Column buffers flushed to a parquet file in row groups."""
 
     def __init__(self, path: str, schema: pa.Schema, flush_rows: int):
@@ -93,7 +96,7 @@ def write_json(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-RUN_FILES = ("summary.json", "config.json", "requests.parquet", "steps.parquet")
+RUN_FILES = ("summary.json", "config.json", "requests.parquet", "steps.parquet", "metrics.parquet", "tokens.parquet")
 
 
 def holds_run(path: str) -> bool:
@@ -150,8 +153,8 @@ class RunWriter:
         try:
             write_json(os.path.join(run_dir, "summary.json"), {"complete": False})
             write_json(os.path.join(run_dir, "config.json"), self.config)
-            self.requests = _Table(os.path.join(run_dir, "requests.parquet"), REQUEST_SCHEMA, 1024)
-            self.steps = _Table(os.path.join(run_dir, "steps.parquet"), STEP_SCHEMA, 8192)
+            self.requests = Table(os.path.join(run_dir, "requests.parquet"), REQUEST_SCHEMA, 1024)
+            self.steps = Table(os.path.join(run_dir, "steps.parquet"), STEP_SCHEMA, 8192)
         except OSError as e:
             raise InputError(f"cannot write the run ({e.strerror or e})", file=run_dir, field="--out") from None
         self.closed = False

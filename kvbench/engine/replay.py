@@ -11,36 +11,45 @@ before any step that starts at or after it. One replica is exactly the single en
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable
 
-import numpy as np
-
+from kvbench.engine.accounting import Accounts
 from kvbench.engine.config import ReplayConfig
+from kvbench.engine.issuer import Issuer
+from kvbench.engine.records import RunWriter, claim_run_dir, environment, holds_run
+from kvbench.engine.replica import Replica, Totals
+from kvbench.engine.routing import Router
+from kvbench.engine.setup import (
+    check_fits,
+    check_model_memory,
+    check_token_ids,
+    fit_overlong,
+    pool_blocks,
+    slab_reserve_tokens,
+)
 from kvbench.errors import InputError, RunError
 from kvbench.eviction.evictor import make_evictor
 from kvbench.executors import make_executor
+from kvbench.executors.presets import get_model
 from kvbench.memory import make_kv
 from kvbench.memory.future import next_uses
-from kvbench.memory.tiers import TIER_NAMES, Tiers, TierSpec, op_bytes
-from kvbench.executors.presets import available_host_bytes, get_model
+from kvbench.memory.policies import needs_future
+from kvbench.memory.tiers import Tiers, TierSpec
 from kvbench.provenance import Invocation, file_sha256, setting_files
-from kvbench.engine.issuer import Issuer
-from kvbench.engine.records import (RunWriter, claim_run_dir, distribution, environment, goodput, holds_run,
-                                    itl_summary, parse_slo)
-from kvbench.engine.routing import Router, jain, max_over_mean
 from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig
+from kvbench.scheduler.batch import StepBatch
 from kvbench.trace.format import Request, load_trace
-from kvbench.trace.ideal import (IdealCounter, PrefixKeys, RadixIdealCounter, ideal_hits, lookup_blocks,
-                                 radix_ideal_hits, sequence_tokens_of)
-from kvbench.trace.tokens import TOKEN_HI, TokenStreams
-
-KV_MEM_FRACTION = 0.9  # share of free device memory given to the KV pool when no size is asked
+from kvbench.trace.ideal import (
+    IdealCounter,
+    RadixIdealCounter,
+    ideal_hits,
+    radix_ideal_hits,
+)
+from kvbench.trace.keys import PrefixKeys, lookup_blocks
+from kvbench.trace.tokens import TokenStreams
 
 
 @dataclass(slots=True)
@@ -50,173 +59,6 @@ class Progress:
     clock_s: float = 0.0
     output_tokens: int = 0
     steps: int = 0
-
-
-def pool_blocks(cfg: ReplayConfig, executor, model) -> int:
-    """Blocks in the KV pool: --num-blocks (no memory check: a pool of any size, for experiments),
-    else --kv-mem (refused by an executor that knows its devices cannot hold it: check_kv_bytes), else
-    the devices' memory after weights and activations."""
-    if cfg.num_blocks is not None:
-        return cfg.num_blocks
-    per_block = executor.kv_bytes_per_token() * cfg.block_size
-    if cfg.kv_mem_bytes is not None:
-        nbytes = cfg.kv_mem_bytes
-        check = getattr(executor, "check_kv_bytes", None)
-        if check is not None:
-            check(nbytes)
-    else:
-        nbytes = executor.default_kv_bytes()
-    n = int(nbytes // per_block)
-    if n < 1:
-        msg = (f"a KV pool of {nbytes} bytes holds no block of {per_block} bytes ({cfg.block_size} tokens "
-               f"x {executor.kv_bytes_per_token()} bytes)")
-        if cfg.kv_mem_bytes is not None:
-            raise InputError(msg, field="--kv-mem")
-        raise RunError(msg, usage=True)
-    return n
-
-
-@dataclass(slots=True, eq=False)
-class _Replica:
-    """One engine instance: its pool, scheduler, executor and token evictor, its clock and counters."""
-
-    index: int
-    kv: object
-    executor: object
-    evictor: object
-    sched: Scheduler
-    st: "_Totals"
-    clock: float = 0.0
-    steps: int = 0
-    routed: int = 0
-    lat: list = None  # (ttft, tpot, e2e, queue) ms of its finished requests
-    snap: tuple | None = None  # its load as its current step started (what a router sees during it)
-    since: list = None  # [requests, blocks] routed to it since that step started
-
-    def load(self, bs: int) -> tuple[int, int, int]:
-        """What the replica reports to a router: sequences waiting + running, blocks it can hand
-        out, blocks active (held by running sequences, plus what the waiting ones need). O(1)."""
-        sched = self.sched
-        used, cached, free, _, _ = self.kv.stats()
-        return (len(sched.waiting) + len(sched.running), free + cached,
-                used + -(-sched.waiting_tokens // bs))
-
-    def load_at(self, t_s: float, bs: int) -> tuple[int, int, int]:
-        """The load at ``t_s``: during a step (which the loop has already run to its end), the load
-        it started with plus what was routed to the replica since; otherwise the current one."""
-        if self.snap is not None and self.clock > t_s:
-            n, free, active = self.snap
-            return n + self.since[0], free, active + self.since[1]
-        return self.load(bs)
-
-
-def check_model_memory(cfg: ReplayConfig, model) -> None:
-    """The model executor holds the weights and the KV pool on one device: what cannot fit is refused
-    before a byte is allocated (InputError naming --model or --kv-mem), not met as an out-of-memory
-    crash minutes later. The sim models GPUs it does not hold (its own check_kv_bytes)."""
-    if cfg.executor != "model":
-        return
-    import torch
-
-    from kvbench.executors.model import resolve_device
-    from kvbench.executors.modeling import default_dtype
-
-    dev = resolve_device(cfg.device)
-    dtype = "fp32" if default_dtype(dev) == torch.float32 else "bf16"
-    if dev.type == "cuda":
-        avail, _ = torch.cuda.mem_get_info(dev)
-        where = f"the {avail / 1e9:.1f} GB free on {torch.cuda.get_device_name(dev)}"
-    else:
-        avail = available_host_bytes()
-        where = f"the {avail / 1e9:.1f} GB of host memory available" if avail is not None else ""
-    if avail is None:
-        return
-    weights = model.weight_bytes(dtype)
-    kv = cfg.kv_mem_bytes or 0
-    if weights + kv > avail:
-        pool = f" and a {kv / 1e9:.1f} GB KV pool (--kv-mem)" if kv else ""
-        raise InputError(f"{model.name}'s weights ({weights / 1e9:.1f} GB in {dtype}){pool} do not fit in {where}: "
-                         "use a smaller model or --kv-mem, another device, or --executor sim",
-                         field="--kv-mem" if kv and weights <= avail else "--model")
-
-
-def check_token_ids(requests: list[Request], vocab_size: int, trace_path: str) -> None:
-    """The model executor embeds every token id: one outside the model's vocabulary is refused up
-    front (InputError naming the trace line, or --model when the ids kvbench draws for shared and
-    unique segments do not fit), not met as an IndexError in the middle of a run."""
-    drawn = any(seg.kind in ("shared", "unique") for r in requests for seg in r.prompt) or any(
-        r.output_len > 1 for r in requests)  # generated tokens are drawn too
-    if drawn and vocab_size < TOKEN_HI:
-        raise InputError(f"the model's vocabulary has {vocab_size:,} tokens; kvbench draws the ids of shared, "
-                         f"unique and generated tokens below {TOKEN_HI:,}: use a model with a vocabulary of at "
-                         f"least {TOKEN_HI:,}", field="--model")
-    for r in requests:
-        for j, seg in enumerate(r.prompt):
-            if seg.kind == "tokens" and max(seg.tokens) >= vocab_size:
-                raise InputError(f"token id {max(seg.tokens)} is outside the model's vocabulary of {vocab_size:,}",
-                                 file=trace_path, line=r.line, field=f"prompt[{j}].tokens")
-
-
-def slab_reserve_tokens(requests: list[Request], cfg: ReplayConfig, max_len: int) -> int:
-    """The slab baseline's reservation per sequence (``--slab-reserve max``): --max-model-len when
-    given, else the longest request this run admits (prompt + output) rounded up to a block, so a
-    slab is as long as the trace needs, not the model's whole context."""
-    if cfg.max_model_len is not None:
-        return cfg.max_model_len
-    bs = cfg.block_size
-    longest = max((r.prompt_len + r.output_len for r in requests if r.prompt_len + r.output_len <= max_len),
-                  default=bs)
-    return -(-longest // bs) * bs
-
-
-def check_fits(r: Request, cfg: ReplayConfig, num_blocks: int, slab_reserve: int, trace_path: str) -> None:
-    """A request that cannot fit in the empty pool would stall the replay: say so up front (RunError,
-    a usage error naming the trace line). So would a request with more samples than --max-num-seqs:
-    kvbench forks a request's n samples in one admission, and n counts against the cap."""
-    if r.n > cfg.max_num_seqs:
-        raise RunError(f"{trace_path}:{r.line}: field 'n': request {r.id!r} has n={r.n} samples but "
-                       f"--max-num-seqs is {cfg.max_num_seqs}: kvbench runs a request's samples together, "
-                       f"so raise --max-num-seqs to {r.n} (vLLM would fan it out into {r.n} child requests "
-                       "instead)", usage=True)
-    bs = cfg.block_size
-    if cfg.layout == "slab":  # a slab for each sample, reserved at admission
-        reserve = slab_reserve if cfg.slab_reserve == "max" else r.prompt_len + r.output_len
-        need = r.n * -(-reserve // bs)
-    else:
-        need = -(-(r.prompt_len + r.output_len) // bs) + (r.n - 1) * (-(-r.output_len // bs))
-    if need > num_blocks:
-        samples = f" with n={r.n} samples" if r.n > 1 else ""
-        where = f"{trace_path}:{r.line}: " + ("field 'n': " if r.n > 1 else "")
-        raise RunError(
-            f"{where}request {r.id!r}{samples} needs {need:,} KV blocks of {bs} tokens but the pool "
-            f"holds {num_blocks:,}: give more memory (--kv-mem, --num-blocks) "
-            "or lower --max-model-len", usage=True)
-
-
-def fit_overlong(requests: list[Request], max_len: int, overlong: str) -> tuple[list[Request], int]:
-    """``--overlong truncate``: a request whose prompt fits ``max_len`` but whose prompt and output do
-    not generates only up to the length (vLLM's OpenAI server: get_max_tokens caps max_tokens at
-    max_model_len - prompt length); ``reject`` leaves it to be refused. -> (requests, how many cut)."""
-    if overlong != "truncate":
-        return requests, 0
-    out, cut = [], 0
-    for r in requests:
-        if r.prompt_len < max_len < r.prompt_len + r.output_len:
-            r = dataclasses.replace(r, output_len=max_len - r.prompt_len)
-            cut += 1
-        out.append(r)
-    return out, cut
-
-
-def check_trace_fits(requests: list[Request], cfg: ReplayConfig, num_blocks: int, max_len: int,
-                     trace_path: str) -> None:
-    """check_fits for every request a run of ``cfg`` admits (the first ``--limit`` of them)."""
-    reqs = requests if cfg.limit is None else requests[:cfg.limit]
-    reqs, _ = fit_overlong(reqs, max_len, cfg.overlong)
-    reserve = slab_reserve_tokens(reqs, cfg, max_len)
-    for r in reqs:
-        if r.prompt_len + r.output_len <= max_len:
-            check_fits(r, cfg, num_blocks, reserve, trace_path)
 
 
 class Replay:
@@ -263,16 +105,15 @@ class Replay:
                              event_delay_s=cfg.router_event_delay)
         if self.router.index is not None and cfg.replicas > 1:
             for rep in self.replicas:  # the replicas publish KV events for the router's index
-                pool = getattr(rep.kv, "pool", None)
-                if pool is not None and rep.kv.prefix_cache:
-                    pool.events = []
-        self._lat: list[tuple[float, ...]] = []  # ttft, tpot, e2e, queue, longest gap (ms) of finished requests
-        self._prompt_tokens_done = 0
-        self._routing = [0, 0, 0]  # router: blocks predicted to hit, blocks hit, |difference| summed
-        self._predicted: dict[RequestState, int] = {}
+                rep.kv.enable_events()
+        self.accounts = Accounts(cfg, self.replicas, self.router, num_blocks=self.num_blocks,
+                                 block_bytes=self._block_bytes, num_requests=len(self.requests),
+                                 truncated=self.truncated, slab_reserve_tokens=self.slab_reserve_tokens)
         self.finished: list[RequestState] | None = None  # set to [] to keep finished requests
         # set to [] to keep every step's plan: ([(request id, sample, tokens)], [preempted request ids])
         self.step_log: list | None = None
+        # called after every step with (replica, start s, end s, batch, [(request id, sample) that emitted a token])
+        self.step_hook: Callable[[int, float, float, StepBatch, list[tuple[str, int]]], None] | None = None
         for r in self.requests:  # a request that cannot run is refused before the run, naming its line
             if self._reject_reason(r) is None:
                 self._check_fits(r)
@@ -285,7 +126,7 @@ class Replay:
             self._claimed = True
         return self.out_dir
 
-    def _replica(self, i: int, executor) -> _Replica:
+    def _replica(self, i: int, executor) -> Replica:
         cfg = self.cfg
         paged = cfg.layout == "paged"
         kv = make_kv(cfg.layout, self.num_blocks, cfg.block_size,
@@ -298,11 +139,11 @@ class Replay:
         evictor = make_evictor(cfg.eviction, kv, kv_budget=cfg.kv_budget,
                                sink_tokens=cfg.sink_tokens, seed=cfg.seed,
                                kv_bytes_per_token=executor.kv_bytes_per_token(),
-                               speculate=getattr(executor, "speculate", None))
+                               speculate=executor.speculate)
         sched = Scheduler(kv, SchedulerConfig(cfg.max_num_seqs, cfg.max_batched_tokens,
                                               cfg.admission, cfg.watermark),
                           needs_tokens=executor.needs_tokens, streams=self.streams, evictor=evictor)
-        return _Replica(i, kv, executor, evictor, sched, _Totals(peak=0), lat=[], since=[0, 0])
+        return Replica(i, kv, executor, evictor, sched, Totals())
 
     def _attach_tiers(self, kv, executor) -> None:
         """The tiers behind a replica's pool (--cpu-kv-mem, --disk-kv-mem), each as many blocks as
@@ -363,7 +204,7 @@ class Replay:
         bs = cfg.block_size
         use_tokens = kv.prefix_cache or ex.needs_tokens
         tiers = cfg.tier_sizes()
-        belady = cfg.cache_policy == "belady" or any(getattr(cfg, f"{t}_cache_policy") == "belady" for t in tiers)
+        belady = needs_future(cfg.cache_policy) or any(needs_future(getattr(cfg, f"{t}_cache_policy")) for t in tiers)
         future = next_uses(reqs, bs, self.streams) if kv.prefix_cache and belady else None
         # The ideal hit rate counts requests in trace order; arrival order is the same unless the
         # trace is unsorted, or dependent turns wait for answers, and then it gets a pass of its own.
@@ -383,8 +224,7 @@ class Replay:
         self.claim()
         writer = RunWriter(self.out_dir, self._config_json())
         self._writer = writer
-        st = _Totals(peak=0)  # the cluster's: requests and tokens (steps are counted per replica)
-        self._st = st
+        st = Totals()  # the cluster's: requests and tokens (steps are counted per replica)
         prog = Progress(len(reqs))
         complete = False
         clock = reqs[0].t * cfg.time_scale if reqs else 0.0
@@ -413,11 +253,7 @@ class Replay:
                                        "answer that does not come)")
                     break
                 sched = rep.sched
-                pool = getattr(rep.kv, "pool", None)
-                if pool is not None:  # the time cache policies are told (learned: seconds since a use)
-                    pool.clock = rep.clock
-                    if rep.kv.tiers is not None:
-                        rep.kv.tiers.clock = rep.clock
+                rep.kv.set_clock(rep.clock)  # the time cache policies are told (learned: seconds since a use)
                 plan = sched.schedule(rep.clock)
                 if loads_seen:  # what a router sees of this replica while the step runs
                     rep.snap, rep.since = rep.load(bs), [0, 0]
@@ -432,16 +268,20 @@ class Replay:
                     self.step_log.append(([(s.rs.req.id, s.sample, n) for s, n in zip(plan.seqs, plan.num_new)],
                                           [s.rs.req.id for s in plan.preempted]))
                 finished = sched.update(plan, result, rep.clock)
-                self._record_step(writer, rep, start_s, result, batch, plan)
+                if self.step_hook is not None:  # the samples that emitted a token at the step's end
+                    self.step_hook(rep.index, start_s, rep.clock, batch,
+                                   [(s.rs.req.id, s.sample) for s in plan.seqs if s.last_emit_s == rep.clock])
+                self.accounts.step(writer, rep, start_s, result, batch, plan)
                 rep.steps += 1
                 step += 1
-                if index is not None and pool is not None and pool.events:  # a slab has no pool to index
-                    index.publish(rep.index, rep.clock, pool.events)
-                    pool.events = []
+                if index is not None:
+                    events = rep.kv.take_events()
+                    if events:
+                        index.publish(rep.index, rep.clock, events)
                 if self.finished is not None:
                     self.finished.extend(finished)
                 for rs in finished:
-                    self._record_request(writer, rs, rep)
+                    self.accounts.request(writer, rs, rep)
                     st.completed += 1
                     st.output_tokens += rs.output_tokens
                     issuer.finished(rs.position, rep.clock)
@@ -454,7 +294,7 @@ class Replay:
             complete = True
         finally:
             end = max(r.clock for r in replicas)
-            summary = self._summary(st, ideal or self._ideal.result(), end - t0_s, step, complete,
+            summary = self.accounts.summary(st, ideal or self._ideal.result(), end - t0_s, step, complete,
                                     time.perf_counter() - wall0)
             writer.close(summary)
         if on_progress is not None:
@@ -468,7 +308,7 @@ class Replay:
         if reason is not None:
             rs.reject_reason = reason
             st.rejected += 1
-            self._record_request(writer, rs, None)
+            self.accounts.request(writer, rs, None)
             self._issuer.finished(index, arrival)
             return
         keys, prompt_len, pieces = self._keys_of.with_pieces(r)
@@ -488,192 +328,17 @@ class Replay:
                 rep.since[0] += 1
                 rep.since[1] += -(-prompt_len // bs)
             if self.router.index is not None:
-                self._predicted[rs] = expected
+                self.accounts.predicted[rs] = expected
         rep.routed += 1
         if not rep.sched.has_work():  # an idle replica starts at the arrival
             rep.clock = max(rep.clock, arrival)
         seq = rep.sched.new_seq(rs, None, None if future is None else future[index], keys=None,
                                 reserve=self._reserve(r))
         if use_tokens or rep.kv.prefix_cache:  # a waiting request holds its pieces and keys, no tokens
-            seq.pending = partial(_admitted, r, pieces if use_tokens else None, prompt_len,
-                                  keys if rep.kv.prefix_cache else None,
-                                  rep.kv.prefix_cache and not rep.kv.keys_as_arrays)
+            seq.pieces = pieces if use_tokens else None
+            seq.waiting_keys = keys if rep.kv.prefix_cache else None
+            seq.built = False
         rep.sched.add(seq)
-
-    # -- records ------------------------------------------------------------------------------
-    def _record_step(self, writer, rep: _Replica, start_s, result, batch, plan) -> None:
-        sched, st = rep.sched, rep.st
-        dur_s = result.duration_s
-        used, cached, free, slots, live = rep.kv.stats()
-        running = plan.running  # the sequences the step held, those that finished in it included
-        frag = 1.0 - live / slots if slots else 0.0
-        util = live / rep.kv.capacity_tokens
-        loaded = stored = 0
-        if batch.tier_pre or batch.tier_post:
-            moved = op_bytes(batch.tier_pre, self._block_bytes)
-            for name, (ld, sd) in op_bytes(batch.tier_post, self._block_bytes).items():
-                moved.setdefault(name, [0, 0])[1] += sd
-            for name, (ld, sd) in moved.items():
-                acc = st.tier_bytes.setdefault(name, [0, 0])
-                acc[0] += ld
-                acc[1] += sd
-                loaded += ld
-                stored += sd
-            st.tier_s += result.tier_s
-            st.tier_post_s += result.tier_post_s
-        th = sched.tier_hit_tokens
-        writer.steps.add((rep.steps, rep.index, start_s, dur_s * 1e3, batch.num_prefill_tokens, batch.num_decodes,
-                          running, len(sched.waiting), self.num_blocks, used, cached, free, slots,
-                          live, frag, util, sched.hit_tokens, sched.query_tokens, th.get("cpu", 0), th.get("disk", 0),
-                          loaded, stored, result.tier_s * 1e3))
-        st.busy_s += dur_s
-        st.pcie_s += result.pcie_s
-        st.slots_t += slots * dur_s
-        st.live_t += live * dur_s
-        st.running_t += running * dur_s
-        st.util_t += util * dur_s
-        if running > st.peak:
-            st.peak = running
-        if slots > st.peak_slots:
-            st.peak_slots = slots
-        if live > st.peak_live:
-            st.peak_live = live
-
-    def _record_request(self, writer, rs: RequestState, rep: _Replica | None) -> None:
-        r = rs.req
-        nan = math.nan
-        done = rs.reject_reason is None
-        ttft = (rs.first_token_s - rs.arrival_s) * 1e3 if done else nan
-        e2e = (rs.finish_s - rs.arrival_s) * 1e3 if done else nan
-        tpot = ((rs.finish_s - rs.first_token_s) * 1e3 / (r.output_len - 1)
-                if done and r.output_len > 1 else nan)
-        queue = (rs.first_sched_s - rs.arrival_s) * 1e3 if done else nan
-        itl_max = rs.itl_max_s * 1e3
-        writer.requests.add((r.id, r.session, None if rep is None else rep.index, rs.arrival_s,
-                             rs.first_token_s, rs.finish_s,
-                             r.prompt_len, rs.cached_tokens, rs.output_tokens, r.n, ttft, tpot, e2e,
-                             queue, rs.preemptions, rs.recomputed_tokens, rs.evicted_tokens,
-                             rs.recalled_tokens, rs.loaded_tokens, rs.reject_reason, itl_max))
-        if done:
-            self._lat.append((ttft, tpot, e2e, queue, itl_max))
-            self._prompt_tokens_done += r.prompt_len
-            rep.lat.append((ttft, tpot, e2e, queue))
-            rep.st.completed += 1
-            rep.st.output_tokens += rs.output_tokens
-            expected = self._predicted.pop(rs, None)
-            if expected is not None:
-                hit = rs.cached_tokens // self.cfg.block_size
-                self._routing[0] += expected
-                self._routing[1] += hit
-                self._routing[2] += abs(expected - hit)
-
-    def _summary(self, st, ideal, duration_s, steps, complete, wall_s) -> dict:
-        reps = self.replicas
-        tot = _Totals(peak=0)  # the replicas' step figures: time integrals summed, peaks the largest
-        for r in reps:
-            for name in ("busy_s", "slots_t", "live_t", "running_t", "util_t", "pcie_s"):
-                setattr(tot, name, getattr(tot, name) + getattr(r.st, name))
-            tot.peak, tot.peak_slots = max(tot.peak, r.st.peak), max(tot.peak_slots, r.st.peak_slots)
-            tot.peak_live = max(tot.peak_live, r.st.peak_live)
-        lat = np.array(self._lat, dtype=np.float64).reshape(-1, 5)
-        s = {"complete": complete, "requests": len(self.requests), "completed": st.completed,
-             "rejected": st.rejected, "truncated": self.truncated, "duration_s": duration_s,
-             "output_tok_per_s": st.output_tokens / duration_s if duration_s > 0 else 0.0,
-             "total_tok_per_s": (st.output_tokens + self._prompt_tokens_done) / duration_s if duration_s > 0 else 0.0,
-             "req_per_s": st.completed / duration_s if duration_s > 0 else 0.0}
-        for k, name in enumerate(("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms")):
-            s.update(distribution(name, lat[:, k]))
-        s.update(itl_summary([r.sched.itl_gaps for r in reps]))
-        s.update(goodput(dict(zip(("ttft", "tpot", "e2e", "itl"), lat[:, [0, 1, 2, 4]].T)),
-                         parse_slo(self.cfg.slo), duration_s))
-
-        def total(get):
-            return sum(get(r) for r in reps)
-        q, rq = total(lambda r: r.sched.query_tokens), total(lambda r: r.sched.resumed_query_tokens)
-        s.update({
-            "prefix_hit_rate": total(lambda r: r.sched.hit_tokens) / q if q else 0.0,
-            "ideal_hit_rate": ideal.hit_rate,
-            "resumed_hit_rate": total(lambda r: r.sched.resumed_hit_tokens) / rq if rq else 0.0,
-            "internal_frag": 1.0 - tot.live_t / tot.slots_t if tot.slots_t else 0.0,
-            "kv_util": tot.util_t / tot.busy_s if tot.busy_s else 0.0,
-            "busy_s": tot.busy_s,
-            "peak_running": tot.peak,
-            "mean_running": tot.running_t / tot.busy_s if tot.busy_s else 0.0,
-            "preemptions": total(lambda r: r.sched.preemptions),
-            "recomputed_tokens": total(lambda r: r.sched.recomputed_tokens),
-            **_merge_evictors([r.evictor for r in reps]), "pcie_s": tot.pcie_s,
-            "peak_slots_allocated": tot.peak_slots, "peak_tokens_live": tot.peak_live,
-            "output_tokens": st.output_tokens, "steps": steps,
-            "num_blocks": self.num_blocks, "block_size": self.cfg.block_size,
-            "kv_capacity_tokens": self.kv.capacity_tokens,
-            "kv_bytes_per_token": self.executor.kv_bytes_per_token(),
-            "cache_evictions": total(lambda r: getattr(getattr(r.kv, "pool", None), "evictions", 0)),
-            "cow_copies": total(lambda r: getattr(r.kv, "cow_copies", 0)),
-            "slab_reserve_tokens": self.slab_reserve_tokens if self.cfg.layout == "slab" else None,
-            "partial_hit_tokens": total(lambda r: getattr(r.kv, "partial_hit_tokens", 0)),
-            **self._tier_summary(q),
-            "wall_s": wall_s,
-        })
-        if len(reps) > 1:
-            s.update(self._cluster_summary(duration_s))
-        return s
-
-    def _tier_summary(self, query_tokens: int) -> dict:
-        """Per-tier hits and traffic (spec §3): hit_rate_gpu + hit_rate_cpu + hit_rate_disk =
-        prefix_hit_rate; a tier the run does not have is null."""
-        reps = self.replicas
-        present = self.cfg.tier_sizes()
-        hits = {name: sum(r.sched.tier_hit_tokens.get(name, 0) for r in reps) for name in TIER_NAMES}
-        tier_bytes = {name: [sum(r.st.tier_bytes.get(name, [0, 0])[k] for r in reps) for k in (0, 1)]
-                      for name in TIER_NAMES}
-        q = query_tokens
-        gpu = sum(r.sched.hit_tokens for r in reps) - sum(hits.values())
-        out = {"hit_rate_gpu": gpu / q if q else 0.0}
-        for name in TIER_NAMES:
-            on = name in present
-            out[f"hit_rate_{name}"] = (hits[name] / q if q else 0.0) if on else None
-        out["bytes_loaded"] = sum(b[0] for b in tier_bytes.values())
-        out["bytes_stored"] = sum(b[1] for b in tier_bytes.values())
-        out["load_s"] = sum(r.st.tier_s for r in reps)
-        out["store_s"] = sum(r.st.tier_post_s for r in reps)
-        for name in TIER_NAMES:
-            on = name in present
-            out[f"bytes_loaded_{name}"] = tier_bytes[name][0] if on else None
-            out[f"bytes_stored_{name}"] = tier_bytes[name][1] if on else None
-            out[f"{name}_evictions"] = (sum(t.evicted_blocks for r in reps for t in r.kv.tiers.tiers if t.name == name)
-                                        if on else None)
-        out["tier_declined_tokens"] = (sum(r.kv.tiers.declined_tokens for r in reps) if present else None)
-        out["resumed_loaded_tokens"] = sum(r.sched.resumed_loaded_tokens for r in reps) if present else None
-        return out
-
-    def _cluster_summary(self, duration_s: float) -> dict:
-        """Balance and the router's prediction (spec §3), and each replica's own figures."""
-        reps = self.replicas
-        per = []
-        for r in reps:
-            lat = np.array(r.lat, dtype=np.float64).reshape(-1, 4)
-            q = r.sched.query_tokens
-            row = {"replica": r.index, "requests": r.routed, "completed": r.st.completed,
-                   "prefix_hit_rate": r.sched.hit_tokens / q if q else 0.0,
-                   "busy_s": r.st.busy_s, "steps": r.steps,
-                   "mean_running": r.st.running_t / r.st.busy_s if r.st.busy_s else 0.0,
-                   "peak_running": r.st.peak, "preemptions": r.sched.preemptions,
-                   "output_tok_per_s": r.st.output_tokens / duration_s if duration_s > 0 else 0.0}
-            for k, name in enumerate(("ttft_ms", "tpot_ms", "e2e_ms")):
-                d = distribution(name, lat[:, k])
-                row.update({f"{name}_p50": d[f"{name}_p50"], f"{name}_p99": d[f"{name}_p99"]})
-            per.append(row)
-        routed = [r.routed for r in reps]
-        busy = [r.st.busy_s for r in reps]
-        predicted, hit, wrong = self._routing
-        return {"replicas": len(reps), "router": self.cfg.router,
-                "balance_requests_max_over_mean": max_over_mean(routed),
-                "balance_busy_max_over_mean": max_over_mean(busy),
-                "jain_requests": jain(routed), "jain_busy": jain(busy),
-                "router_predicted_blocks": predicted if self.router.index is not None else None,
-                "router_hit_blocks": hit if self.router.index is not None else None,
-                "router_mispredicted_blocks": wrong if self.router.index is not None else None,
-                "per_replica": per}
 
     def _config_json(self) -> dict:
         return {"settings": self.cfg.to_dict(), "max_model_len_effective": self.max_len,
@@ -682,64 +347,8 @@ class Replay:
                 "trace": {"path": self.trace_label, "sha256": file_sha256(self.trace_path),
                           "requests": len(self.requests)},
                 "files": setting_files(self.cfg.to_dict()),
-                "environment": environment(getattr(self.executor, "device_name", None)),
+                "environment": environment(self.executor.device_name),
                 **self.invocation.record()}
-
-
-@dataclass(slots=True)
-class _Totals:
-    peak: int = 0
-    peak_slots: int = 0
-    peak_live: int = 0
-    completed: int = 0
-    rejected: int = 0
-    output_tokens: int = 0
-    busy_s: float = 0.0
-    slots_t: float = 0.0
-    live_t: float = 0.0
-    running_t: float = 0.0
-    util_t: float = 0.0
-    pcie_s: float = 0.0
-    tier_s: float = 0.0  # tier transfers before forwards (loads, write-backs)
-    tier_post_s: float = 0.0  # write-through stores
-    tier_bytes: dict = None  # tier name -> [bytes loaded from it, bytes stored into it]
-
-    def __post_init__(self):
-        if self.tier_bytes is None:
-            self.tier_bytes = {}
-
-
-def _admitted(req: Request, pieces: tuple | None, prompt_len: int, keys: np.ndarray | None, as_list: bool,
-              seq) -> None:
-    """What a waiting sequence goes without until the scheduler first considers it: its tokens (one
-    array, the prompt its first part), built from its pieces by one compiled call, and its keys as
-    the pool takes them (BlockPool: a list of ints, 36 bytes a block more than the array)."""
-    if pieces is not None:
-        seq.tokens = sequence_tokens_of(req, pieces)
-        seq.rs.prompt = seq.tokens[:prompt_len]
-    if keys is not None:
-        seq.keys = keys.tolist() if as_list else keys
-
-
-def _merge_evictors(evictors: list) -> dict:
-    """The replicas' token-eviction figures as one: counts summed, peaks the largest, the attention
-    mass kept averaged over every measurement of every replica."""
-    summaries = [e.summary() for e in evictors]
-    if len(summaries) == 1:
-        return summaries[0]
-    out = {}
-    for key in summaries[0]:
-        vals = [s[key] for s in summaries if s.get(key) is not None]
-        if not vals:
-            out[key] = None
-        elif key == "attention_mass_kept":
-            n = sum(getattr(e, "mass_n", 0) for e in evictors)
-            out[key] = sum(getattr(e, "mass_sum", 0.0) for e in evictors) / n if n else None
-        elif key.startswith("peak_") or "_max_" in key:
-            out[key] = max(vals)
-        else:
-            out[key] = sum(vals)
-    return out
 
 
 def replay(trace_path: str, cfg: ReplayConfig, out_dir: str, on_progress=None,

@@ -19,7 +19,12 @@ import torch
 
 from kvbench import kernels
 from kvbench.executors.model import resolve_device
-from kvbench.executors.modeling import PagedLlama, build_inputs, build_model, make_kv_pool
+from kvbench.executors.modeling import (
+    PagedLlama,
+    build_inputs,
+    build_model,
+    make_kv_pool,
+)
 from kvbench.executors.presets import ModelSpec, get_model
 
 # Largest logit difference accepted, and the share of greedy tokens that must agree, per dtype.

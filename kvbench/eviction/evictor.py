@@ -58,8 +58,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvbench.errors import InputError
 from kvbench.eviction import synth
 from kvbench.eviction.cpu_pool import CpuPool
+from kvbench.memory.contracts import KVManager
 
 MIN_RECENT = 16  # tokens every budget leaves for the recent window besides the sinks
 RECALL_ALPHA = 2.0  # recall a pooled token weighing this many times the mean kept token
@@ -160,6 +162,8 @@ class NoEviction:
     """``--eviction none``: every hook does nothing."""
 
     name = "none"
+    mass_sum = 0.0  # no attention mass measured
+    mass_n = 0
 
     def after_step(self, seqs, result, step: int) -> None:
         pass
@@ -369,12 +373,15 @@ class Evictor:
                 "budget_excess_max_tokens": self.excess_max if self.compactions or self.peak_seq_tokens else None}
 
 
-def make_evictor(name: str, kv, *, kv_budget: float, sink_tokens: int, seed: int, kv_bytes_per_token: int,
-                 **kw):
-    """The evictor for ``--eviction NAME``. Layouts without ``compact`` (slab: a reservation cannot
-    shrink, so eviction frees nothing) get NoEviction."""
-    if name == "none" or not hasattr(kv, "compact"):
+def make_evictor(name: str, kv: KVManager, *, kv_budget: float, sink_tokens: int, seed: int,
+                 kv_bytes_per_token: int, **kw) -> Evictor | NoEviction:
+    """The evictor for ``--eviction NAME``. A layout that cannot shrink a sequence (``can_compact``
+    false: a slab's reservation, where eviction would free nothing) is refused, not silently spared."""
+    if name == "none":
         return NoEviction()
+    if not kv.can_compact:
+        raise InputError(f"token eviction ({name}) frees slots by packing a sequence's kept tokens, which the "
+                         f"{kv.layout} layout cannot do: use --layout paged, or --eviction none", field="--eviction")
     try:
         policy = EVICTION_POLICIES[name]
     except KeyError:

@@ -29,9 +29,17 @@ from kvbench.errors import InputError
 from kvbench.eviction.evictor import CPU_POOL_FACTOR, EVICTION_POLICIES
 from kvbench.eviction.host_kv import PARTIAL_DIMS, HostKV
 from kvbench.executors.attention_mass import MassMeter
-from kvbench.executors.modeling import (AttentionMetadata, ForwardInputs, PagedLlama, build_inputs, build_model,
-                                        decode_attention_stats, decode_attention_totals, default_dtype,
-                                        make_kv_pool)
+from kvbench.executors.modeling import (
+    AttentionMetadata,
+    ForwardInputs,
+    PagedLlama,
+    build_inputs,
+    build_model,
+    decode_attention_stats,
+    decode_attention_totals,
+    default_dtype,
+    make_kv_pool,
+)
 from kvbench.executors.presets import ModelSpec, available_host_bytes, get_model
 from kvbench.executors.speculation import speculate
 from kvbench.kernels.tuning import device_sms, graph_max_splits
@@ -200,6 +208,9 @@ class DecodeGraphs:
 class ModelExecutor:
     name = "model"
     needs_tokens = True
+
+    def check_kv_bytes(self, nbytes: int) -> None:
+        """Checked before the executor is built, weights and pool together (engine.setup.check_model_memory)."""
 
     def __init__(self, model: str | ModelSpec = "tiny", device: str = "auto", seed: int = 0,
                  attention: str = "auto", collect_attention: bool = False, attention_scores: str | None = None,

@@ -346,6 +346,7 @@ def calibration_mismatches(c: dict, model: ModelSpec, gpu: GPUSpec, kv_dtype: st
 class SimExecutor:
     name = "sim"
     needs_tokens = False
+    speculate = None  # InfiniGen's look-ahead needs a model: the sim's synthetic attention scores instead
 
     def __init__(self, model: ModelSpec, cost: CostModel, gpu: GPUSpec, tp: int = 1, kv_dtype: str = "bf16",
                  weight_dtype: str = "bf16", max_batched_tokens: int = 8192, max_num_seqs: int = 256):

@@ -1,8 +1,10 @@
-"""Layer 2, KV memory: block pool and prefix index (block_pool), cache policies (policies), paged
-block tables (paged), radix partial matching and node eviction (radix), the slab baseline (slab),
-belady's future (future). Pure Python/numpy."""
+"""Layer 2, KV memory: the contracts (contracts: KVManager, BlockPoolAPI, SeqKV), block pool and prefix
+index (block_pool; its compiled twin array_pool over compiled), cache policies (policies), paged block
+tables (paged), radix partial matching and node eviction (radix), the slab baseline (slab), belady's
+future (future), the prefix-cache tiers (tiers)."""
 from kvbench.memory.block_pool import BlockPool
-from kvbench.memory.paged import RADIX_EVICTIONS, PagedKV, SeqKV
+from kvbench.memory.contracts import BlockPoolAPI, KVManager, KVStats, SeqKV
+from kvbench.memory.paged import RADIX_EVICTIONS, PagedKV
 from kvbench.memory.policies import CACHE_POLICIES, make_policy
 from kvbench.memory.slab import SlabKV
 
@@ -11,7 +13,7 @@ LAYOUTS = {"paged": PagedKV, "slab": SlabKV}
 
 def make_kv(layout: str, num_blocks: int, block_size: int, *, prefix_cache: bool = True,
             cache_policy: str = "lru", prefix_mode: str = "hash", radix_eviction: str = "node",
-            physical: int | None = None):
+            physical: int | None = None) -> KVManager:
     """The KV manager for a layout name (``--layout``). ``physical``: the most blocks the run can
     use, when known (a paged pool holds state for no more; see BlockPool)."""
     try:
@@ -22,5 +24,5 @@ def make_kv(layout: str, num_blocks: int, block_size: int, *, prefix_cache: bool
                prefix_mode=prefix_mode, radix_eviction=radix_eviction, physical=physical)
 
 
-__all__ = ["CACHE_POLICIES", "LAYOUTS", "RADIX_EVICTIONS", "BlockPool", "PagedKV", "SeqKV", "SlabKV", "make_kv",
-           "make_policy"]
+__all__ = ["CACHE_POLICIES", "LAYOUTS", "RADIX_EVICTIONS", "BlockPool", "BlockPoolAPI", "KVManager", "KVStats",
+           "PagedKV", "SeqKV", "SlabKV", "make_kv", "make_policy"]

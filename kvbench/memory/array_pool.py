@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import numpy as np
 
-
 # compiled.py's counter and row indices, restated for the Python side's reads (checked on import)
 USED, LIVE, EVICTIONS, NFREE, NCACHED, VIRTUAL = range(6)
 REFCNT, FREE = 0, 3

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbench.memory.policies import NEVER, CachePolicy, PoolView, make_policy
+from kvbench.memory.policies import make_policy
+from kvbench.memory.policy_base import NEVER, CachePolicy, PoolView
 
 
 class BlockPool:

@@ -24,8 +24,9 @@ int64, each masked with its own type.
 """
 from __future__ import annotations
 
-from kvbench.jit import numba
 import numpy as np
+
+from kvbench.jit import numba
 
 REFCNT, FILL, CACHED, FREE, PREV, NEXT, DPREV, DNEXT = range(8)  # rows of s32 (CACHED: 1 when it has a key)
 KEY, PARENT = range(2)  # rows of s64

@@ -10,9 +10,9 @@ from typing import Sequence
 
 import numpy as np
 
-from kvbench.memory.policies import NEVER
+from kvbench.memory.policy_base import NEVER
 from kvbench.trace.format import Request
-from kvbench.trace.ideal import PrefixKeys, lookup_blocks
+from kvbench.trace.keys import PrefixKeys, lookup_blocks
 from kvbench.trace.tokens import TokenStreams
 
 

@@ -17,7 +17,7 @@ Features, each from calls the policy has seen up to now (nothing from the trace'
 Age is the only feature that changes while a block waits to be evicted, and it enters the logit
 linearly: coef * (now - last) / scale. That term moves every block's logit by the same amount as time
 passes, so the order of evictable blocks never changes and the key is fixed at release: the static
-part of the logit minus coef * last / scale. A heap keyed at release (policies._ReleaseKeyed) then
+part of the logit minus coef * last / scale. A heap keyed at release (policy_base.ReleaseKeyed) then
 pops the lowest predicted reuse in O(log n). The only other change while a block waits is a new
 continuation (a child inserted under an evictable parent): the parent is queued again.
 
@@ -33,7 +33,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from kvbench.jsonio import dumps
-from kvbench.memory.policies import _ReleaseKeyed
+from kvbench.memory.policy_base import ReleaseKeyed
 
 FEATURES = ("depth", "hits", "prompt", "continuations", "span", "gap", "age")
 KIND = "kvbench-learned-policy"
@@ -118,7 +118,7 @@ DEFAULT_MODEL = {
 }
 
 
-class LearnedPolicy(_ReleaseKeyed):
+class LearnedPolicy(ReleaseKeyed):
     """Evict the evictable block with the lowest predicted reuse (see the module docstring)."""
 
     name = "learned"

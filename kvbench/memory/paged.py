@@ -22,61 +22,25 @@ prefix of its tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import xxhash
 
 from kvbench.memory.array_pool import ArrayBlockPool
 from kvbench.memory.block_pool import BlockPool
-from kvbench.memory.policies import NEVER
+from kvbench.memory.contracts import BlockPoolAPI, Compaction, KVEvent, KVStats, SeqKV
+from kvbench.memory.policy_base import NEVER
 from kvbench.memory.radix import PARTIAL_SALT, RadixChildren
-from kvbench.trace.ideal import lookup_blocks
+from kvbench.trace.keys import lookup_blocks
 from kvbench.trace.tokens import ROOT_KEY, block_keys
 
 RADIX_EVICTIONS = ("node", "block")  # --radix-eviction
 
 
-@dataclass(slots=True, eq=False)
-class SeqKV:
-    """A sequence's KV state. ``tokens``: the ids known in advance (prompt, plus a named answer),
-    the only ones whose blocks can ever be hit; None when prefix caching is off.
-    ``next_use``: per full block of ``tokens``, the next request index that looks it up (belady)."""
-
-    tokens: np.ndarray | None = None
-    next_use: np.ndarray | None = None
-    table: list[int] = field(default_factory=list)
-    num_kv: int = 0  # tokens whose KV is written
-    keys: list[int] | None = None
-    num_registered: int = 0  # leading blocks already offered to the prefix cache
-    reserve: int = 0  # slab: slots to reserve (max_model_len or prompt+output)
-    base: int = -1  # slab: first block of the reservation
-    fork_bases: list[int] = field(default_factory=list)  # slab: slabs reserved for samples to fork
-    partial_block: int = -1  # radix: cached block whose first partial_len tokens the last lookup matched
-    partial_len: int = 0
-    open_block: int = -1  # node eviction: the tail of the node this sequence's decode steps extend
-    dropped: int = 0  # computed tokens evicted from the slots (token eviction)
-    compacted: bool = False  # slots no longer hold positions 0..num_kv-1: never register again
-    tier_match: object = None  # the last lookup's hits in the tiers behind the pool (tiers.TierMatch)
-
-
-@dataclass(slots=True)
-class Compaction:
-    """What ``PagedKV.compact`` did. Logical arrays index the sequence's slots (old layout for ``src``,
-    new for ``dst`` and ``append``); physical ones are pool slots (block * block_size + offset),
-    int64. The executor copies ``src_phys -> dst_phys`` (gather all, then scatter) before the next
-    forward; ``append_phys`` are reserved slots the caller fills (recalled tokens)."""
-
-    src: np.ndarray
-    dst: np.ndarray
-    append: np.ndarray
-    src_phys: np.ndarray
-    dst_phys: np.ndarray
-    append_phys: np.ndarray
-
-
 class PagedKV:
+    """The paged layout: a KVManager (kvbench.memory.contracts) over a block pool."""
+
     layout = "paged"
+    can_compact = True  # token eviction packs kept tokens and frees whole blocks
     watermark_frac = 0.01  # keep this share of blocks free at admission, for running sequences to grow
     compiled_pool = True  # ArrayBlockPool where it serves (tests set False to replay on BlockPool)
 
@@ -98,6 +62,7 @@ class PagedKV:
         if radix and radix_eviction == "node" and cache_policy != "lru":
             raise ValueError(f"node eviction orders nodes by recency (SGLang's lru); cache policy "
                              f"{cache_policy!r} needs block eviction")
+        self.pool: BlockPoolAPI
         if (self.compiled_pool if compiled is None else compiled) and not radix and cache_policy == "lru":
             self.pool = ArrayBlockPool(num_blocks, block_size, enable_cache=prefix_cache, physical=physical)
         else:
@@ -149,10 +114,29 @@ class PagedKV:
         tokens = num_tokens - most_hit if full else min(budget, num_tokens - most_hit)
         return -(-tokens // bs), self.pool.num_available
 
-    def stats(self) -> tuple[int, int, int, int, int]:
-        """(blocks_used, blocks_cached, blocks_free, slots_allocated, tokens_live), O(1)."""
+    def stats(self) -> KVStats:
         p = self.pool
-        return p.num_used, p.num_cached, p.num_free, p.num_used * self.block_size, p.tokens_live
+        return KVStats(p.num_used, p.num_cached, p.num_free, p.num_used * self.block_size, p.tokens_live)
+
+    @property
+    def cache_evictions(self) -> int:
+        return self.pool.evictions
+
+    def set_clock(self, now: float) -> None:
+        self.pool.clock = now
+        if self.tiers is not None:
+            self.tiers.clock = now
+
+    def enable_events(self) -> None:
+        if self.prefix_cache:
+            self.pool.events = []
+
+    def take_events(self) -> list[KVEvent]:
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
 
     # -- prefix cache ------------------------------------------------------------------------
     @property

@@ -52,114 +52,8 @@ import heapq
 from collections import OrderedDict, deque
 from itertools import groupby, islice, repeat
 
-NEVER = 1 << 62  # next use of a block no later request looks up
-
-
-class CacheView:
-    """What a policy may read about cached blocks besides the calls it gets. Unbound, it knows no
-    key (no ghost entry ever matches) and no parent (every block is a root)."""
-
-    block_size: int | None = None
-
-    def key_of(self, block: int):
-        """The block's prefix key: the identity of its content, which outlives the physical block."""
-        return
-
-    def parent_of(self, block: int) -> int:
-        """The cached block holding the block's parent key, or -1 (a root, or a parent not cached)."""
-        return -1
-
-
-class PoolView(CacheView):
-    """A BlockPool's keys and index, read when a block is inserted or evicted (the pool sets a
-    block's key before ``on_insert_many`` and clears it after ``pop_many``)."""
-
-    def __init__(self, pool):
-        self._pool = pool
-        self.block_size = pool.block_size
-
-    def key_of(self, block: int):
-        return self._pool.key[block]
-
-    def parent_of(self, block: int) -> int:
-        p = self._pool
-        return p.index.get(p.parent[block], -1)
-
-
-class CachePolicy:
-    """Interface. Block ids are ints in [0, num_blocks).
-
-    Subclasses implement the batch forms (``*_many``); each one-block call is the batch of one, so
-    the replay's per-block calls and the what-if's batches run the same code.
-    """
-
-    name = "base"
-
-    def __init__(self, num_blocks: int, capacity: int | None = None):
-        self.num_blocks = num_blocks
-        self.capacity = capacity if capacity is not None else num_blocks  # blocks the cache holds
-        self.view = CacheView()
-
-    def bind(self, view: CacheView) -> None:
-        """Read block keys and parents through ``view`` (BlockPool: PoolView)."""
-        self.view = view
-
-    def on_insert(self, block: int, now: int, next_use: int = NEVER) -> None:
-        """A block was registered in the cache (it is in use)."""
-        self.on_insert_many((block,), now, (next_use,))
-
-    def on_use(self, block: int, now: int, next_use: int = NEVER) -> None:
-        """A cached block was hit (it is in use)."""
-        self.on_use_many((block,), now, (next_use,))
-
-    def release(self, block: int) -> None:
-        """The block's refcount fell to 0: it becomes evictable."""
-        self.release_many((block,))
-
-    def reuse(self, block: int) -> None:
-        """An evictable block is taken again (hit): it is no longer evictable."""
-        self.reuse_many((block,))
-
-    def pop(self) -> int:
-        """Remove and return the victim among evictable blocks (the caller checks len first)."""
-        return self.pop_many(1)[0]
-
-    # -- leaves-only eviction (radix mode): a cached block that another cached block continues ---
-    def hold(self, block: int) -> None:
-        """The block's refcount fell to 0 but it is not evictable yet: a cached block continues it.
-        It is released *now* for ordering purposes; ``unhold`` makes it evictable in that place."""
-
-    def unhold(self, block: int) -> None:
-        """A held block's last cached child was evicted: it becomes evictable."""
-        self.release(block)
-
-    def reuse_held(self, block: int) -> None:
-        """A held block is taken again (hit)."""
-
-    # -- batch forms: the one-block call applied to every block, in order ----------------------
-    def on_insert_many(self, blocks, now: int, next_uses=None) -> None:
-        """``next_uses[i]`` belongs to ``blocks[i]``; None means NEVER for all."""
-
-    def on_use_many(self, blocks, now: int, next_uses=None) -> None:
-        pass
-
-    def on_recompute_many(self, blocks, now: int, next_uses=None) -> None:
-        """Cached blocks that a request computed again because a miss came before them: not a use
-        (no other policy counts it), but their next use moved on, and belady must know it or it keeps
-        them for a use that has passed."""
-
-    def release_many(self, blocks) -> None:
-        raise NotImplementedError
-
-    def reuse_many(self, blocks) -> None:
-        raise NotImplementedError
-
-    def pop_many(self, n: int) -> list[int]:
-        """Remove and return the next ``n`` victims in eviction order (``n <= len(self)``)."""
-        raise NotImplementedError
-
-    def __len__(self) -> int:
-        raise NotImplementedError
+from kvbench.memory.learned import LearnedPolicy
+from kvbench.memory.policy_base import NEVER, CachePolicy, ReleaseKeyed
 
 
 class LRUPolicy(CachePolicy):
@@ -364,6 +258,7 @@ class BeladyPolicy(CachePolicy):
     """
 
     name = "belady"
+    needs_future = True
 
     def __init__(self, num_blocks: int, capacity: int | None = None):
         super().__init__(num_blocks, capacity)
@@ -427,101 +322,7 @@ class BeladyPolicy(CachePolicy):
         return self._n
 
 
-class _ReleaseKeyed(CachePolicy):
-    """Evict the evictable block with the smallest key, computed when it becomes evictable (release,
-    or unhold); ties go to the block that became evictable longest ago (lru's order).
-
-    A heap of ``(key, seq, block)`` with lazy deletion: ``_entry[b]`` is the seq of the block's live
-    entry (0 when it is not evictable), so ``reuse`` costs nothing and ``pop`` skips entries whose
-    block was taken again or queued anew: O(log n) per block. ``_ended`` sees every end of a use (a
-    release, or a hold, which ends a use without making the block evictable) before ``_key`` is
-    read. A key depends only on state that stays put while the block waits, or ``_requeue`` queues
-    it again, as released now (learned: a new continuation).
-    """
-
-    def __init__(self, num_blocks: int, capacity: int | None = None):
-        super().__init__(num_blocks, capacity)
-        self._heap: list[tuple] = []
-        self._entry = [0] * num_blocks
-        self._seq = 0
-        self._n = 0
-
-    def _ended(self, b: int, seq: int) -> None:
-        """A use of ``b`` ended at ``seq`` (its release, or its hold)."""
-
-    def _key(self, b: int):
-        raise NotImplementedError
-
-    def _push(self, b: int) -> None:
-        self._seq += 1
-        self._entry[b] = self._seq
-        heapq.heappush(self._heap, (self._key(b), self._seq, b))
-
-    def release_many(self, blocks) -> None:
-        heap, entry, key, seq = self._heap, self._entry, self._key, self._seq
-        ended = None if type(self)._ended is _ReleaseKeyed._ended else self._ended
-        push = heapq.heappush
-        n = 0
-        for b in blocks:  # _push, inlined: the hot path
-            seq += 1
-            if ended is not None:
-                ended(b, seq)
-            entry[b] = seq
-            push(heap, (key(b), seq, b))
-            n += 1
-        self._seq = seq
-        self._n += n
-
-    def hold(self, block: int) -> None:
-        self._seq += 1
-        self._ended(block, self._seq)
-
-    def unhold(self, block: int) -> None:
-        self._push(block)
-        self._n += 1
-
-    def reuse_held(self, block: int) -> None:
-        pass
-
-    def reuse_many(self, blocks) -> None:
-        entry = self._entry
-        n = 0
-        for b in blocks:
-            entry[b] = 0
-            n += 1
-        self._n -= n
-        self._compact()
-
-    def _requeue(self, b: int) -> None:
-        """An evictable block's key changed: queue it again, as released now."""
-        if self._entry[b]:
-            self._push(b)  # the old entry no longer matches _entry[b]: skipped by pop
-            self._compact()
-
-    def _compact(self) -> None:
-        if len(self._heap) > 2 * self._n + 4096:  # entries of blocks taken again or requeued
-            entry = self._entry
-            self._heap = [e for e in self._heap if entry[e[2]] == e[1]]
-            heapq.heapify(self._heap)
-
-    def pop_many(self, n: int) -> list[int]:
-        if n > self._n:
-            raise IndexError(f"pop {n} of {self._n} evictable blocks")
-        heap, entry = self._heap, self._entry
-        victims: list[int] = []
-        while len(victims) < n:
-            _, seq, b = heapq.heappop(heap)
-            if entry[b] == seq:
-                entry[b] = 0
-                victims.append(b)
-        self._n -= n
-        return victims
-
-    def __len__(self) -> int:
-        return self._n
-
-
-class LRU2Policy(_ReleaseKeyed):
+class LRU2Policy(ReleaseKeyed):
     """LRU-K with K = 2 (O'Neil, O'Neil & Weikum, "The LRU-K page replacement algorithm for database
     disk buffering", SIGMOD '93): evict the block whose second-most-recent use lies furthest back;
     a block with one use since it entered has none (infinitely far back) and goes first, among such
@@ -550,7 +351,7 @@ class LRU2Policy(_ReleaseKeyed):
         return self._prev[b]
 
 
-class PrefixPolicy(_ReleaseKeyed):
+class PrefixPolicy(ReleaseKeyed):
     """Deepest first, ties by lru's order: a prefix block serves every continuation, so the blocks
     furthest from the root go before the prefixes they continue. Depth is fixed at insert: 0 for a
     block whose parent key no cached block holds, else its cached parent's depth + 1 (the pool tells
@@ -817,7 +618,7 @@ def check_policy(spec: str, load: bool = False) -> str:
     if cls is None:
         raise ValueError(f"unknown cache policy {spec!r} (choose from {', '.join(CACHE_POLICIES)}; "
                          "learned:FILE for a fitted one)")
-    if arg is not None and (not getattr(cls, "takes_arg", False) or not arg):
+    if arg is not None and (not cls.takes_arg or not arg):
         raise ValueError(f"cache policy {base!r} takes no argument (got {spec!r})" if arg
                          else f"{spec!r}: give the file after the colon")
     if load and arg is not None:
@@ -834,7 +635,10 @@ def make_policy(name: str, num_blocks: int, capacity: int | None = None) -> Cach
     return cls(num_blocks, capacity) if arg is None else cls(num_blocks, capacity, arg)
 
 
-from kvbench.memory.learned import LearnedPolicy
-
 CACHE_POLICIES["learned"] = LearnedPolicy
 CACHE_POLICIES["belady"] = BeladyPolicy  # last: the optimum the others are measured against
+
+
+def needs_future(spec: str) -> bool:
+    """Whether the policy a ``--cache-policy`` value names ranks blocks by their next use (belady)."""
+    return CACHE_POLICIES[split_policy(spec)[0]].needs_future

@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvbench.memory.policies import CachePolicy
+from kvbench.memory.policy_base import CachePolicy
 
 # xor-ed into a partial block's key so it can never equal a whole block's chained key
 PARTIAL_SALT = 0x7061727469616C00  # "partial"

@@ -11,15 +11,24 @@ from __future__ import annotations
 
 import bisect
 
-from kvbench.memory.paged import SeqKV
+import numpy as np
+
+from kvbench.memory.contracts import Compaction, KVEvent, KVStats, SeqKV
 
 
 class SlabKV:
+    """The slab layout: a KVManager (kvbench.memory.contracts) of one reservation per sequence."""
+
     layout = "slab"
     prefix_cache = False
+    can_compact = False  # a reservation never shrinks: evicting tokens would free nothing
     watermark_frac = 0.0  # a reservation never grows: no room to keep for growth
     tiers = None  # no prefix cache, so no tiers behind it
     last_loaded = None
+    keys_as_arrays = False
+    cache_evictions = 0  # nothing is cached
+    partial_hit_tokens = 0
+    cow_copies = 0  # a fork copies into a slab of its own: counted as the batch's copies, not here
 
     def __init__(self, num_blocks: int, block_size: int, **_ignored):
         self.num_blocks = num_blocks
@@ -35,9 +44,9 @@ class SlabKV:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def stats(self) -> tuple[int, int, int, int, int]:
+    def stats(self) -> KVStats:
         r = self.blocks_reserved
-        return r, 0, self.num_blocks - r, r * self.block_size, self.tokens_live
+        return KVStats(r, 0, self.num_blocks - r, r * self.block_size, self.tokens_live)
 
     def admission_floor(self, s: SeqKV, num_tokens: int, budget: int, full: bool = True) -> tuple[int, int]:
         free = self.num_blocks - self.blocks_reserved
@@ -138,3 +147,25 @@ class SlabKV:
     def take_copies(self) -> list[tuple[int, int]]:
         c, self.copies = self.copies, []
         return c
+
+    def take_tier_ops(self) -> tuple[list[tuple], list[tuple]]:
+        return [], []
+
+    def attach_tiers(self, tiers) -> None:
+        raise ValueError("prefix-cache tiers hold cached prefix blocks: a slab has no prefix cache")
+
+    def compact(self, s: SeqKV, keep: np.ndarray, append: int = 0) -> Compaction | None:
+        raise ValueError("a slab cannot shrink a reservation: token eviction needs the paged layout")
+
+    def slots_of(self, s: SeqKV, logical: np.ndarray) -> np.ndarray:
+        bs = self.block_size
+        return (s.base + logical // bs) * bs + logical % bs
+
+    def set_clock(self, now: float) -> None:
+        """Nothing in a slab reads the time."""
+
+    def enable_events(self) -> None:
+        """A slab caches nothing: it has no KV events to publish."""
+
+    def take_events(self) -> list[KVEvent]:
+        return []

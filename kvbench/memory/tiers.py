@@ -39,7 +39,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbench.memory.policies import NEVER, CacheView, LRUPolicy, make_policy
+from kvbench.memory.policies import LRUPolicy, make_policy
+from kvbench.memory.policy_base import NEVER, CacheView
 
 TIER_NAMES = ("cpu", "disk")  # in lookup order: fastest first
 OFFLOADS = ("write-through", "write-back")

@@ -15,9 +15,17 @@ from dataclasses import dataclass, field
 
 from kvbench import __version__
 from kvbench.errors import InputError
-from kvbench.report.charts import SECTION_CHARTS, assign_styles, render, tiered, whatif, whatif_tiers
+from kvbench.report import prediction
+from kvbench.report.charts import SECTION_CHARTS, assign_styles, render
+from kvbench.report.whatif_charts import tiered, whatif, whatif_tiers
 from kvbench.report.data import BASELINE, COMPARABLE, Inputs, Run, Section, load_inputs
-from kvbench.report.words import METRIC_DEFINITIONS, performs_alike, rows_identical, setting_words, why_identical
+from kvbench.report.words import (
+    METRIC_DEFINITIONS,
+    performs_alike,
+    rows_identical,
+    setting_words,
+    why_identical,
+)
 
 
 def _ms(v: float) -> str:
@@ -98,6 +106,8 @@ def build_report(paths: list[str], out_dir: str, title: str = "kvbench report", 
         body.append(_contents(inputs))
     for section in inputs.sections:
         body.append(_section(section, report))
+    for i, p in enumerate(prediction.pair([r for s in inputs.sections for r in s.runs])):
+        body.append(_prediction(p, i, report))
     for i, w in enumerate(inputs.whatifs):
         png = f"whatif-{i + 1}.png"
         body.append(f"<h2 id=whatif-{i + 1}>What-if: {_e(w.label)}</h2>")
@@ -122,6 +132,24 @@ def build_report(paths: list[str], out_dir: str, title: str = "kvbench report", 
     with open(report.index, "w", encoding="utf-8") as fh:
         fh.write(page)
     return report
+
+
+def _prediction(p: prediction.Prediction, i: int, report: Report) -> str:
+    """A live run and the sim runs that predicted it: the figures side by side, the chart, the words."""
+    out = [f"<h2 id=prediction-{i + 1}>Prediction beside measurement: {_e(p.live.name)}</h2>",
+           f"<p class=meta>measured: {_e(p.live.dir)} (a live server); predicted: "
+           + ", ".join(_e(s.dir) for s in p.sims) + "</p>"]
+    png = f"prediction-{i + 1}.png"
+    if render(prediction.chart, p, os.path.join(report.out_dir, png)):
+        report.charts.append(png)
+        out.append(_figure(report.out_dir, png, "Measured (black) against predicted: latency percentiles, running "
+                                                "sequences over time, and each request's predicted / measured - 1."))
+    heads = "".join(f"<th>{_e(h)}</th>" for h in ["figure", "measured", *(s.label or s.name for s in p.sims)])
+    rows = "".join("<tr>" + "".join(f"<td class=name>{_e(c)}</td>" if j == 0 else f"<td>{_e(c)}</td>"
+                                      for j, c in enumerate(row)) + "</tr>" for row in prediction.table(p))
+    out.append(f"<div class=scroll><table><tr>{heads}</tr>{rows}</table></div>")
+    out.append("<ul class=findings>" + "".join(f"<li>{_e(w)}</li>" for w in prediction.words(p)) + "</ul>")
+    return "\n".join(out)
 
 
 def _glossary(ratios: bool) -> str:

@@ -42,6 +42,7 @@ WORDS: dict[str, Callable[[object], tuple[str, bool]]] = {
     "gpu": lambda v: (str(v).upper(), False),
     "tp": lambda v: (f"tp{v}", v == 1),
     "kv_dtype": lambda v: (f"kv {v}", v == "auto"),
+    "dtype": lambda v: (f"weights {v}", v == "auto"), "eager": lambda v: ("eager" if v else "CUDA graphs", not v),
     "calibration": lambda v: (f"cal {_path(v)}" if v else "preset costs", not v),
     "kv_mem": lambda v: (f"{v} KV" if v else "default KV", not v),
     "num_blocks": lambda v: (f"{v} blocks" if v else "default blocks", not v),

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbench.memory.paged import SeqKV
+from kvbench.memory.contracts import SeqKV
 from kvbench.trace.format import Request
+from kvbench.trace.keys import FlatPieces
 
 NAN = math.nan
 
@@ -57,6 +58,8 @@ class Sequence(SeqKV):
     computed_before: int = 0  # KV tokens held before its last preemption (recompute accounting)
     resumed: bool = False
     ev: object = None  # token-eviction state (kvbench.eviction.evictor.SeqState)
-    # called once with the sequence when the scheduler first considers it for admission, to fill in
-    # what it waited without (its keys as a list)
-    pending: object = None
+    # A waiting sequence holds its pieces and block keys, not its tokens: the scheduler builds them
+    # when it first considers the sequence for admission (Scheduler._build: trace.keys.sequence_tokens_of)
+    pieces: FlatPieces | None = None
+    waiting_keys: np.ndarray | None = None
+    built: bool = True

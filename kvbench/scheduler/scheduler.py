@@ -37,7 +37,7 @@ import numpy as np
 
 from kvbench.scheduler.batch import StepBatch, StepResult
 from kvbench.scheduler.request import RequestState, Sequence
-from kvbench.trace.ideal import sequence_tokens
+from kvbench.trace.keys import sequence_tokens, sequence_tokens_of
 
 ADMISSIONS = ("full-prompt", "first-chunk")
 
@@ -147,9 +147,8 @@ class Scheduler:
             s = waiting[0]
             if self.num_seats + s.seats > cap:
                 break
-            if s.pending is not None:  # its token arrays are built now, not at arrival
-                s.pending(s)
-                s.pending = None
+            if not s.built:  # its token arrays are built now, not at arrival
+                self._build(s)
             # the watermark keeps room for running sequences to grow; with none running, a request
             # that needs nearly the whole pool must still be admitted (vLLM: has_scheduled_reqs)
             wm = self.watermark if running else 0
@@ -191,6 +190,19 @@ class Scheduler:
             plan.seqs.append(s)
             plan.num_new.append(num_new)
             budget -= num_new
+
+    def _build(self, s: Sequence) -> None:
+        """Give a sequence first considered for admission what it waited without: its tokens (one
+        array, the prompt its first part), built from its pieces by one compiled call, and its keys as
+        the pool takes them (a list of ints where the pool or the tiers keep ints)."""
+        if s.pieces is not None:
+            s.tokens = sequence_tokens_of(s.rs.req, s.pieces)
+            s.rs.prompt = s.tokens[:int(s.pieces.prompt_lens[0])]
+            s.pieces = None
+        if s.waiting_keys is not None:
+            s.keys = s.waiting_keys if self.kv.keys_as_arrays else s.waiting_keys.tolist()
+            s.waiting_keys = None
+        s.built = True
 
     def _preempt(self, s: Sequence) -> None:
         """Free a running sequence; it waits at the head of the queue to be recomputed."""

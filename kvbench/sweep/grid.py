@@ -27,14 +27,14 @@ DEFAULTS = ReplayConfig()
 # to their defaults is what makes "--layout paged,slab --block-size 8,16" one slab run, not two.
 NOT_APPLICABLE: dict[tuple[str, object], tuple[str, ...]] = {
     ("layout", "slab"): ("block_size", "prefix_cache", "prefix_mode", "radix_eviction", "cache_policy", "admission",
-                         "cpu_kv_mem", "disk_kv_mem"),
+                         "cpu_kv_mem", "disk_kv_mem", "eviction", "kv_budget", "sink_tokens"),  # a slab cannot compact
     ("layout", "paged"): ("slab_reserve",),
     ("prefix_cache", False): ("prefix_mode", "radix_eviction", "cache_policy", "cpu_kv_mem", "disk_kv_mem"),
     ("prefix_mode", "hash"): ("radix_eviction",),  # only used with prefix_mode radix
     ("radix_eviction", "node"): ("cache_policy",),  # nodes go by recency (SGLang's lru)
     ("eviction", "none"): ("kv_budget", "sink_tokens"),
     ("executor", "sim"): ("device", "attention"),
-    ("executor", "model"): ("gpu", "calibration", "tp"),
+    ("executor", "model"): ("gpu", "calibration", "tp", "dtype", "eager"),
     ("replicas", 1): ("router", "router_prefix_blocks", "router_cache_weight", "router_load_weight",
                       "router_event_delay"),
     ("router", "round-robin"): ("router_prefix_blocks", "router_cache_weight", "router_load_weight", "router_event_delay"),
@@ -58,6 +58,7 @@ SHORT = {"layout": "", "block_size": "bs", "slab_reserve": "res_", "prefix_cache
          "replicas": "x", "router": "", "router_prefix_blocks": "rpb", "router_cache_weight": "rcw",
          "router_load_weight": "rlw", "router_event_delay": "red", "cpu_kv_mem": "cpu", "disk_kv_mem": "disk",
          "offload": "", "load_policy": "load_", "cpu_bw": "cpubw", "disk_bw": "diskbw", "cpu_cache_policy": "cpu_",
+         "dtype": "w_", "eager": "eager_",
          "disk_cache_policy": "disk_"}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 

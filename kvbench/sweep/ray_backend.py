@@ -14,7 +14,7 @@ import os
 
 from kvbench import __version__
 from kvbench.provenance import code_fingerprint
-from kvbench.sweep.runner import Event, import_ray, run_shipped
+from kvbench.sweep.tasks import Event, import_ray, run_shipped
 
 
 def run_ray(trace: str, store, todo, *, address, cpus_per_task, max_retries, emit, finished,

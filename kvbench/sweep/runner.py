@@ -14,63 +14,29 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-
 from kvbench import __version__
-from kvbench.engine.config import ReplayConfig
 from kvbench.errors import InputError, RunError
-from kvbench.provenance import Invocation, code_fingerprint, file_sha256, git_info, now_iso, setting_files
-from kvbench.sweep.store import SweepStore
+from kvbench.provenance import (
+    Invocation,
+    code_fingerprint,
+    file_sha256,
+    git_info,
+    now_iso,
+    setting_files,
+)
 from kvbench.sweep.grid import Config, expand, not_applicable
+from kvbench.sweep.store import SweepStore
+from kvbench.sweep.tasks import Event, import_ray, run_one, run_shipped
 
 SWEEP_PARQUET = "sweep.parquet"
 SWEEP_JSON = "sweep.json"
 
 
 # -- running -----------------------------------------------------------------------------------
-def run_one(trace: str, settings: dict, run_dir: str, invocation: Invocation | None = None) -> dict:
-    """One configuration into ``run_dir`` (in this process or a local worker); its summary."""
-    from kvbench.engine.replay import replay
-
-    return replay(trace, ReplayConfig(**settings), run_dir, invocation=invocation)
-
-
-def run_shipped(trace: bytes | str, trace_label: str, settings: dict, name: str, driver_version: str,
-                dest: str | None = None, driver_code: str | None = None,
-                invocation: Invocation | None = None) -> tuple[dict, dict[str, bytes] | None]:
-    """One configuration run where the sweep directory may not be (a Ray task on another node, or a
-    sweep whose --out is a storage URI): the trace comes as bytes (or a local path), the run goes to a
-    temporary directory, and its files come back as bytes, or go straight to ``dest`` (a SweepStore
-    location every node reaches). No path of the driver's is opened. -> (summary, files or None)."""
-    from kvbench.engine.replay import replay
-
-    if __version__ != driver_version or (driver_code is not None and code_fingerprint() != driver_code):
-        mine, theirs = (__version__, driver_version) if __version__ != driver_version else \
-            (f"code {code_fingerprint()}", f"code {driver_code}")
-        raise RunError(f"this worker runs kvbench {mine} but the driver {theirs}: install "
-                       "the same kvbench on every node")
-    with tempfile.TemporaryDirectory(prefix="kvbench-task-") as tmp:
-        path = trace
-        if isinstance(trace, bytes):
-            path = os.path.join(tmp, "trace.jsonl")
-            with open(path, "wb") as fh:
-                fh.write(trace)
-        run_dir = os.path.join(tmp, name)
-        summary = replay(path, ReplayConfig(**settings), run_dir, trace_label=trace_label, invocation=invocation)
-        files = {}
-        for f in sorted(os.listdir(run_dir)):
-            with open(os.path.join(run_dir, f), "rb") as fh:
-                files[f] = fh.read()
-    if dest is not None:
-        SweepStore(dest).put_run(name, files)
-        return summary, None
-    return summary, files
-
-
 def make_sweep_dir(out_dir: str) -> None:
     SweepStore(out_dir).makedirs()
 
@@ -82,7 +48,7 @@ def preflight(configs: list[Config], requests=None, trace_path: str = "") -> Non
     request larger than every configuration's pool (where its size is known without building a
     model: --num-blocks, or the sim's) is refused too (a usage RunError); one too large for some
     configurations only is left to those runs, which fail and are reported while the others run."""
-    from kvbench.engine.replay import check_trace_fits, pool_blocks
+    from kvbench.engine.setup import check_trace_fits, pool_blocks
     from kvbench.executors import make_executor
     from kvbench.executors.presets import get_model
 
@@ -101,7 +67,7 @@ def preflight(configs: list[Config], requests=None, trace_path: str = "") -> Non
                 # cheap: reads the GPU preset and the calibration file, sizes the pool
                 num_blocks = pool_blocks(cfg, make_executor(cfg, model), model)
             else:  # the model executor: weights and pool must fit the device it would use
-                from kvbench.engine.replay import check_model_memory
+                from kvbench.engine.setup import check_model_memory
                 check_model_memory(cfg, model)
             if requests is not None and num_blocks is not None:
                 try:
@@ -240,17 +206,6 @@ class SweepState:
             "configurations": [{"run": c.name, "status": self.status.get(c.name, "pending"),
                                 "settings": c.settings} for c in self.configs],
         }, SWEEP_JSON)
-
-
-@dataclass
-class Event:
-    """Reported to the progress display: a configuration started, finished, was skipped or failed."""
-
-    kind: str  # start | done | skip | fail | note
-    name: str
-    summary: dict | None = None
-    error: str | None = None
-    message: str | None = None  # skip: where the run was reused from; note: why it runs again
 
 
 def run_sweep(trace: str, grid: dict[str, list], out_dir: str, *, jobs: int = 1,
@@ -404,9 +359,3 @@ def _interrupt_workers(procs) -> None:
             p.terminate()
 
 
-def import_ray():
-    try:
-        import ray
-    except ImportError:
-        raise InputError("Ray is not installed: pip install 'kvbench[ray]'", field="--backend") from None
-    return ray

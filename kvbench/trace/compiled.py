@@ -12,8 +12,9 @@ shift count too.
 """
 from __future__ import annotations
 
-from kvbench.jit import numba
 import numpy as np
+
+from kvbench.jit import numba
 
 _U = np.uint64
 _M32 = _U(0xFFFFFFFF)

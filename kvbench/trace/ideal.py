@@ -18,14 +18,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbench.trace.format import Request
-from kvbench.trace.tokens import (
-    ROOT_KEY,
-    TokenStreams,
-    compiled,
-    sample_stream,
-    stable_hash,
-    unique_stream,
+from kvbench.trace.keys import (
+    _NO_TOKENS,
+    PrefixKeys,
+    cached_answer_len,
+    cached_pieces,
+    lookup_blocks,
 )
+from kvbench.trace.tokens import ROOT_KEY, TokenStreams, compiled
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,140 +37,6 @@ class IdealHits:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-def lookup_blocks(prompt_len: int, block_size: int) -> int:
-    """How many leading whole blocks of a prompt may be served from cache (not the last token's)."""
-    return (prompt_len - 1) // block_size
-
-
-def cached_answer_len(req: Request) -> int:
-    """How many tokens of the answer a later request may hit: a named answer's computed part (its
-    first output_len - 1 tokens; the last is sampled, never fed back), 0 for an unnamed answer."""
-    return req.output_len - 1 if req.output is not None and req.output_len > 1 else 0
-
-
-def cached_sequence(req: Request, prompt: np.ndarray, streams: TokenStreams) -> np.ndarray:
-    """The tokens a later request may hit once this one finishes: prompt, plus a named answer's
-    computed part (the ideal hit rate's view: an unnamed answer is never re-sent)."""
-    answer = cached_answer_len(req)
-    return np.concatenate([prompt, streams.output_tokens(req, answer)]) if answer else prompt
-
-
-def sequence_tokens(req: Request, prompt: np.ndarray, streams: TokenStreams, sample: int = 0) -> np.ndarray:
-    """Every token whose KV sample ``sample`` of the request computes: the prompt and the first
-    output_len - 1 generated tokens (the last one is sampled, never fed back). The engine hashes
-    them all into the prefix cache, as vLLM does with sampled tokens."""
-    if req.output_len <= 1:
-        return prompt
-    return np.concatenate([prompt, streams.output_tokens(req, req.output_len - 1, sample=sample)])
-
-
-def sequence_tokens_of(req: Request, pieces: tuple) -> np.ndarray:
-    """``sequence_tokens(req, prompt, streams)`` (sample 0) from the request's pieces
-    (PrefixKeys.with_pieces): its cached sequence, then, for an answer the trace does not name, the
-    answer's own stream, filled by one compiled call."""
-    seeds, lengths, literal_at, _, _, literals, _, seq_lens = pieces
-    n = int(seq_lens[0])
-    extra = max(req.output_len - 1, 0) - cached_answer_len(req)  # the computed answer the pieces lack
-    out = np.empty(n + extra, dtype=np.int32)
-    c = compiled()
-    c.fill_pieces(seeds, lengths, literal_at, literals, out)
-    if extra:  # (TokenStreams.output_tokens of sample 0: the stream no prompt can name)
-        c.fill_stream(out[n:], np.uint64(stable_hash(sample_stream(req.id, 0))), 0)
-    return out
-
-
-class PrefixKeys:
-    """Block keys of requests' cached sequences at one block size (``block_keys`` of
-    ``cached_sequence``, computed without expanding prompts), memoising the keys of block-aligned
-    shared segments across requests.
-
-    The memo: a named stream read from a block boundary has keys fixed by (parent key, stream,
-    length), so a real trace's repeated segments (Mooncake's hash ids are prefix-chained: the same
-    segment follows the same parent) are neither generated nor hashed again. Streams only one request
-    uses (count_once), unique and literal segments are never stored. Bounded: at most
-    ``memo_keys`` keys (8 bytes each) in at most ``memo_entries`` / 2 segments, in a table of
-    ``memo_entries`` slots (32 bytes each), the whole memo flushed when either is full: 16 MB + 4 MB
-    by default (Mooncake: 44,000 segments, 105,000 hits, no flush at block 512 or 16)."""
-
-    def __init__(self, block_size: int, streams: TokenStreams | None = None, *,
-                 memo_keys: int = 2**21, memo_entries: int = 2**17):
-        if block_size < 1:
-            raise ValueError("block_size must be >= 1")
-        if memo_entries < 2 or memo_entries & (memo_entries - 1):
-            raise ValueError("memo_entries must be a power of 2, >= 2")
-        self.block_size = block_size
-        self.streams = streams or TokenStreams()
-        self.once: frozenset[str] = frozenset()  # shared streams only one request uses (see count_once)
-        self._memo_key = np.zeros(2 * memo_entries, dtype=np.uint64)  # (parent, stream seed) per slot
-        self._memo_len = np.full(memo_entries, -1, dtype=np.int64)  # segment length; -1: empty slot
-        self._memo_at = np.zeros(memo_entries, dtype=np.int64)  # where its keys start in the pool
-        self._memo_pool = np.zeros(memo_keys, dtype=np.uint64)
-        self.memo_state = np.zeros(4, dtype=np.int64)  # entries, pool keys used, hits, flushes
-
-    def __call__(self, req: Request) -> tuple[np.ndarray, int]:
-        """(uint64 keys of every whole block of the cached sequence, prompt length)."""
-        keys, prompt_len, _ = self.with_pieces(req)
-        return keys, prompt_len
-
-    def with_pieces(self, req: Request) -> tuple[np.ndarray, int, tuple]:
-        """``self(req)``, and the request's pieces, from which ``sequence_tokens_of`` builds its tokens
-        later without expanding a segment again."""
-        flat = _flatten([req], self.streams, self.once)
-        keys, _ = self.keys_of_pieces(*flat[:6], seq_lens=flat[7])
-        return keys, int(flat[6][0]), flat
-
-    def many(self, requests: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every request's keys at once: (uint64 keys, flattened; int64 [len+1] where request i's
-        start; int64 prompt lengths). ``keys[starts[i]:starts[i+1]]`` is ``self(requests[i])[0]``."""
-        flat = _flatten(requests, self.streams, self.once)
-        return (*self.keys_of_pieces(*flat[:6], seq_lens=flat[7]), flat[6])
-
-    def keys_of_pieces(self, seeds, lengths, literal_at, memoise, pieces_at, literals, *,
-                       seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``many``'s (keys, starts) from requests already flattened into pieces (``_flatten``'s arrays,
-        or kvbench.trace.pieces.Pieces's: ``memoise`` says which named streams other requests use)."""
-        starts = np.zeros(len(pieces_at), dtype=np.int64)
-        np.cumsum(seq_lens // self.block_size, out=starts[1:])
-        keys = np.empty(int(starts[-1]), dtype=np.uint64)
-        compiled().trace_keys(seeds, lengths, literal_at, memoise, pieces_at, literals, self.block_size,
-                              np.uint64(ROOT_KEY), starts, keys, self._memo_key, self._memo_len,
-                              self._memo_at, self._memo_pool, self.memo_state)
-        return keys, starts
-
-    def count_once(self, requests: Iterable[Request]) -> None:
-        """Note the shared streams that only one of ``requests`` uses (in a prompt, or as the answer
-        it names): like a unique segment, such a stream's blocks can never be hit by another request,
-        so shareable_blocks stops before them and their keys are not memoised. On the Mooncake trace
-        most 512-token hash ids are used once."""
-        self.once = once_streams(requests)
-
-    def shareable_blocks(self, req: Request) -> int | None:
-        """How many leading blocks another request could share: the blocks before the first one holding
-        a token of the request's own — a ``unique`` segment, or a shared stream no other request uses
-        (count_once) — since every key after it is chained to it; None when there is none."""
-        pos = 0
-        once = self.once
-        for i, seg in enumerate(req.prompt):
-            if seg.length > 0 and (seg.kind == "unique" or (seg.kind == "shared" and seg.name in once)):
-                return pos // self.block_size
-            # a text segment's length is known once tokenized (Segment.length is 0)
-            pos += len(self.streams.segment(seg, req.id, i)) if seg.kind == "text" else seg.length
-        return None
-
-
-def once_streams(requests: Iterable[Request]) -> frozenset[str]:
-    """The shared streams only one of ``requests`` names (in a prompt, or as its answer)."""
-    seen: set[str] = set()
-    twice: set[str] = set()
-    for r in requests:
-        names = {seg.name for seg in r.prompt if seg.kind == "shared"}
-        if r.output is not None:
-            names.add(r.output)
-        twice |= names & seen
-        seen |= names
-    return frozenset(seen - twice)
 
 
 class IdealCounter:
@@ -262,81 +128,6 @@ def _seen_prefix(keys: np.ndarray, seen: set[int]) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def _pieces(req: Request, streams: TokenStreams):
-    """The cached sequence (as in cached_sequence) in pieces: ``(name, length)`` for a named stream,
-    ``(None, tokens)`` for any other segment."""
-    for i, seg in enumerate(req.prompt):
-        if seg.kind == "shared":
-            yield seg.name, seg.length
-        else:
-            yield None, streams.segment(seg, req.id, i)
-    if answer := cached_answer_len(req):
-        yield req.output, answer
-
-
-_NO_TOKENS = np.zeros(0, dtype=np.int32)
-
-
-def _flatten(requests: Sequence[Request], streams: TokenStreams, once: frozenset):
-    """The requests' cached sequences as flat arrays of pieces for compiled.trace_keys (see there):
-    a shared, unique or answer stream is (seed, length); literal tokens are (their place in
-    ``literals``, length). ``memoise``: a named stream other requests use too."""
-    seeds: list[int] = []
-    lengths: list[int] = []
-    literal_at: list[int] = []  # -1: a stream
-    memoise: list[bool] = []
-    pieces_at = [0]
-    literals: list[np.ndarray] = []
-    n_literal = 0
-    prompt_lens: list[int] = []
-    answers: list[int] = []
-    # the loop runs once per segment of the trace (Mooncake: 288,500): local names, no calls per
-    # shared segment but the name's hash (stable_hash: TokenStreams.stream's seed, one rule)
-    add_seed, add_length = seeds.append, lengths.append
-    add_at, add_memo = literal_at.append, memoise.append
-    for req in requests:
-        prompt_len = 0
-        for i, seg in enumerate(req.prompt):
-            kind = seg.kind
-            if kind == "shared":
-                name = seg.name
-                add_seed(stable_hash(name))
-                add_length(seg.length)
-                add_at(-1)
-                add_memo(name not in once)
-                prompt_len += seg.length
-            elif kind == "unique":
-                add_seed(stable_hash(unique_stream(req.id, i)))
-                add_length(seg.length)
-                add_at(-1)
-                add_memo(False)
-                prompt_len += seg.length
-            else:
-                toks = streams.segment(seg, req.id, i)
-                add_seed(0)
-                add_length(len(toks))
-                add_at(n_literal)
-                add_memo(False)
-                literals.append(toks)
-                n_literal += len(toks)
-                prompt_len += len(toks)
-        answer = cached_answer_len(req)
-        if answer:
-            add_seed(stable_hash(req.output))
-            add_length(answer)
-            add_at(-1)
-            add_memo(req.output not in once)
-        pieces_at.append(len(seeds))
-        prompt_lens.append(prompt_len)
-        answers.append(answer)
-    prompt = np.array(prompt_lens, dtype=np.int64)
-    return (np.array(seeds, dtype=np.uint64), np.array(lengths, dtype=np.int64),
-            np.array(literal_at, dtype=np.int64), np.array(memoise, dtype=np.bool_),
-            np.array(pieces_at, dtype=np.int64),
-            np.ascontiguousarray(np.concatenate(literals) if literals else _NO_TOKENS, dtype=np.int32),
-            prompt, prompt + np.array(answers, dtype=np.int64))
 
 
 def ideal_hit_rate(requests: Iterable[Request], block_size: int,
@@ -438,7 +229,7 @@ def _cached_tokens(req: Request, streams: TokenStreams, start: int, stop: int) -
     """Tokens [start, stop) of the request's cached sequence, without expanding the rest."""
     out = []
     pos = 0
-    for name, what in _pieces(req, streams):
+    for name, what in cached_pieces(req, streams):
         length = what if name is not None else len(what)
         lo, hi = max(start, pos), min(stop, pos + length)
         if lo < hi:

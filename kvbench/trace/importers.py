@@ -35,7 +35,15 @@ from typing import Callable, Iterator
 import numpy as np
 
 from kvbench.errors import InputError
-from kvbench.trace.format import MAX_REQUEST_TOKENS, MAX_T_S, Request, Segment, json_lines, parse_request, write_trace
+from kvbench.trace.format import (
+    MAX_REQUEST_TOKENS,
+    MAX_T_S,
+    Request,
+    Segment,
+    json_lines,
+    parse_request,
+    write_trace,
+)
 
 MOONCAKE_BLOCK_TOKENS = 512
 CHARS_PER_TOKEN = 4  # the usual rule of thumb for English with a BPE tokenizer
@@ -316,7 +324,9 @@ def _sharegpt_turns(path: str, what: str, count_tokens, report: ImportReport):
 def read_sharegpt(path: str, report: ImportReport, *, tokenizer: str | None = None,
                   rate: float = 1.0, think_s: float = 30.0, seed: int = 0,
                   arrival: str = "poisson", burstiness: float = 1.0) -> Iterator[Request]:
-    from kvbench.workloads.sampling import session_times_s  # layer 1 shares the arrival model
+    from kvbench.workloads.sampling import (
+        session_times_s,  # layer 1 shares the arrival model
+    )
 
     what = "a ShareGPT JSON file (a list of {id, conversations: [{from, value}]})"
     count_tokens = token_counter(tokenizer, report)

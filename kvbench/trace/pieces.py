@@ -33,11 +33,11 @@ from kvbench.trace.format import (
     Request,
     check_unique_id,
     decode_line,
-    load_trace,
     foreign_format_error,
+    load_trace,
     parse_request,
 )
-from kvbench.trace.ideal import _flatten, once_streams
+from kvbench.trace.keys import _flatten, once_streams
 from kvbench.trace.tokens import TokenStreams, stable_hash
 
 

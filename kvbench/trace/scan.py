@@ -19,9 +19,9 @@ is PrefixKeys.count_once's rule, by their bytes.
 """
 from __future__ import annotations
 
-from kvbench.jit import numba
 import numpy as np
 
+from kvbench.jit import numba
 from kvbench.trace.compiled import xxh64
 
 MAX_DEPTH = 64  # nesting of a value read past (meta, unknown keys); deeper: the full parser

@@ -23,10 +23,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvbench.memory.learned import FEATURES, LearnedModel, LearnedPolicy
-from kvbench.memory.policies import NEVER
+from kvbench.memory.policy_base import NEVER
 from kvbench.trace.format import Request
 from kvbench.trace.tokens import TokenStreams
-from kvbench.whatif.curve import prepare, simulate, window_start
+from kvbench.whatif.blocktrace import prepare, window_start
+from kvbench.whatif.curve import simulate
 
 L2 = 1e-3
 

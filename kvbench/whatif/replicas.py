@@ -21,8 +21,11 @@ import numpy as np
 
 from kvbench.engine.routing import ROUTERS, Router
 from kvbench.trace.format import Request
+from kvbench.trace.ideal import ideal_hit_blocks
 from kvbench.trace.pieces import Pieces
-from kvbench.whatif.curve import BlockTrace, _next_uses
+from kvbench.whatif.blocktrace import BlockTrace
+from kvbench.whatif.compiled import next_uses_dense
+from kvbench.whatif.curve import Point
 
 # kv-aware without time: affinity would send every request that shares a first block to one replica,
 # so, as SGLang's cache-aware router does, the load is balanced first: when the replica sent the most
@@ -105,29 +108,20 @@ def split(bt: BlockTrace, where: np.ndarray, replicas: int, future: bool) -> lis
                          partial=None if bt.partial is None else bt.partial[idx],
                          arrival_s=None if bt.arrival_s is None else bt.arrival_s[idx], parent=parent)
         if future:
-            sub.next_use = _next_uses(ids, starts, lookups)
+            sub.next_use = next_uses_dense(ids, starts, lookups)
         out.append(sub)
     return out
 
 
 def _ceiling(ids, starts, lookups, first, block_size) -> int:
-    """Hit tokens of an infinite cache over these requests, counted from ``first`` on."""
-    seen = np.zeros(int(ids.max()) + 1 if len(ids) else 1, dtype=bool)
-    hits = 0
-    for i in range(len(lookups)):
-        blocks = ids[starts[i]:starts[i + 1]]
-        have = seen[blocks[:lookups[i]]]
-        h = len(have) if have.all() else int(have.argmin())
-        if i >= first:
-            hits += h * block_size
-        seen[blocks] = True
-    return hits
+    """Hit tokens of an infinite cache over these requests, counted from ``first`` on (the ideal hit
+    rate's rule over dense ids: kvbench.trace.ideal.ideal_hit_blocks)."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    return int(ideal_hit_blocks(ids, starts, lookups)[first:].sum()) * block_size
 
 
 def combine(parts: list[dict], budget_blocks: Sequence[int], policies: Sequence[str]) -> dict:
     """The replicas' points at each (budget, policy) as one: hits, evictions and too-large requests add up."""
-    from kvbench.whatif.curve import Point
-
     out = {}
     for b in budget_blocks:
         for p in policies:

@@ -48,12 +48,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbench.errors import InputError
-from kvbench.jsonio import dumps
-from kvbench.memory.policies import BeladyPolicy, CachePolicy, make_policy
+from kvbench.memory.policies import BeladyPolicy, make_policy, needs_future
+from kvbench.memory.policy_base import NEVER, CachePolicy
 from kvbench.trace.format import Request
 from kvbench.trace.pieces import Pieces
 from kvbench.trace.tokens import TokenStreams
-from kvbench.whatif import curve as wi
+from kvbench.whatif import output
+from kvbench.whatif.blocktrace import BlockTrace, DenseView, prepare
+from kvbench.whatif.curve import Budget, Point, gap_closed, simulate
+from kvbench.whatif.output import WhatIf, WhatIfHead, column_names, head
 
 TIERS = ("gpu", "cpu", "disk")  # fastest first: a lookup walks them in this order
 LOWER = TIERS[1:]
@@ -111,11 +114,11 @@ def _furthest(pol: BeladyPolicy) -> int:
 class Store:
     """One lower tier: ``capacity`` blocks of cached KV and nothing else (an external store)."""
 
-    def __init__(self, capacity: int, policy: str | CachePolicy, bt: wi.BlockTrace):
+    def __init__(self, capacity: int, policy: str | CachePolicy, bt: BlockTrace):
         self.capacity = capacity
         n_ids = max(bt.distinct_blocks, 1)
         self.pol = make_policy(policy, n_ids, capacity) if isinstance(policy, str) else policy
-        self.pol.bind(wi.DenseView(bt))
+        self.pol.bind(DenseView(bt))
         self.bypass = isinstance(self.pol, BeladyPolicy)
         self.cached = np.zeros(n_ids, dtype=bool)
         self.n = 0  # blocks cached
@@ -177,7 +180,7 @@ class GpuStream:
     evicted: int = 0  # blocks the pool evicted (simulate's evicted_blocks)
 
 
-def gpu_stream(bt: wi.BlockTrace, budget_blocks: int, policy: str, victims: bool = False) -> GpuStream:
+def gpu_stream(bt: BlockTrace, budget_blocks: int, policy: str, victims: bool = False) -> GpuStream:
     """``simulate`` at one budget, recording each request's hits (and, with ``victims``, what it
     evicted: the policy's pop_many is wrapped, so the decisions are simulate's own)."""
     hits = np.zeros(bt.requests, dtype=np.int64)
@@ -201,7 +204,7 @@ def gpu_stream(bt: wi.BlockTrace, budget_blocks: int, policy: str, victims: bool
             return out
 
         pol.pop_many = recorded
-    pt = wi.simulate(bt, budget_blocks, pol, on_request=on_request)
+    pt = simulate(bt, budget_blocks, pol, on_request=on_request)
     ran = np.minimum(np.diff(bt.starts), budget_blocks)
     return GpuStream(hits, ran, evicted if victims else None, pt.evicted_blocks)
 
@@ -217,7 +220,7 @@ class TierPoint:
     wall_s: float = field(default=0.0, compare=False)
 
 
-def run_stores(bt: wi.BlockTrace, gpu: GpuStream | None, stores: Sequence[Store | None],
+def run_stores(bt: BlockTrace, gpu: GpuStream | None, stores: Sequence[Store | None],
                offload: str = "write-through", future: np.ndarray | None = None,
                on_request=None) -> list[int]:
     """Drive the lower tiers behind a GPU stream (None: no GPU, every block computed is stored:
@@ -232,7 +235,7 @@ def run_stores(bt: wi.BlockTrace, gpu: GpuStream | None, stores: Sequence[Store 
     sizes = np.diff(bt.starts).tolist()
     nxt = None  # write-back: each block's next use as of the last request that held it
     if future is not None and gpu is not None and gpu.victims is not None:
-        nxt = np.full(max(bt.distinct_blocks, 1), wi.NEVER, dtype=np.int64)
+        nxt = np.full(max(bt.distinct_blocks, 1), NEVER, dtype=np.int64)
     write_back = offload == "write-back" and gpu is not None
     for i in range(bt.requests):
         s = starts[i]
@@ -276,7 +279,7 @@ def run_stores(bt: wi.BlockTrace, gpu: GpuStream | None, stores: Sequence[Store 
     return hits
 
 
-def simulate_tiers(bt: wi.BlockTrace, budgets: Sequence[int], policy: str, tier_policy: str = "lru",
+def simulate_tiers(bt: BlockTrace, budgets: Sequence[int], policy: str, tier_policy: str = "lru",
                    offload: str = "write-through", gpu: GpuStream | None = None) -> TierPoint:
     """One point: a GPU pool of ``budgets[0]`` blocks evicting by ``policy`` and lower tiers of
     ``budgets[1:]`` blocks evicting by ``tier_policy`` (0: absent). ``gpu``: the GPU's stream at
@@ -284,7 +287,7 @@ def simulate_tiers(bt: wi.BlockTrace, budgets: Sequence[int], policy: str, tier_
     t0 = time.perf_counter()
     if gpu is None:
         gpu = gpu_stream(bt, budgets[0], policy, victims=offload == "write-back")
-    belady = any(b > 0 for b in budgets[1:]) and tier_policy == "belady"
+    belady = any(b > 0 for b in budgets[1:]) and needs_future(tier_policy)
     # the tiers only see a request's first budgets[0] blocks, and a chained block sits at one depth
     # in every request, so their next uses are bt.future(budgets[0])'s without recounting
     future = bt.next_use if belady else None
@@ -296,8 +299,8 @@ def simulate_tiers(bt: wi.BlockTrace, budgets: Sequence[int], policy: str, tier_
                      time.perf_counter() - t0)
 
 
-def simulate_store(bt: wi.BlockTrace, budget_blocks: int, policy: str | CachePolicy,
-                   on_request=None) -> wi.Point:
+def simulate_store(bt: BlockTrace, budget_blocks: int, policy: str | CachePolicy,
+                   on_request=None) -> Point:
     """``--budget-counts cache``: an external store of ``budget_blocks`` blocks, every request's
     computed blocks offered to it (belady may bypass them); requests run outside it."""
     if budget_blocks < 1:
@@ -310,7 +313,7 @@ def simulate_store(bt: wi.BlockTrace, budget_blocks: int, policy: str | CachePol
     cb = None if on_request is None else (lambda i, got: on_request(i, got[0]))
     hit = run_stores(bt, None, [store], "write-through", future, cb)[0]
     label = policy if isinstance(policy, str) else policy.name
-    return wi.Point(budget_blocks, label, hit * bt.block_size, store.evicted, 0, time.perf_counter() - t0)
+    return Point(budget_blocks, label, hit * bt.block_size, store.evicted, 0, time.perf_counter() - t0)
 
 
 # --------------------------------------------------------------------------------- the tables
@@ -322,7 +325,7 @@ TIER_COLUMNS = ["budget_bytes", "budget_blocks", "policy", "hit_rate", "ceiling"
 
 
 @dataclass(slots=True)
-class TieredWhatIf(wi.WhatIfHead):
+class TieredWhatIf(WhatIfHead):
     """The tiered table and its settings: what ``--json``, the table and the parquet show."""
 
     tier_policy: str
@@ -337,8 +340,8 @@ def whatif_tiers(requests: Sequence[Request] | Pieces, *, trace: str, model: str
     """Every (gpu, cpu, disk) size combination and GPU policy: the hit rate per tier. ``requests``: a
     trace's requests or its Pieces (kvbench.trace.pieces.read_pieces), as curve.prepare takes them."""
     block_bytes = kv_bytes_per_token * block_size
-    future = "belady" in policies or tier_policy == "belady"
-    bt = wi.prepare(requests, block_size, warmup, future=future, streams=streams)
+    future = any(needs_future(p) for p in policies) or needs_future(tier_policy)
+    bt = prepare(requests, block_size, warmup, future=future, streams=streams)
     prompt = bt.window_prompt_tokens
     rows = []
     for g in tiers["gpu"]:
@@ -356,18 +359,18 @@ def whatif_tiers(requests: Sequence[Request] | Pieces, *, trace: str, model: str
                     row |= {f"hit_rate_{name}": r, f"{name}_bytes": x[0], f"{name}_blocks": b, f"{name}": x[1],
                             f"hit_tokens_{name}": h, f"evicted_blocks_{name}": e}
                 rows.append(row | {"tier_policy": tier_policy, "offload": offload})
-    return TieredWhatIf(**wi.head(bt, trace=trace, model=model, kv_dtype=kv_dtype,
+    return TieredWhatIf(**head(bt, trace=trace, model=model, kv_dtype=kv_dtype,
                                   kv_bytes_per_token=kv_bytes_per_token, block_size=block_size, warmup=warmup),
                         tier_policy=tier_policy, offload=offload, rows=rows)
 
 
 def whatif_cache(requests: Sequence[Request] | Pieces, *, trace: str, model: str, kv_dtype: str,
-                 kv_bytes_per_token: int, block_size: int, budgets: Sequence[wi.Budget],
+                 kv_bytes_per_token: int, block_size: int, budgets: Sequence[Budget],
                  policies: Sequence[str], warmup: float = 0.5,
-                 streams: TokenStreams | None = None) -> wi.WhatIf:
+                 streams: TokenStreams | None = None) -> WhatIf:
     """``--budget-counts cache``: the what-if's table (curve.WhatIf, its table and outputs) with
     each budget an external store (``simulate_store``) instead of a pool."""
-    bt = wi.prepare(requests, block_size, warmup, future="belady" in policies, streams=streams)
+    bt = prepare(requests, block_size, warmup, future=any(needs_future(p) for p in policies), streams=streams)
     points = {(b.blocks, p): simulate_store(bt, b.blocks, p) for b in budgets for p in policies}
     prompt = bt.window_prompt_tokens
     rows = []
@@ -376,31 +379,17 @@ def whatif_cache(requests: Sequence[Request] | Pieces, *, trace: str, model: str
             pt = points[(b.blocks, p)]
             rows.append({"budget_bytes": b.bytes, "budget_blocks": b.blocks, "policy": p, "budget": b.label,
                          "hit_rate": pt.hit_tokens / prompt if prompt else 0.0, "ceiling": bt.ceiling,
-                         "hit_tokens": pt.hit_tokens, "gap_closed": wi.gap_closed(points, b.blocks, p),
+                         "hit_tokens": pt.hit_tokens, "gap_closed": gap_closed(points, b.blocks, p),
                          "evicted_blocks": pt.evicted_blocks, "too_large_requests": 0,
                          "budget_counts": "cache"})
-    return wi.WhatIf(**wi.head(bt, trace=trace, model=model, kv_dtype=kv_dtype,
+    return WhatIf(**head(bt, trace=trace, model=model, kv_dtype=kv_dtype,
                                kv_bytes_per_token=kv_bytes_per_token, block_size=block_size, warmup=warmup),
                      rows=rows)
 
 
-def to_frame(w: TieredWhatIf):
-    import pandas as pd
-
-    df = pd.DataFrame(w.rows)
-    for name in ("block_size", "model", "kv_dtype", "kv_bytes_per_token", "warmup", "trace"):
-        df[name] = getattr(w, name)
-    return df[TIER_COLUMNS + [c for c in df.columns if c not in TIER_COLUMNS]]
-
-
 def write_outputs(w: TieredWhatIf, out_dir: str) -> list[str]:
     """``whatif.parquet`` (one row per tier sizes and policy) and ``whatif.json``."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, n) for n in (wi.PARQUET, "whatif.json")]
-    to_frame(w).to_parquet(paths[0], index=False)
-    with open(paths[1], "w", encoding="utf-8") as fh:
-        fh.write(dumps(w.to_dict(), indent=1))
-    return paths
+    return output.write_outputs(w, out_dir, TIER_COLUMNS, chart=False)
 
 
 def table(w: TieredWhatIf):
@@ -421,7 +410,7 @@ def table(w: TieredWhatIf):
     t.add_column("total", justify="right", style="bold")
     t.add_column("ceiling", justify="right", style="dim")
     for r in w.rows:
-        t.add_row(*[r[name] for name in shown], wi.column_names([r["policy"]])[r["policy"]],
+        t.add_row(*[r[name] for name in shown], column_names([r["policy"]])[r["policy"]],
                   *[f"{r[f'hit_rate_{name}']:.4f}" for name in shown], f"{r['hit_rate']:.4f}",
                   f"{w.ceiling:.4f}")
     return t

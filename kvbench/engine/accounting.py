@@ -1,0 +1,236 @@
+"""What a replay records and sums up: one row per step and per request (steps.parquet,
+requests.parquet) as they happen, the replicas' time integrals and peaks, and summary.json at the end
+(spec §3 and §4: every metric's definition is here, and docs/metrics.md says it in words)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kvbench.engine.config import ReplayConfig
+from kvbench.engine.records import (
+    RunWriter,
+    distribution,
+    goodput,
+    itl_summary,
+    parse_slo,
+)
+from kvbench.engine.replica import Replica, Totals
+from kvbench.engine.routing import Router, jain, max_over_mean
+from kvbench.memory.tiers import TIER_NAMES, op_bytes
+from kvbench.scheduler import RequestState
+from kvbench.scheduler.batch import StepBatch, StepResult
+from kvbench.scheduler.scheduler import StepPlan
+
+
+class Accounts:
+    """The records and sums of one replay over its replicas (a router's predictions included)."""
+
+    def __init__(self, cfg: ReplayConfig, replicas: list[Replica], router: Router, *, num_blocks: int,
+                 block_bytes: int, num_requests: int, truncated: int, slab_reserve_tokens: int):
+        self.cfg, self.replicas, self.router = cfg, replicas, router
+        self.num_blocks, self.block_bytes = num_blocks, block_bytes
+        self.num_requests, self.truncated, self.slab_reserve_tokens = num_requests, truncated, slab_reserve_tokens
+        self.lat: list[tuple[float, ...]] = []  # ttft, tpot, e2e, queue, longest gap (ms) of finished requests
+        self.prompt_tokens_done = 0
+        self.predicted: dict[RequestState, int] = {}  # the blocks a router expected each request to hit
+        self.routing = [0, 0, 0]  # router: blocks predicted to hit, blocks hit, |difference| summed
+
+    def step(self, writer: RunWriter, rep: Replica, start_s: float, result: StepResult, batch: StepBatch,
+             plan: StepPlan) -> None:
+        """One step: its row of steps.parquet, and the replica's time integrals and peaks."""
+        sched, st = rep.sched, rep.st
+        dur_s = result.duration_s
+        used, cached, free, slots, live = rep.kv.stats()
+        running = plan.running  # the sequences the step held, those that finished in it included
+        frag = 1.0 - live / slots if slots else 0.0
+        util = live / rep.kv.capacity_tokens
+        loaded = stored = 0
+        if batch.tier_pre or batch.tier_post:
+            moved = op_bytes(batch.tier_pre, self.block_bytes)
+            for name, (ld, sd) in op_bytes(batch.tier_post, self.block_bytes).items():
+                moved.setdefault(name, [0, 0])[1] += sd
+            for name, (ld, sd) in moved.items():
+                acc = st.tier_bytes.setdefault(name, [0, 0])
+                acc[0] += ld
+                acc[1] += sd
+                loaded += ld
+                stored += sd
+            st.tier_s += result.tier_s
+            st.tier_post_s += result.tier_post_s
+        th = sched.tier_hit_tokens
+        writer.steps.add((rep.steps, rep.index, start_s, dur_s * 1e3, batch.num_prefill_tokens, batch.num_decodes,
+                          running, len(sched.waiting), self.num_blocks, used, cached, free, slots,
+                          live, frag, util, sched.hit_tokens, sched.query_tokens, th.get("cpu", 0), th.get("disk", 0),
+                          loaded, stored, result.tier_s * 1e3))
+        st.busy_s += dur_s
+        st.pcie_s += result.pcie_s
+        st.slots_t += slots * dur_s
+        st.live_t += live * dur_s
+        st.running_t += running * dur_s
+        st.util_t += util * dur_s
+        if running > st.peak:
+            st.peak = running
+        if slots > st.peak_slots:
+            st.peak_slots = slots
+        if live > st.peak_live:
+            st.peak_live = live
+
+    def request(self, writer: RunWriter, rs: RequestState, rep: Replica | None) -> None:
+        """A finished or rejected request: its row of requests.parquet, and the latencies summed later."""
+        r = rs.req
+        nan = math.nan
+        done = rs.reject_reason is None
+        ttft = (rs.first_token_s - rs.arrival_s) * 1e3 if done else nan
+        e2e = (rs.finish_s - rs.arrival_s) * 1e3 if done else nan
+        tpot = ((rs.finish_s - rs.first_token_s) * 1e3 / (r.output_len - 1)
+                if done and r.output_len > 1 else nan)
+        queue = (rs.first_sched_s - rs.arrival_s) * 1e3 if done else nan
+        itl_max = rs.itl_max_s * 1e3
+        writer.requests.add((r.id, r.session, None if rep is None else rep.index, rs.arrival_s,
+                             rs.first_token_s, rs.finish_s,
+                             r.prompt_len, rs.cached_tokens, rs.output_tokens, r.n, ttft, tpot, e2e,
+                             queue, rs.preemptions, rs.recomputed_tokens, rs.evicted_tokens,
+                             rs.recalled_tokens, rs.loaded_tokens, rs.reject_reason, itl_max))
+        if done:
+            self.lat.append((ttft, tpot, e2e, queue, itl_max))
+            self.prompt_tokens_done += r.prompt_len
+            rep.lat.append((ttft, tpot, e2e, queue))
+            rep.st.completed += 1
+            rep.st.output_tokens += rs.output_tokens
+            expected = self.predicted.pop(rs, None)
+            if expected is not None:
+                hit = rs.cached_tokens // self.cfg.block_size
+                self.routing[0] += expected
+                self.routing[1] += hit
+                self.routing[2] += abs(expected - hit)
+
+    def summary(self, st: Totals, ideal, duration_s: float, steps: int, complete: bool, wall_s: float) -> dict:
+        """summary.json (spec §3, §4) from the cluster's totals ``st`` and every replica's."""
+        reps = self.replicas
+        tot = Totals(peak=0)  # the replicas' step figures: time integrals summed, peaks the largest
+        for r in reps:
+            for name in ("busy_s", "slots_t", "live_t", "running_t", "util_t", "pcie_s"):
+                setattr(tot, name, getattr(tot, name) + getattr(r.st, name))
+            tot.peak, tot.peak_slots = max(tot.peak, r.st.peak), max(tot.peak_slots, r.st.peak_slots)
+            tot.peak_live = max(tot.peak_live, r.st.peak_live)
+        lat = np.array(self.lat, dtype=np.float64).reshape(-1, 5)
+        s = {"complete": complete, "requests": self.num_requests, "completed": st.completed,
+             "rejected": st.rejected, "truncated": self.truncated, "duration_s": duration_s,
+             "output_tok_per_s": st.output_tokens / duration_s if duration_s > 0 else 0.0,
+             "total_tok_per_s": (st.output_tokens + self.prompt_tokens_done) / duration_s if duration_s > 0 else 0.0,
+             "req_per_s": st.completed / duration_s if duration_s > 0 else 0.0}
+        for k, name in enumerate(("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms")):
+            s.update(distribution(name, lat[:, k]))
+        s.update(itl_summary([r.sched.itl_gaps for r in reps]))
+        s.update(goodput(dict(zip(("ttft", "tpot", "e2e", "itl"), lat[:, [0, 1, 2, 4]].T)),
+                         parse_slo(self.cfg.slo), duration_s))
+
+        def total(get):
+            return sum(get(r) for r in reps)
+        q, rq = total(lambda r: r.sched.query_tokens), total(lambda r: r.sched.resumed_query_tokens)
+        s.update({
+            "prefix_hit_rate": total(lambda r: r.sched.hit_tokens) / q if q else 0.0,
+            "ideal_hit_rate": ideal.hit_rate,
+            "resumed_hit_rate": total(lambda r: r.sched.resumed_hit_tokens) / rq if rq else 0.0,
+            "internal_frag": 1.0 - tot.live_t / tot.slots_t if tot.slots_t else 0.0,
+            "kv_util": tot.util_t / tot.busy_s if tot.busy_s else 0.0,
+            "busy_s": tot.busy_s,
+            "peak_running": tot.peak,
+            "mean_running": tot.running_t / tot.busy_s if tot.busy_s else 0.0,
+            "preemptions": total(lambda r: r.sched.preemptions),
+            "recomputed_tokens": total(lambda r: r.sched.recomputed_tokens),
+            **merge_evictors([r.evictor for r in reps]), "pcie_s": tot.pcie_s,
+            "peak_slots_allocated": tot.peak_slots, "peak_tokens_live": tot.peak_live,
+            "output_tokens": st.output_tokens, "steps": steps,
+            "num_blocks": self.num_blocks, "block_size": self.cfg.block_size,
+            "kv_capacity_tokens": self.replicas[0].kv.capacity_tokens,
+            "kv_bytes_per_token": self.replicas[0].executor.kv_bytes_per_token(),
+            "cache_evictions": total(lambda r: r.kv.cache_evictions),
+            "cow_copies": total(lambda r: r.kv.cow_copies),
+            "slab_reserve_tokens": self.slab_reserve_tokens if self.cfg.layout == "slab" else None,
+            "partial_hit_tokens": total(lambda r: r.kv.partial_hit_tokens),
+            **self._tiers(q),
+            "wall_s": wall_s,
+        })
+        if len(reps) > 1:
+            s.update(self._cluster(duration_s))
+        return s
+
+    def _tiers(self, query_tokens: int) -> dict:
+        """Per-tier hits and traffic (spec §3): hit_rate_gpu + hit_rate_cpu + hit_rate_disk =
+        prefix_hit_rate; a tier the run does not have is null."""
+        reps = self.replicas
+        present = self.cfg.tier_sizes()
+        hits = {name: sum(r.sched.tier_hit_tokens.get(name, 0) for r in reps) for name in TIER_NAMES}
+        tier_bytes = {name: [sum(r.st.tier_bytes.get(name, [0, 0])[k] for r in reps) for k in (0, 1)]
+                      for name in TIER_NAMES}
+        q = query_tokens
+        gpu = sum(r.sched.hit_tokens for r in reps) - sum(hits.values())
+        out = {"hit_rate_gpu": gpu / q if q else 0.0}
+        for name in TIER_NAMES:
+            on = name in present
+            out[f"hit_rate_{name}"] = (hits[name] / q if q else 0.0) if on else None
+        out["bytes_loaded"] = sum(b[0] for b in tier_bytes.values())
+        out["bytes_stored"] = sum(b[1] for b in tier_bytes.values())
+        out["load_s"] = sum(r.st.tier_s for r in reps)
+        out["store_s"] = sum(r.st.tier_post_s for r in reps)
+        for name in TIER_NAMES:
+            on = name in present
+            out[f"bytes_loaded_{name}"] = tier_bytes[name][0] if on else None
+            out[f"bytes_stored_{name}"] = tier_bytes[name][1] if on else None
+            out[f"{name}_evictions"] = (sum(t.evicted_blocks for r in reps for t in r.kv.tiers.tiers if t.name == name)
+                                        if on else None)
+        out["tier_declined_tokens"] = (sum(r.kv.tiers.declined_tokens for r in reps) if present else None)
+        out["resumed_loaded_tokens"] = sum(r.sched.resumed_loaded_tokens for r in reps) if present else None
+        return out
+
+    def _cluster(self, duration_s: float) -> dict:
+        """Balance and the router's prediction (spec §3), and each replica's own figures."""
+        reps = self.replicas
+        per = []
+        for r in reps:
+            lat = np.array(r.lat, dtype=np.float64).reshape(-1, 4)
+            q = r.sched.query_tokens
+            row = {"replica": r.index, "requests": r.routed, "completed": r.st.completed,
+                   "prefix_hit_rate": r.sched.hit_tokens / q if q else 0.0,
+                   "busy_s": r.st.busy_s, "steps": r.steps,
+                   "mean_running": r.st.running_t / r.st.busy_s if r.st.busy_s else 0.0,
+                   "peak_running": r.st.peak, "preemptions": r.sched.preemptions,
+                   "output_tok_per_s": r.st.output_tokens / duration_s if duration_s > 0 else 0.0}
+            for k, name in enumerate(("ttft_ms", "tpot_ms", "e2e_ms")):
+                d = distribution(name, lat[:, k])
+                row.update({f"{name}_p50": d[f"{name}_p50"], f"{name}_p99": d[f"{name}_p99"]})
+            per.append(row)
+        routed = [r.routed for r in reps]
+        busy = [r.st.busy_s for r in reps]
+        predicted, hit, wrong = self.routing
+        return {"replicas": len(reps), "router": self.cfg.router,
+                "balance_requests_max_over_mean": max_over_mean(routed),
+                "balance_busy_max_over_mean": max_over_mean(busy),
+                "jain_requests": jain(routed), "jain_busy": jain(busy),
+                "router_predicted_blocks": predicted if self.router.index is not None else None,
+                "router_hit_blocks": hit if self.router.index is not None else None,
+                "router_mispredicted_blocks": wrong if self.router.index is not None else None,
+                "per_replica": per}
+
+
+def merge_evictors(evictors: list) -> dict:
+    """The replicas' token-eviction figures as one: counts summed, peaks the largest, the attention
+    mass kept averaged over every measurement of every replica."""
+    summaries = [e.summary() for e in evictors]
+    if len(summaries) == 1:
+        return summaries[0]
+    out = {}
+    for key in summaries[0]:
+        vals = [s[key] for s in summaries if s.get(key) is not None]
+        if not vals:
+            out[key] = None
+        elif key == "attention_mass_kept":
+            n = sum(e.mass_n for e in evictors)
+            out[key] = sum(e.mass_sum for e in evictors) / n if n else None
+        elif key.startswith("peak_") or "_max_" in key:
+            out[key] = max(vals)
+        else:
+            out[key] = sum(vals)
+    return out

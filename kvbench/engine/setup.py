@@ -1,0 +1,145 @@
+"""Before a replay runs: the pool's size in blocks, what the trace and the model ask of the devices and
+the pool (refused up front with a one-line error naming the request's line or the option), and the
+requests as this run's settings shape them (--overlong)."""
+from __future__ import annotations
+
+import dataclasses
+
+from kvbench.engine.config import ReplayConfig
+from kvbench.errors import InputError, RunError
+from kvbench.executors.presets import available_host_bytes
+from kvbench.trace.format import Request
+from kvbench.trace.tokens import TOKEN_HI
+
+KV_MEM_FRACTION = 0.9  # share of free device memory given to the KV pool when no size is asked
+
+
+def pool_blocks(cfg: ReplayConfig, executor, model) -> int:
+    """Blocks in the KV pool: --num-blocks (no memory check: a pool of any size, for experiments),
+    else --kv-mem (refused by an executor that knows its devices cannot hold it: check_kv_bytes), else
+    the devices' memory after weights and activations."""
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    per_block = executor.kv_bytes_per_token() * cfg.block_size
+    if cfg.kv_mem_bytes is not None:
+        nbytes = cfg.kv_mem_bytes
+        executor.check_kv_bytes(nbytes)
+    else:
+        nbytes = executor.default_kv_bytes()
+    n = int(nbytes // per_block)
+    if n < 1:
+        msg = (f"a KV pool of {nbytes} bytes holds no block of {per_block} bytes ({cfg.block_size} tokens "
+               f"x {executor.kv_bytes_per_token()} bytes)")
+        if cfg.kv_mem_bytes is not None:
+            raise InputError(msg, field="--kv-mem")
+        raise RunError(msg, usage=True)
+    return n
+
+
+def check_model_memory(cfg: ReplayConfig, model) -> None:
+    """The model executor holds the weights and the KV pool on one device: what cannot fit is refused
+    before a byte is allocated (InputError naming --model or --kv-mem), not met as an out-of-memory
+    crash minutes later. The sim models GPUs it does not hold (its own check_kv_bytes)."""
+    if cfg.executor != "model":
+        return
+    import torch
+
+    from kvbench.executors.model import resolve_device
+    from kvbench.executors.modeling import default_dtype
+
+    dev = resolve_device(cfg.device)
+    dtype = "fp32" if default_dtype(dev) == torch.float32 else "bf16"
+    if dev.type == "cuda":
+        avail, _ = torch.cuda.mem_get_info(dev)
+        where = f"the {avail / 1e9:.1f} GB free on {torch.cuda.get_device_name(dev)}"
+    else:
+        avail = available_host_bytes()
+        where = f"the {avail / 1e9:.1f} GB of host memory available" if avail is not None else ""
+    if avail is None:
+        return
+    weights = model.weight_bytes(dtype)
+    kv = cfg.kv_mem_bytes or 0
+    if weights + kv > avail:
+        pool = f" and a {kv / 1e9:.1f} GB KV pool (--kv-mem)" if kv else ""
+        raise InputError(f"{model.name}'s weights ({weights / 1e9:.1f} GB in {dtype}){pool} do not fit in {where}: "
+                         "use a smaller model or --kv-mem, another device, or --executor sim",
+                         field="--kv-mem" if kv and weights <= avail else "--model")
+
+
+def check_token_ids(requests: list[Request], vocab_size: int, trace_path: str) -> None:
+    """The model executor embeds every token id: one outside the model's vocabulary is refused up
+    front (InputError naming the trace line, or --model when the ids kvbench draws for shared and
+    unique segments do not fit), not met as an IndexError in the middle of a run."""
+    drawn = any(seg.kind in ("shared", "unique") for r in requests for seg in r.prompt) or any(
+        r.output_len > 1 for r in requests)  # generated tokens are drawn too
+    if drawn and vocab_size < TOKEN_HI:
+        raise InputError(f"the model's vocabulary has {vocab_size:,} tokens; kvbench draws the ids of shared, "
+                         f"unique and generated tokens below {TOKEN_HI:,}: use a model with a vocabulary of at "
+                         f"least {TOKEN_HI:,}", field="--model")
+    for r in requests:
+        for j, seg in enumerate(r.prompt):
+            if seg.kind == "tokens" and max(seg.tokens) >= vocab_size:
+                raise InputError(f"token id {max(seg.tokens)} is outside the model's vocabulary of {vocab_size:,}",
+                                 file=trace_path, line=r.line, field=f"prompt[{j}].tokens")
+
+
+def slab_reserve_tokens(requests: list[Request], cfg: ReplayConfig, max_len: int) -> int:
+    """The slab baseline's reservation per sequence (``--slab-reserve max``): --max-model-len when
+    given, else the longest request this run admits (prompt + output) rounded up to a block, so a
+    slab is as long as the trace needs, not the model's whole context."""
+    if cfg.max_model_len is not None:
+        return cfg.max_model_len
+    bs = cfg.block_size
+    longest = max((r.prompt_len + r.output_len for r in requests if r.prompt_len + r.output_len <= max_len),
+                  default=bs)
+    return -(-longest // bs) * bs
+
+
+def check_fits(r: Request, cfg: ReplayConfig, num_blocks: int, slab_reserve: int, trace_path: str) -> None:
+    """A request that cannot fit in the empty pool would stall the replay: say so up front (RunError,
+    a usage error naming the trace line). So would a request with more samples than --max-num-seqs:
+    kvbench forks a request's n samples in one admission, and n counts against the cap."""
+    if r.n > cfg.max_num_seqs:
+        raise RunError(f"{trace_path}:{r.line}: field 'n': request {r.id!r} has n={r.n} samples but "
+                       f"--max-num-seqs is {cfg.max_num_seqs}: kvbench runs a request's samples together, "
+                       f"so raise --max-num-seqs to {r.n} (vLLM would fan it out into {r.n} child requests "
+                       "instead)", usage=True)
+    bs = cfg.block_size
+    if cfg.layout == "slab":  # a slab for each sample, reserved at admission
+        reserve = slab_reserve if cfg.slab_reserve == "max" else r.prompt_len + r.output_len
+        need = r.n * -(-reserve // bs)
+    else:
+        need = -(-(r.prompt_len + r.output_len) // bs) + (r.n - 1) * (-(-r.output_len // bs))
+    if need > num_blocks:
+        samples = f" with n={r.n} samples" if r.n > 1 else ""
+        where = f"{trace_path}:{r.line}: " + ("field 'n': " if r.n > 1 else "")
+        raise RunError(
+            f"{where}request {r.id!r}{samples} needs {need:,} KV blocks of {bs} tokens but the pool "
+            f"holds {num_blocks:,}: give more memory (--kv-mem, --num-blocks) "
+            "or lower --max-model-len", usage=True)
+
+
+def fit_overlong(requests: list[Request], max_len: int, overlong: str) -> tuple[list[Request], int]:
+    """``--overlong truncate``: a request whose prompt fits ``max_len`` but whose prompt and output do
+    not generates only up to the length (vLLM's OpenAI server: get_max_tokens caps max_tokens at
+    max_model_len - prompt length); ``reject`` leaves it to be refused. -> (requests, how many cut)."""
+    if overlong != "truncate":
+        return requests, 0
+    out, cut = [], 0
+    for r in requests:
+        if r.prompt_len < max_len < r.prompt_len + r.output_len:
+            r = dataclasses.replace(r, output_len=max_len - r.prompt_len)
+            cut += 1
+        out.append(r)
+    return out, cut
+
+
+def check_trace_fits(requests: list[Request], cfg: ReplayConfig, num_blocks: int, max_len: int,
+                     trace_path: str) -> None:
+    """check_fits for every request a run of ``cfg`` admits (the first ``--limit`` of them)."""
+    reqs = requests if cfg.limit is None else requests[:cfg.limit]
+    reqs, _ = fit_overlong(reqs, max_len, cfg.overlong)
+    reserve = slab_reserve_tokens(reqs, cfg, max_len)
+    for r in reqs:
+        if r.prompt_len + r.output_len <= max_len:
+            check_fits(r, cfg, num_blocks, reserve, trace_path)
