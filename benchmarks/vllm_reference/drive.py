@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
-"""Drive vLLM 0.33's own v1 Scheduler + KVCacheManager without a model, on a kvbench trace.
+"""Drive vLLM's own v1 Scheduler + KVCacheManager (0.34; 0.33 works too) without a model, on a kvbench trace.
 
 Reference for kvbench: the same trace, the same linear clock, vLLM's real scheduling code.
 
-    .venv/bin/python vllm_drive.py TRACE --limit N --num-blocks B --block-size S --out steps.jsonl
+    VLLM_VENV/bin/python drive.py TRACE --limit N --num-blocks B --block-size S --out steps.jsonl
+
+It prints a JSON summary (also written to OUT with .summary.json) that names the vLLM version it ran
+and the scheduler settings that matter (block size, full-prompt admission, async scheduling off,
+cache-aware admission window off, ...).
 
 What is real vLLM: Scheduler.schedule(), Scheduler.update_from_output(), KVCacheManager, BlockPool,
 Request, the prefix-cache block hasher (sha256 by default, as vLLM's CacheConfig default).
@@ -14,7 +18,19 @@ No vLLM source is modified; no vLLM function is monkeypatched. The only non-defa
   * DeviceConfig(device="cpu") is passed explicitly (the platform is vLLM's UnspecifiedPlatform,
     whose empty device_type otherwise makes DeviceConfig raise),
   * cache_config.num_gpu_blocks and the KVCacheConfig are set by hand (EngineCore would derive them
-    from memory profiling), exactly as EngineCore._initialize_kv_caches does afterwards.
+    from memory profiling), exactly as EngineCore._initialize_kv_caches does afterwards,
+  * the block size is always passed (0.34's CacheConfig.DEFAULT_BLOCK_SIZE is 64, 0.33's was 16),
+    async scheduling is off (SchedulerConfig.async_scheduling=False, and the synchronous Scheduler is
+    built directly: a step-for-step driver needs schedule() and update_from_output() to alternate),
+    and 0.34's cache_aware_admission_window stays at its default 0 (strict arrival-order admission)
+    unless --cache-aware-admission-window asks otherwise,
+  * on a CPU build of vLLM (its platform is CpuPlatform) 0.34 refuses an x86 CPU without Triton in
+    CpuPlatform.check_and_update_config; there the driver sets vllm.triton_utils.HAS_TRITON = True
+    before building the config, since no kernel ever runs. With the CUDA wheel on a machine without
+    a GPU the platform is UnspecifiedPlatform and nothing is set.
+Install kvbench into vLLM's venv with `pip install --no-deps -e .` (not PYTHONPATH=<repo>: the repo's
+kernels/ folder would shadow the `kernels` package that transformers probes for, in this process and
+in the subprocess where vLLM inspects the model class).
 """
 from __future__ import annotations
 
@@ -51,24 +67,50 @@ def ensure_tiny_model(max_model_len: int) -> str:
     return TINY_MODEL
 
 
+def vllm_version() -> str:
+    import vllm
+    return getattr(vllm, "__version__", "unknown")
+
+
 def build_scheduler(args):
     import torch
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.platforms import current_platform
     from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
     from vllm.v1.structured_output import StructuredOutputManager
+
+    if current_platform.is_cpu():
+        import vllm.triton_utils
+        if not vllm.triton_utils.HAS_TRITON:
+            vllm.triton_utils.HAS_TRITON = True  # see the module docstring: no kernel runs here
 
     model_config = ModelConfig(model=ensure_tiny_model(args.max_model_len), skip_tokenizer_init=True,
                                max_model_len=args.max_model_len, dtype="float32")
     cache_config = CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                                prefix_caching_hash_algo=args.hash)
+    extra = {}
+    if args.cache_aware_admission_window:
+        if "cache_aware_admission_window" not in SchedulerConfig.__dataclass_fields__:
+            sys.exit(f"vLLM {vllm_version()} has no cache_aware_admission_window (0.34 and later)")
+        extra["cache_aware_admission_window"] = args.cache_aware_admission_window
     scheduler_config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=True, max_model_len=args.max_model_len, is_encoder_decoder=False,
         async_scheduling=False, scheduler_reserve_full_isl=not args.no_reserve_full_isl,
-        watermark=args.watermark)
+        watermark=args.watermark, **extra)
     vllm_config = VllmConfig(model_config=model_config, cache_config=cache_config,
                              scheduler_config=scheduler_config,
                              device_config=DeviceConfig(device="cpu"))
@@ -84,6 +126,9 @@ def build_scheduler(args):
                       structured_output_manager=StructuredOutputManager(vllm_config),
                       block_size=args.block_size, hash_block_size=args.block_size,
                       include_finished_set=False, log_stats=True)
+    sc = vllm_config.scheduler_config
+    assert type(sched) is Scheduler and sc.async_scheduling is False, "async scheduling must be off"
+    assert vllm_config.cache_config.block_size == args.block_size
     hash_fn = get_hash_fn_by_name(args.hash)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(args.block_size, hash_fn, vllm_config.num_hash_lookahead_tokens)
@@ -103,6 +148,9 @@ def main(argv=None):
     ap.add_argument("--no-reserve-full-isl", action="store_true",
                     help="scheduler_reserve_full_isl=False (default True, as vLLM)")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--cache-aware-admission-window", type=int, default=0,
+                    help="vLLM 0.34's SchedulerConfig.cache_aware_admission_window (default 0: off, "
+                         "strict arrival order, as vLLM's default)")
     ap.add_argument("--hash", default="sha256", choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.1)
     ap.add_argument("--decode-step-ms", type=float, default=20.0)
@@ -113,11 +161,13 @@ def main(argv=None):
                     help="accumulate the clock as float seconds (default: exact integer nanoseconds)")
     args = ap.parse_args(argv)
 
-    from kvbench.trace.format import load_trace
-    from kvbench.trace.tokens import TokenStreams
+    from vllm.platforms import current_platform
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request as VReq
+
+    from kvbench.trace.format import load_trace
+    from kvbench.trace.tokens import TokenStreams
 
     trace = load_trace(args.trace, limit=args.limit)
     for r in trace:
@@ -236,9 +286,10 @@ def main(argv=None):
         peak_running = max(peak_running, len(sched.running))
         fout.write(json.dumps(rec, separators=(",", ":")) + "\n")
         clock += dur
-        mro = ModelRunnerOutput(req_ids=list(nst.keys()),
-                                req_id_to_index={rid: i for i, rid in enumerate(nst.keys())},
-                                sampled_token_ids=sampled)
+        mro_kw = {}
+        if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # vLLM <= 0.33
+            mro_kw["req_id_to_index"] = {rid: i for i, rid in enumerate(nst.keys())}
+        mro = ModelRunnerOutput(req_ids=list(nst.keys()), sampled_token_ids=sampled, **mro_kw)
         eco = sched.update_from_output(out, mro)
         for outs in eco.values():
             st = outs.scheduler_stats
@@ -266,7 +317,9 @@ def main(argv=None):
     prompt_tok = sum(p["prompt"] for p in admitted)
     hit_tok = sum(p["cached"] for p in admitted)
     unfinished = sum(1 for p in per_req.values() if p["finish"] is None)
+    sc, cc = vcfg.scheduler_config, vcfg.cache_config
     summary = {
+        "vllm_version": vllm_version(),
         "requests": len(reqs), "steps": step, "preemptions": total_preempt,
         "preempted_requests": sum(1 for p in per_req.values() if p["preemptions"]),
         "peak_running": peak_running,
@@ -279,11 +332,20 @@ def main(argv=None):
                    "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "max_model_len": args.max_model_len, "watermark": args.watermark,
                    "scheduler_reserve_full_isl": not args.no_reserve_full_isl, "hash": args.hash,
-                   "long_prefill_token_threshold": vcfg.scheduler_config.long_prefill_token_threshold},
+                   "long_prefill_token_threshold": sc.long_prefill_token_threshold,
+                   "enable_chunked_prefill": sc.enable_chunked_prefill, "policy": str(sc.policy),
+                   "async_scheduling": sc.async_scheduling,
+                   "cache_aware_admission_window": getattr(sc, "cache_aware_admission_window", None),
+                   "enable_prefix_caching": cc.enable_prefix_caching,
+                   "vllm_default_block_size": getattr(type(cc), "DEFAULT_BLOCK_SIZE", None),
+                   "platform": type(current_platform).__name__,
+                   "prefill_ms_per_token": args.prefill_ms_per_token, "decode_step_ms": args.decode_step_ms},
         "steps_file": os.path.abspath(args.out), "requests_file": os.path.abspath(req_out),
         "wall_s": round(time.time() - t0, 1),
     }
     print(json.dumps(summary, indent=1))
+    with open(os.path.splitext(args.out)[0] + ".summary.json", "w") as f:
+        json.dump(summary, f, indent=1)
     return 0 if not stalled else 2
 
 

@@ -1,40 +1,175 @@
-"""Reduce drive.py's steps file to the golden record tests/test_vllm_golden.py checks kvbench against:
-per step a short digest of (scheduled (request, tokens) in order, preempted in order), the
-preemption events in full, and per request the prefix-hit tokens at first admission."""
+"""Make the goldens tests/test_vllm_golden.py holds kvbench to: for each configuration, the trace
+(made by the test's own golden_trace), drive.py run on it with vLLM's venv, and drive.py's steps file
+reduced to per step a short digest of (scheduled (request, tokens) in order, preempted in order), the
+preemption events in full, and per request the prefix-hit tokens at first admission.
+
+Run it with kvbench's Python (it imports kvbench and the test module); drive.py runs under
+``--vllm-python`` (a venv with vLLM 0.34 and kvbench, see README.md):
+
+    .venv/bin/python benchmarks/vllm_reference/make_golden.py --vllm-python /work/vllm034/venv/bin/python
+    .venv/bin/python benchmarks/vllm_reference/make_golden.py --vllm-python ... dupkey mooncake2000
+
+    # only reduce a steps file drive.py already wrote (with its .requests.jsonl and .summary.json):
+    .venv/bin/python benchmarks/vllm_reference/make_golden.py --reduce STEPS.jsonl NAME
+"""
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import os
+import subprocess
 import sys
+import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+DATA = os.path.join(ROOT, "tests", "data")
+DRIVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drive.py")
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from test_vllm_golden import step_digest  # noqa: E402  (one digest, shared with the test)
+from test_vllm_golden import MOONCAKE, golden_trace, step_digest  # shared with the test
+
+VERSION = "0.34"
+CLOCK = {"kind": "linear", "prefill_ms_per_token": 0.1, "decode_step_ms": 20, "overhead_ms": 0}
+DEFAULTS = {"block_size": 16, "vllm_num_gpu_blocks": 48000, "max_num_seqs": 256, "max_batched_tokens": 8192}
 
 
-def main(steps_path: str, out: str = os.path.join(ROOT, "tests", "data", "vllm-0.33-mooncake2000.json.gz")) -> None:
-    steps = [json.loads(line) for line in open(steps_path, encoding="utf-8")]
-    reqs = [json.loads(line) for line in open(steps_path.replace(".jsonl", ".requests.jsonl"), encoding="utf-8")]
-    golden = {
-        "source": "vLLM 0.33.0 Scheduler + KVCacheManager, benchmarks/vllm_reference/drive.py",
+def mooncake(start: int, count: int) -> dict:
+    return {"mooncake": "mooncake_conversation.jsonl", "start": start, "count": count}
+
+
+CONFIGS: dict[str, dict] = {
+    "mooncake2000": {
         "trace": "mooncake_conversation.jsonl converted by kvbench, first 2000 requests",
-        "vllm_num_gpu_blocks": 48000, "kvbench_num_blocks": 47999, "block_size": 16,
-        "max_num_seqs": 256, "max_batched_tokens": 8192,
-        "clock": {"kind": "linear", "prefill_ms_per_token": 0.1, "decode_step_ms": 20, "overhead_ms": 0},
+        "trace_spec": mooncake(0, 2000)},
+    "mooncake6000-7999": {
+        "trace": "mooncake_conversation.jsonl converted by kvbench, requests 6000..7999 (held out), "
+                 "t rebased to start at 0",
+        "trace_spec": mooncake(6000, 2000)},
+    "mooncake2000-8kblocks": {
+        "trace": "mooncake_conversation.jsonl converted by kvbench, first 2000 requests; a small pool",
+        "trace_spec": mooncake(0, 2000), "vllm_num_gpu_blocks": 8000},
+    "mooncake2000-block64": {
+        "trace": "mooncake_conversation.jsonl converted by kvbench, first 2000 requests; 64-token blocks",
+        "trace_spec": mooncake(0, 2000), "block_size": 64, "vllm_num_gpu_blocks": 12000},
+    "mooncake1000-seqs32": {
+        "trace": "mooncake_conversation.jsonl converted by kvbench, first 1000 requests; 32 sequences, "
+                 "2048 batched tokens",
+        "trace_spec": mooncake(0, 1000), "max_num_seqs": 32, "max_batched_tokens": 2048},
+    "dupkey": {
+        "trace": "vllm-0.34-dupkey-trace.jsonl: vLLM's duplicate-key rule in five requests",
+        "trace_spec": {"file": "vllm-0.34-dupkey-trace.jsonl"}, "vllm_num_gpu_blocks": 64},
+}
+
+DUPKEY_TRACE = os.path.join(DATA, "vllm-0.34-dupkey-trace.jsonl")
+
+
+def write_dupkey_trace(path: str = DUPKEY_TRACE) -> None:
+    """Five requests, one second apart (each finishes long before the next arrives), literal tokens:
+    E (32 tokens), A (32 others), B (= A: it hits A's first block and re-computes the second, whose key
+    is then cached twice), C (942 others: its prompt takes 59 of the 63 blocks, evicting most of the
+    cache), F (E's 32 tokens + 16 more)."""
+    e = list(range(1000, 1032))
+    a = list(range(2000, 2032))
+    c = list(range(3000, 3942))
+    f = e + list(range(5000, 5016))
+    rows = [("E", 0, e), ("A", 1, a), ("B", 2, a), ("C", 3, c), ("F", 4, f)]
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps({"id": rid, "t": t, "output_len": 2, "prompt": [{"tokens": toks}]},
+                                 separators=(",", ":")) + "\n" for rid, t, toks in rows)
+
+
+def reduce(steps_path: str, name: str) -> dict:
+    """The golden record of one configuration from drive.py's steps, requests and summary files."""
+    cfg = {**DEFAULTS, **CONFIGS[name]}
+    base = os.path.splitext(steps_path)[0]
+    def lines(path: str) -> list:
+        with open(path, encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh]
+
+    steps, reqs = lines(steps_path), lines(base + ".requests.jsonl")
+    with open(base + ".summary.json", encoding="utf-8") as fh:
+        summ = json.load(fh)
+    sc = summ["config"]
+    assert summ["unfinished"] == 0 and summ["stalled"] is None, summ
+    assert (sc["num_blocks"], sc["block_size"], sc["max_num_seqs"], sc["max_num_batched_tokens"]) == (
+        cfg["vllm_num_gpu_blocks"], cfg["block_size"], cfg["max_num_seqs"], cfg["max_batched_tokens"]), sc
+    assert (sc["prefill_ms_per_token"], sc["decode_step_ms"]) == (CLOCK["prefill_ms_per_token"], CLOCK["decode_step_ms"])
+    assert not sc["async_scheduling"] and not sc.get("cache_aware_admission_window")
+    return {
+        "name": name,
+        "source": f"vLLM {summ['vllm_version']} Scheduler + KVCacheManager, benchmarks/vllm_reference/drive.py",
+        "vllm_version": summ["vllm_version"],
+        "trace": cfg["trace"], "trace_spec": cfg["trace_spec"],
+        "vllm_num_gpu_blocks": cfg["vllm_num_gpu_blocks"], "kvbench_num_blocks": cfg["vllm_num_gpu_blocks"] - 1,
+        "block_size": cfg["block_size"], "max_num_seqs": cfg["max_num_seqs"],
+        "max_batched_tokens": cfg["max_batched_tokens"],
+        "vllm_scheduler": {k: sc.get(k) for k in (
+            "max_model_len", "enable_chunked_prefill", "scheduler_reserve_full_isl", "watermark", "policy",
+            "long_prefill_token_threshold", "async_scheduling", "cache_aware_admission_window",
+            "enable_prefix_caching", "hash", "vllm_default_block_size", "platform")},
+        "clock": CLOCK,
         "steps": len(steps),
         "step_digests": [step_digest(s["sched"], s["preempted"]) for s in steps],
         "preemptions": [[s["step"], s["preempted"]] for s in steps if s["preempted"]],
         "peak_running": max(s["running"] for s in steps),
         "duration_s": steps[-1]["clock"] + steps[-1]["dur"],
         "cached_tokens": {r["id"]: r["cached"] for r in reqs},
+        "summary": {k: summ[k] for k in ("requests", "preemptions", "preempted_requests", "hit_tokens",
+                                         "prompt_tokens", "prefix_hit_rate", "vllm_prefix_cache_stats")},
     }
-    with gzip.open(out, "wt", encoding="utf-8") as fh:
-        json.dump(golden, fh, separators=(",", ":"))
-    print(f"wrote {out}: {golden['steps']} steps, {sum(len(p) for _, p in golden['preemptions'])} preemptions")
+
+
+def write_golden(golden: dict) -> str:
+    out = os.path.join(DATA, f"vllm-{VERSION}-{golden['name']}.json.gz")
+    with gzip.GzipFile(out, "wb", mtime=0) as gz:  # mtime 0: the same run gives the same bytes
+        gz.write(json.dumps(golden, separators=(",", ":")).encode("utf-8"))
+    print(f"wrote {out}: {golden['steps']} steps, {sum(len(p) for _, p in golden['preemptions'])} "
+          f"preemptions, {os.path.getsize(out):,} bytes", flush=True)
+    return out
+
+
+def make(name: str, vllm_python: str, work: str, mooncake_path: str) -> str:
+    cfg = {**DEFAULTS, **CONFIGS[name]}
+    if cfg["trace_spec"].get("file") == os.path.basename(DUPKEY_TRACE):
+        write_dupkey_trace()
+    trace = golden_trace(cfg["trace_spec"], os.path.join(work, f"{name}.trace.jsonl"), mooncake_path)
+    steps = os.path.join(work, f"{name}.steps.jsonl")
+    cmd = [vllm_python, DRIVE, str(trace), "--num-blocks", str(cfg["vllm_num_gpu_blocks"]),
+           "--block-size", str(cfg["block_size"]), "--max-num-seqs", str(cfg["max_num_seqs"]),
+           "--max-num-batched-tokens", str(cfg["max_batched_tokens"]),
+           "--prefill-ms-per-token", str(CLOCK["prefill_ms_per_token"]),
+           "--decode-step-ms", str(CLOCK["decode_step_ms"]), "--out", steps]
+    t0 = time.time()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    print(f"{name}: drive.py took {time.time() - t0:.0f} s", flush=True)
+    return write_golden(reduce(steps, name))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", help=f"configurations (default: all): {', '.join(CONFIGS)}")
+    ap.add_argument("--vllm-python", help="the Python of a venv with vLLM 0.34 and kvbench")
+    ap.add_argument("--mooncake", default=str(MOONCAKE), help="the real Mooncake conversation trace")
+    ap.add_argument("--work", default=None, help="keep traces and steps files here (default: a temp dir)")
+    ap.add_argument("--reduce", nargs=2, metavar=("STEPS", "NAME"), help="only reduce a steps file")
+    args = ap.parse_args(argv)
+    if args.reduce:
+        write_golden(reduce(args.reduce[0], args.reduce[1]))
+        return 0
+    if not args.vllm_python:
+        ap.error("--vllm-python is required")
+    names = args.names or list(CONFIGS)
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
+    work = args.work or tempfile.mkdtemp(prefix="kvbench-vllm-golden-")
+    os.makedirs(work, exist_ok=True)
+    for name in names:
+        make(name, args.vllm_python, work, args.mooncake)
+    return 0
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    sys.exit(main())
