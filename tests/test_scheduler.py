@@ -39,10 +39,12 @@ class Harness:
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, max_num_seqs: int = 256,
                  max_batched_tokens: int = 8192, admission: str = "full-prompt", layout: str = "paged",
-                 prefix_cache: bool = True, reserve: int = 0):
+                 prefix_cache: bool = True, reserve: int = 0, admission_window: int = 0,
+                 admission_threshold: float = 0.5):
         cls = PagedKV if layout == "paged" else SlabKV
         self.kv = cls(num_blocks, block_size, prefix_cache=prefix_cache)
-        self.sched = Scheduler(self.kv, SchedulerConfig(max_num_seqs, max_batched_tokens, admission),
+        self.sched = Scheduler(self.kv, SchedulerConfig(max_num_seqs, max_batched_tokens, admission, 0.0,
+                                                        admission_window, admission_threshold),
                                streams=STREAMS)
         self.reserve = reserve
         self.finished: list[RequestState] = []
@@ -243,6 +245,42 @@ def test_no_admission_in_a_step_that_preempts_on_random_traces():
                 assert all((rid, k) in before - gone for rid, k, _ in sched), (seed, sched, pre)
             before = {(s.rs.req.id, s.sample) for s in h.sched.running}
     assert preempting_steps > 50
+
+
+def cache_aware_first_admissions(window: int, threshold: float = 0.5) -> list:
+    """a's 160-token prompt (its first 64 the shared "p") holds 10 of 20 blocks; then b (48 unique
+    tokens) and c ("p" + 16 unique) arrive in that order. The step that admits them, as ids."""
+    h = Harness(20, 16, admission_window=window, admission_threshold=threshold)
+    h.add(request("a", [("p", 64), (None, 96)], 50))
+    h.step()
+    h.add(request("b", [(None, 48)], 4, index=1))
+    h.add(request("c", [("p", 64), (None, 16)], 4, index=2))
+    sched, _ = h.step()
+    return [(rid, n) for rid, _, n in sched]
+
+
+def test_cache_aware_admission_puts_the_cached_prefix_first_once_the_pool_is_half_held():
+    """vLLM 0.34's cache_aware_admission_window: with a's 11 blocks held (0.55 >= 0.5), c, whose
+    64-token prefix is cached, is admitted before b, which arrived first; window 0 keeps arrival order,
+    a threshold above the usage keeps it, and a window of 1 has no peer to swap with."""
+    assert cache_aware_first_admissions(2) == [("a", 1), ("c", 16), ("b", 48)]
+    assert cache_aware_first_admissions(0) == [("a", 1), ("b", 48), ("c", 16)]
+    assert cache_aware_first_admissions(2, threshold=0.6) == [("a", 1), ("b", 48), ("c", 16)]
+    assert cache_aware_first_admissions(1) == [("a", 1), ("b", 48), ("c", 16)]
+
+
+def test_cache_aware_admission_leaves_a_preempted_request_in_its_place():
+    """Only requests waiting for their first admission trade places: a preempted one at the head of
+    the queue stays there (vLLM: status WAITING and no computed tokens), the others reorder behind it."""
+    h = Harness(20, 16, admission_window=8, admission_threshold=0.0)
+    h.add(request("a", [("p", 64)], 2))
+    h.step()
+    h.step()  # a finishes: "p" stays cached, nothing held
+    for i, (rid, segs) in enumerate([("r", [(None, 32)]), ("b", [(None, 32)]), ("c", [("p", 64), (None, 8)])]):
+        h.add(request(rid, segs, 2, index=i + 1))
+    h.sched.waiting[0].resumed = True  # as a preempted request waits
+    h.sched._reorder_by_cached_prefix()
+    assert [s.rs.req.id for s in h.sched.waiting] == ["r", "c", "b"]
 
 
 def test_slab_reserves_every_sample_at_admission():

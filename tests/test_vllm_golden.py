@@ -12,6 +12,9 @@ same token counts and preempts the same requests, and every request hits the sam
 - mooncake2000-8kblocks: a pool of 8,000 blocks, which evicts and preempts a lot;
 - mooncake2000-block64: 64-token blocks (vLLM 0.34's default block size), 12,000 blocks;
 - mooncake1000-seqs32: at most 32 sequences and 2,048 batched tokens, first 1,000 requests;
+- rag-2kblocks-cacheaware: the shipped RAG trace (traces/rag.jsonl) at 20x its rate on 2,000 blocks,
+  with 0.34's cache-aware admission on (a window of 16, from half the pool held): a queue forms, and
+  waiting requests whose document is cached go first (tests/test_scheduler.py has the rule in small);
 - dupkey: five requests (tests/data/vllm-0.34-dupkey-trace.jsonl, literal tokens) on 64 blocks, where
   vLLM's duplicate-key rule decides which blocks survive: the last request hits 16 tokens.
 
@@ -52,13 +55,19 @@ def golden_trace(spec: dict, out: Path | str, mooncake: Path | str = MOONCAKE) -
     """The kvbench trace a golden was made on, from its ``trace_spec``; make_golden.py calls this too,
     so the test replays exactly what vLLM was driven on.
 
-    ``{"file": NAME}``: a trace shipped in tests/data. ``{"mooncake": ..., "start": S, "count": N}``:
+    ``{"file": NAME}``: a trace shipped in tests/data. ``{"shipped": NAME, "time_scale": X}``: a trace
+    of traces/ with every t multiplied by X, round(t * X, 6). ``{"mooncake": ..., "start": S, "count": N}``:
     the Mooncake trace converted by kvbench, requests S..S+N-1 of the converted file (its first S+N,
     then the first S dropped); with S > 0 every t is rebased by the slice's earliest t,
     round(t - t0, 6), so the slice starts at 0. Ids stay the trace's line numbers."""
     if "file" in spec:
         return DATA / spec["file"]
     out = Path(out)
+    if "shipped" in spec:
+        scale = float(spec["time_scale"])
+        write_trace([dataclasses.replace(r, t=round(r.t * scale, 6)) for r in load_trace(ROOT / "traces" / spec["shipped"])],
+                    out)
+        return out
     start, count = int(spec["start"]), int(spec["count"])
     convert("mooncake", str(mooncake), str(out), limit=start + count)
     if start:
@@ -85,14 +94,16 @@ def golden_files() -> list:
 def replay_like_vllm(golden: dict, tmp_path: Path):
     """kvbench's replay of the golden's trace with the golden's settings: (replay, summary)."""
     spec = golden["trace_spec"]
-    if "file" not in spec and not MOONCAKE.exists():
+    if "mooncake" in spec and not MOONCAKE.exists():
         pytest.skip("the real Mooncake trace is not beside the checkout")
     trace = golden_trace(spec, tmp_path / "trace.jsonl")
     clock = tmp_path / "linear.json"
     clock.write_text(json.dumps(golden["clock"]))
     cfg = ReplayConfig(executor="sim", model="llama-3-8b", calibration=str(clock),
                        num_blocks=golden["kvbench_num_blocks"], block_size=golden["block_size"],
-                       max_num_seqs=golden["max_num_seqs"], max_batched_tokens=golden["max_batched_tokens"])
+                       max_num_seqs=golden["max_num_seqs"], max_batched_tokens=golden["max_batched_tokens"],
+                       admission_window=golden.get("admission_window", 0),
+                       admission_threshold=golden.get("admission_threshold", 0.5))
     rp = Replay(str(trace), cfg, str(tmp_path / "run"))
     rp.step_log, rp.finished = [], []
     return rp, rp.run()

@@ -106,6 +106,7 @@ def build_scheduler(args):
         if "cache_aware_admission_window" not in SchedulerConfig.__dataclass_fields__:
             sys.exit(f"vLLM {vllm_version()} has no cache_aware_admission_window (0.34 and later)")
         extra["cache_aware_admission_window"] = args.cache_aware_admission_window
+        extra["cache_aware_admission_threshold"] = args.cache_aware_admission_threshold
     scheduler_config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=True, max_model_len=args.max_model_len, is_encoder_decoder=False,
@@ -151,6 +152,8 @@ def main(argv=None):
     ap.add_argument("--cache-aware-admission-window", type=int, default=0,
                     help="vLLM 0.34's SchedulerConfig.cache_aware_admission_window (default 0: off, "
                          "strict arrival order, as vLLM's default)")
+    ap.add_argument("--cache-aware-admission-threshold", type=float, default=0.5,
+                    help="vLLM 0.34's SchedulerConfig.cache_aware_admission_threshold")
     ap.add_argument("--hash", default="sha256", choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.1)
     ap.add_argument("--decode-step-ms", type=float, default=20.0)
@@ -336,6 +339,7 @@ def main(argv=None):
                    "enable_chunked_prefill": sc.enable_chunked_prefill, "policy": str(sc.policy),
                    "async_scheduling": sc.async_scheduling,
                    "cache_aware_admission_window": getattr(sc, "cache_aware_admission_window", None),
+                   "cache_aware_admission_threshold": getattr(sc, "cache_aware_admission_threshold", None),
                    "enable_prefix_caching": cc.enable_prefix_caching,
                    "vllm_default_block_size": getattr(type(cc), "DEFAULT_BLOCK_SIZE", None),
                    "platform": type(current_platform).__name__,

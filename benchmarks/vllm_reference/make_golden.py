@@ -32,7 +32,8 @@ from test_vllm_golden import MOONCAKE, golden_trace, step_digest  # shared with 
 
 VERSION = "0.34"
 CLOCK = {"kind": "linear", "prefill_ms_per_token": 0.1, "decode_step_ms": 20, "overhead_ms": 0}
-DEFAULTS = {"block_size": 16, "vllm_num_gpu_blocks": 48000, "max_num_seqs": 256, "max_batched_tokens": 8192}
+DEFAULTS = {"block_size": 16, "vllm_num_gpu_blocks": 48000, "max_num_seqs": 256, "max_batched_tokens": 8192,
+            "admission_window": 0, "admission_threshold": 0.5}
 
 
 def mooncake(start: int, count: int) -> dict:
@@ -57,6 +58,11 @@ CONFIGS: dict[str, dict] = {
         "trace": "mooncake_conversation.jsonl converted by kvbench, first 1000 requests; 32 sequences, "
                  "2048 batched tokens",
         "trace_spec": mooncake(0, 1000), "max_num_seqs": 32, "max_batched_tokens": 2048},
+    "rag-2kblocks-cacheaware": {
+        "trace": "traces/rag.jsonl at 20x its rate (t x 0.05); 2,000 blocks; cache-aware admission "
+                 "(a window of 16 waiting requests, from half the pool held)",
+        "trace_spec": {"shipped": "rag.jsonl", "time_scale": 0.05}, "vllm_num_gpu_blocks": 2000,
+        "admission_window": 16},
     "dupkey": {
         "trace": "vllm-0.34-dupkey-trace.jsonl: vLLM's duplicate-key rule in five requests",
         "trace_spec": {"file": "vllm-0.34-dupkey-trace.jsonl"}, "vllm_num_gpu_blocks": 64},
@@ -96,7 +102,10 @@ def reduce(steps_path: str, name: str) -> dict:
     assert (sc["num_blocks"], sc["block_size"], sc["max_num_seqs"], sc["max_num_batched_tokens"]) == (
         cfg["vllm_num_gpu_blocks"], cfg["block_size"], cfg["max_num_seqs"], cfg["max_batched_tokens"]), sc
     assert (sc["prefill_ms_per_token"], sc["decode_step_ms"]) == (CLOCK["prefill_ms_per_token"], CLOCK["decode_step_ms"])
-    assert not sc["async_scheduling"] and not sc.get("cache_aware_admission_window")
+    assert not sc["async_scheduling"]
+    assert (sc.get("cache_aware_admission_window") or 0) == cfg["admission_window"], sc
+    if cfg["admission_window"]:
+        assert sc["cache_aware_admission_threshold"] == cfg["admission_threshold"], sc
     return {
         "name": name,
         "source": f"vLLM {summ['vllm_version']} Scheduler + KVCacheManager, benchmarks/vllm_reference/drive.py",
@@ -105,9 +114,11 @@ def reduce(steps_path: str, name: str) -> dict:
         "vllm_num_gpu_blocks": cfg["vllm_num_gpu_blocks"], "kvbench_num_blocks": cfg["vllm_num_gpu_blocks"] - 1,
         "block_size": cfg["block_size"], "max_num_seqs": cfg["max_num_seqs"],
         "max_batched_tokens": cfg["max_batched_tokens"],
+        "admission_window": cfg["admission_window"], "admission_threshold": cfg["admission_threshold"],
         "vllm_scheduler": {k: sc.get(k) for k in (
             "max_model_len", "enable_chunked_prefill", "scheduler_reserve_full_isl", "watermark", "policy",
             "long_prefill_token_threshold", "async_scheduling", "cache_aware_admission_window",
+            "cache_aware_admission_threshold",
             "enable_prefix_caching", "hash", "vllm_default_block_size", "platform")},
         "clock": CLOCK,
         "steps": len(steps),
@@ -140,7 +151,9 @@ def make(name: str, vllm_python: str, work: str, mooncake_path: str) -> str:
            "--block-size", str(cfg["block_size"]), "--max-num-seqs", str(cfg["max_num_seqs"]),
            "--max-num-batched-tokens", str(cfg["max_batched_tokens"]),
            "--prefill-ms-per-token", str(CLOCK["prefill_ms_per_token"]),
-           "--decode-step-ms", str(CLOCK["decode_step_ms"]), "--out", steps]
+           "--decode-step-ms", str(CLOCK["decode_step_ms"]), "--out", steps,
+           "--cache-aware-admission-window", str(cfg["admission_window"]),
+           "--cache-aware-admission-threshold", str(cfg["admission_threshold"])]
     t0 = time.time()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     print(f"{name}: drive.py took {time.time() - t0:.0f} s", flush=True)

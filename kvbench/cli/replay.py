@@ -68,6 +68,10 @@ REPLAY_OPTIONS: list[Opt] = [
         "its prompt fits, its output cut to the length (truncate: vLLM's OpenAI server)"),
     Opt("admission", click.Choice(C.ADMISSIONS), "admit a waiting request when its whole prompt fits (vLLM >= 0.33), or its first chunk"),
     Opt("watermark", Finite(0, 1, max_open=True), "share of KV blocks kept free when admitting while others run (vLLM's watermark)"),
+    Opt("admission_window", Count(0), "cache-aware admission: once --admission-threshold of the pool is held, "
+        "the first N waiting requests go deepest cached prefix first (vLLM 0.34 --cache-aware-admission-window; 0: "
+        "arrival order)"),
+    Opt("admission_threshold", Finite(0, 1), "pool usage from which --admission-window reorders"),
     Opt("time_scale", Finite(min=0, max=MAX_TIME_SCALE, min_open=True), "multiply arrival times (0.5 = twice the rate)"),
     Opt("max_concurrency", Count(1, C.MAX_CONCURRENCY), "closed loop: at most C requests in flight, the next issued "
         "when one finishes (vllm bench serve --max-concurrency); arrival, queue and TTFT count from the issue"),

@@ -117,6 +117,8 @@ class ReplayConfig:
     overlong: str = "reject"  # a request longer than max_model_len: refused, or its output cut (vLLM's server)
     admission: str = "full-prompt"
     watermark: float = 0.0
+    admission_window: int = 0  # cache-aware admission (vLLM 0.34 cache_aware_admission_window): 0 is off
+    admission_threshold: float = 0.5  # ... applied once this share of the pool is held
     time_scale: float = 1.0
     max_concurrency: int | None = None  # closed loop: at most this many requests in flight (engine.issuer)
     dependent_turns: bool = False  # a turn that re-sends an answer waits for it (engine.issuer)
@@ -204,6 +206,10 @@ class ReplayConfig:
                              field="--time-scale")
         if not (isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1):
             raise InputError(f"must be in [0, 1), got {self.watermark}", field="--watermark")
+        if not (isinstance(self.admission_window, int) and self.admission_window >= 0):
+            raise InputError(f"must be a whole number >= 0, got {self.admission_window}", field="--admission-window")
+        if not (isinstance(self.admission_threshold, (int, float)) and 0 <= self.admission_threshold <= 1):
+            raise InputError(f"must be in [0, 1], got {self.admission_threshold}", field="--admission-threshold")
         b = self.kv_budget
         if not (isinstance(b, (int, float)) and 0 < b <= MAX_REQUEST_TOKENS):
             raise InputError(f"must be a fraction in (0, 1) or a token count, got {b}", field="--kv-budget")

@@ -141,7 +141,9 @@ class Replay:
                                kv_bytes_per_token=executor.kv_bytes_per_token(),
                                speculate=executor.speculate)
         sched = Scheduler(kv, SchedulerConfig(cfg.max_num_seqs, cfg.max_batched_tokens,
-                                              cfg.admission, cfg.watermark),
+                                              cfg.admission, cfg.watermark,
+                                              cfg.admission_window if cfg.prefix_cache else 0,
+                                              cfg.admission_threshold),
                           needs_tokens=executor.needs_tokens, streams=self.streams, evictor=evictor)
         return Replica(i, kv, executor, evictor, sched, Totals())
 

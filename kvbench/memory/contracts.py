@@ -115,6 +115,16 @@ class KVManager(Protocol):
 
     def num_cached_tokens(self, s: SeqKV, hits: list[int]) -> int: ...
 
+    def probe_cached_tokens(self, s: SeqKV, num_tokens: int) -> int:
+        """The tokens a lookup would serve from the pool now, changing nothing (no references, no
+        tier state): what cache-aware admission ranks waiting requests by."""
+        ...
+
+    @property
+    def usage(self) -> float:
+        """The share of the pool's blocks sequences hold."""
+        ...
+
     def allocate(self, s: SeqKV, num_new: int, hits: Sequence[int] = (), watermark: int = 0,
                  must_fit: int = 0, forks: int = 0) -> bool:
         """Take the hits and blocks for ``num_new`` more tokens; False, changing nothing, if short."""

@@ -184,6 +184,20 @@ class PagedKV:
                                             bs, num_tokens)
         return hits
 
+    def probe_cached_tokens(self, s: SeqKV, num_tokens: int) -> int:
+        """Tokens of the sequence's first ``num_tokens`` the pool caches in whole blocks, changing
+        nothing (vLLM: KVCacheManager.get_num_cached_tokens, the last token's block never counted)."""
+        if not self.prefix_cache or s.tokens is None:
+            return 0
+        bs = self.block_size
+        n_max = min(lookup_blocks(num_tokens, bs), len(s.tokens) // bs)
+        return len(self.pool.match(self._keys(s, n_max), s.tokens, n_max, ROOT_KEY)) * bs if n_max > 0 else 0
+
+    @property
+    def usage(self) -> float:
+        """Blocks held by sequences / the pool's blocks (vLLM: BlockPool.get_usage)."""
+        return self.pool.num_used / self.num_blocks
+
     def num_cached_tokens(self, s: SeqKV, hits: list[int]) -> int:
         """Tokens the last ``lookup`` serves from cache: whole blocks (the pool's, then the tiers'),
         plus a radix partial block."""

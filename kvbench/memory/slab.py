@@ -151,6 +151,13 @@ class SlabKV:
     def take_tier_ops(self) -> tuple[list[tuple], list[tuple]]:
         return [], []
 
+    def probe_cached_tokens(self, s: SeqKV, num_tokens: int) -> int:
+        return 0
+
+    @property
+    def usage(self) -> float:
+        return self.blocks_reserved / self.num_blocks
+
     def attach_tiers(self, tiers) -> None:
         raise ValueError("prefix-cache tiers hold cached prefix blocks: a slab has no prefix cache")
 

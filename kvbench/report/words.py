@@ -52,6 +52,8 @@ WORDS: dict[str, Callable[[object], tuple[str, bool]]] = {
     "overlong": lambda v: ("outputs cut to fit" if v == "truncate" else "overlong refused", v == "reject"),
     "admission": lambda v: (f"admit {v}", v == "full-prompt"),
     "watermark": lambda v: (f"watermark {v:g}", not v),
+    "admission_window": lambda v: (f"cache-aware admission x{v}" if v else "arrival-order admission", not v),
+    "admission_threshold": lambda v: (f"reorder from {v:.0%} full", v == 0.5),
     "time_scale": lambda v: (f"time x{v:g}", v == 1),
     "max_concurrency": lambda v: (f"concurrency {v}" if v else "open loop", not v),
     "slo": lambda v: (f"SLO {v}" if v else "no SLO", not v),

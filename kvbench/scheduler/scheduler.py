@@ -48,6 +48,8 @@ class SchedulerConfig:
     max_batched_tokens: int = 8192
     admission: str = "full-prompt"  # the whole sequence must fit to admit it, or only its first chunk
     watermark: float = 0.0  # share of the blocks kept free when admitting while others run
+    admission_window: int = 0  # cache-aware admission: reorder the first N waiting by cached prefix (0: off)
+    admission_threshold: float = 0.5  # ... once this share of the pool is held
 
 
 @dataclass(slots=True)
@@ -136,6 +138,8 @@ class Scheduler:
                 continue
             break
         if not plan.preempted:  # a step that preempted admits nothing new
+            if cfg.admission_window:
+                self._reorder_by_cached_prefix()
             self._admit(plan, budget, now_s)
         plan.running = len(running)
         return plan
@@ -190,6 +194,32 @@ class Scheduler:
             plan.seqs.append(s)
             plan.num_new.append(num_new)
             budget -= num_new
+
+    def _reorder_by_cached_prefix(self) -> None:
+        """Cache-aware admission (vLLM 0.34: Scheduler._reorder_waiting_by_cached_prefix, off by
+        default): once the pool is ``admission_threshold`` full, the first ``admission_window`` waiting
+        sequences that wait for their first admission are reordered among their own places, deepest
+        cached prefix first, arrival order breaking ties; a preempted one keeps its place, and the
+        queue past the window is untouched."""
+        waiting, cfg = self.waiting, self.cfg
+        if len(waiting) < 2 or self.kv.usage < cfg.admission_threshold:
+            return
+        head = [waiting[i] for i in range(min(cfg.admission_window, len(waiting)))]
+        slots = [i for i, s in enumerate(head) if not s.resumed]
+        if len(slots) < 2:
+            return
+        for i in slots:
+            if not head[i].built:
+                self._build(head[i])
+        cached = {i: self.kv.probe_cached_tokens(head[i], head[i].num_tokens) for i in slots}
+        order = sorted(slots, key=lambda i: (-cached[i], i))
+        if order == slots:
+            return
+        moved = list(head)
+        for slot, source in zip(slots, order):
+            moved[slot] = head[source]
+        for k, s in enumerate(moved):
+            waiting[k] = s
 
     def _build(self, s: Sequence) -> None:
         """Give a sequence first considered for admission what it waited without: its tokens (one

@@ -27,12 +27,15 @@ DEFAULTS = ReplayConfig()
 # to their defaults is what makes "--layout paged,slab --block-size 8,16" one slab run, not two.
 NOT_APPLICABLE: dict[tuple[str, object], tuple[str, ...]] = {
     ("layout", "slab"): ("block_size", "prefix_cache", "prefix_mode", "radix_eviction", "cache_policy", "admission",
-                         "cpu_kv_mem", "disk_kv_mem", "eviction", "kv_budget", "sink_tokens"),  # a slab cannot compact
+                         "cpu_kv_mem", "disk_kv_mem", "eviction", "kv_budget", "sink_tokens", "admission_window",
+                         "admission_threshold"),  # a slab cannot compact
     ("layout", "paged"): ("slab_reserve",),
-    ("prefix_cache", False): ("prefix_mode", "radix_eviction", "cache_policy", "cpu_kv_mem", "disk_kv_mem"),
+    ("prefix_cache", False): ("prefix_mode", "radix_eviction", "cache_policy", "cpu_kv_mem", "disk_kv_mem",
+                              "admission_window", "admission_threshold"),
     ("prefix_mode", "hash"): ("radix_eviction",),  # only used with prefix_mode radix
     ("radix_eviction", "node"): ("cache_policy",),  # nodes go by recency (SGLang's lru)
     ("eviction", "none"): ("kv_budget", "sink_tokens"),
+    ("admission_window", 0): ("admission_threshold",),
     ("executor", "sim"): ("device", "attention"),
     ("executor", "model"): ("gpu", "calibration", "tp", "dtype", "eager"),
     ("replicas", 1): ("router", "router_prefix_blocks", "router_cache_weight", "router_load_weight",
@@ -53,7 +56,8 @@ SHORT = {"layout": "", "block_size": "bs", "slab_reserve": "res_", "prefix_cache
          "cache_policy": "", "eviction": "", "kv_budget": "kvb", "sink_tokens": "sink",
          "executor": "", "model": "m_", "device": "dev_", "gpu": "gpu_", "tp": "tp", "kv_dtype": "kv_", "calibration": "cal_",
          "kv_mem": "mem", "num_blocks": "nb", "max_num_seqs": "seqs", "max_batched_tokens": "mbt",
-         "max_model_len": "mml", "admission": "adm_", "watermark": "wm", "time_scale": "ts",
+         "max_model_len": "mml", "admission": "adm_", "watermark": "wm",
+         "admission_window": "aw", "admission_threshold": "at", "time_scale": "ts",
          "max_concurrency": "conc", "overlong": "long_", "dependent_turns": "dep_", "slo": "slo_", "limit": "lim", "seed": "seed",
          "replicas": "x", "router": "", "router_prefix_blocks": "rpb", "router_cache_weight": "rcw",
          "router_load_weight": "rlw", "router_event_delay": "red", "cpu_kv_mem": "cpu", "disk_kv_mem": "disk",
