@@ -14,12 +14,29 @@ import pytest
 
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.replay import replay
-from kvbench.executors.calibrate import Point, calibrate, errors, fit, grid, make_batch, write
+from kvbench.executors.calibrate import (
+    Point,
+    calibrate,
+    errors,
+    fit,
+    grid,
+    make_batch,
+    write,
+)
 from kvbench.executors.presets import GPUS, MODELS
 from kvbench.executors.sim import CostModel, StepCost, make_sim
 from kvbench.scheduler.batch import StepResult
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def whole_steps(gpu: str) -> CostModel:
+    """A preset's coefficients as ``kvbench calibrate`` fits them: a step's fixed cost all in
+    step_overhead_s (the grid times whole steps), no per-sequence, per-layer or linear terms."""
+    c = CostModel.from_gpu(GPUS[gpu])
+    for name in CostModel.OVERHEADS + CostModel.LINEAR:
+        setattr(c, name, 0.0)
+    return c
 
 
 def synthetic(model: str, quick: bool, truth: CostModel) -> list[Point]:
@@ -61,7 +78,7 @@ def test_grid_covers_cached_prefixes_context_ranges_and_mixed_steps():
 def test_fit_recovers_the_coefficients_that_timed_the_steps():
     """Steps of Llama-3-8B timed by known coefficients (H100-like, with slower attention and KV reads):
     the fit finds them again, and predicts the held-out steps to 0.1%."""
-    truth = CostModel.from_gpu(GPUS["h100"])
+    truth = whole_steps("h100")
     truth.attn_flops, truth.kv_bw, truth.step_overhead_s = 400e12, 2.2e12, 1.5e-3
     points = synthetic("llama-3-8b", False, truth)
     got = fit([p for p in points if not p.heldout])
@@ -97,7 +114,7 @@ def test_calibration_file_records_what_it_measured_and_the_sim_replays_with_it(t
     from kvbench import __version__
 
     spec = MODELS["llama-3-8b"]
-    truth = CostModel.from_gpu(GPUS["h100"])
+    truth = whole_steps("h100")
     truth.matmul_flops, truth.kv_bw, truth.step_overhead_s = 500e12, 2.5e12, 2e-3
     ex = FakeExecutor(spec, truth)
     result = calibrate(ex, spec, quick=True, repeats=1)
@@ -136,7 +153,7 @@ class SpikyExecutor(FakeExecutor):
 
 
 def test_occasional_slow_steps_do_not_move_the_fit():
-    spec, truth = MODELS["llama-3-8b"], CostModel.from_gpu(GPUS["h100"])
+    spec, truth = MODELS["llama-3-8b"], whole_steps("h100")
     result = calibrate(SpikyExecutor(spec, truth), spec, quick=True, repeats=5)
     for kind, row in result["fit"]["per_kind"].items():
         assert row["train"] < 0.01 and row["heldout"] < 0.01, kind
@@ -156,7 +173,7 @@ def test_timing_spread_reports_the_machines_noise():
     """The file says how much the repeats of a step scattered, so a reader can tell the machine's noise
     from the cost model's error: none on a steady clock; the interquartile range of a log-normal of
     sigma 0.2 (1.349 x 0.2 = 27%) on a noisy one."""
-    spec, truth = MODELS["llama-3-8b"], CostModel.from_gpu(GPUS["h100"])
+    spec, truth = MODELS["llama-3-8b"], whole_steps("h100")
     steady = calibrate(FakeExecutor(spec, truth), spec, quick=True, repeats=5)
     assert steady["fit"]["timing_spread"] == 0.0 and all(p["spread"] == 0.0 for p in steady["points"])
     noisy = calibrate(NoisyExecutor(spec, truth), spec, quick=True, repeats=15)
@@ -173,7 +190,8 @@ def test_calibrate_cli_prints_the_error_per_step_kind(tmp_path):
         assert kind in r.stdout
     c = json.loads(cal.read_text())
     assert c["device_name"] == "cpu" and c["dtype"] == "fp32" and c["model"] == "tiny"
-    assert set(c["coefficients"]) == set(CostModel.FITTED)
+    assert set(c["coefficients"]) == set(CostModel.TIMING) and c["kvbench_calibration"] == 3
+    assert all(c["coefficients"][name] == 0 for name in CostModel.TIMING if name not in CostModel.FITTED)
 
 
 def _p50s(summary: dict) -> tuple[float, float]:
@@ -211,7 +229,7 @@ def test_calibrated_sim_matches_the_model_executor_on_chat_cpu(tmp_path):
         fitted = fit([p for p in before if not p.heldout])
         cal = tmp_path / f"cpu{attempt}.json"
         cal.write_text(json.dumps({"dtype": "fp32", "device_name": "cpu",
-                                   "coefficients": {name: getattr(fitted, name) for name in CostModel.FITTED}}))
+                                   "coefficients": {name: getattr(fitted, name) for name in CostModel.TIMING}}))
         sim = replay(trace, ReplayConfig(executor="sim", model="tiny", calibration=str(cal)),
                      str(tmp_path / f"sim{attempt}"))
         (mt, mp), (st, sp) = _p50s(model), _p50s(sim)

@@ -10,6 +10,7 @@ bf16 weights and KV (2 bytes). Per GPU at tensor parallelism N: hq = Hq/N, hkv =
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -131,9 +132,11 @@ def test_llama_3_70b_tp4_figures_written_out():
 
 def test_step_time_is_the_sum_of_each_operations_roofline():
     """Llama-3-70B at N=2 on the H200 preset: each operation's max(FLOPs / rate, bytes / bandwidth) by
-    hand (989.5 TFLOP/s x 0.7; 4.8 TB/s x 0.85; NVLink 450 GB/s x 0.8; 10 us per all-reduce)."""
+    hand, with the fitted defaults written out (989.5 TFLOP/s x 0.462; 4.8 TB/s x 0.884; NVLink 450 GB/s
+    x 0.8; 34.3 us per all-reduce; 1.83 ms per step and 72.7 us per scheduled sequence: the chunk and 32
+    decodes)."""
     ex = make_sim(MODELS["llama-3-70b"], GPUS["h200"], tp=2)
-    rate, bw, link = 989.5e12 * 0.7, 4.8e12 * 0.85, 450e9 * 0.8
+    rate, bw, link = 989.5e12 * 0.462, 4.8e12 * 0.884, 450e9 * 0.8
     b = batch_of(*STEPS["mixed"])
     got = ex.breakdown(b)
     assert got["linear"] == pytest.approx(max(19_713_899_888_640 / rate, 68_451_041_280 / bw))
@@ -141,12 +144,29 @@ def test_step_time_is_the_sum_of_each_operations_roofline():
     assert got["decode"] == pytest.approx(max(85_899_345_920 / rate, 10_737_418_240 / bw))
     assert got["lm_head"] == pytest.approx(max(33_621_540_864 / rate, 1_050_673_152 / bw))
     assert got["kv_write"] == pytest.approx(51_904_512 / bw)
-    assert got["allreduce"] == pytest.approx(160 * (10e-6 + 2 * 1 / 2 * 4_718_592 / link))
-    assert got["overhead"] == 4e-3 and got["pcie"] == 0 and tuple(got) == OPERATIONS
+    assert got["allreduce"] == pytest.approx(160 * (34.3e-6 + 2 * 1 / 2 * 4_718_592 / link))
+    assert got["overhead"] == pytest.approx(1.83e-3 + 33 * 72.7e-6)
+    assert got["launch"] == 0 and got["per_token"] == 0  # CUDA graphs; a preset has no linear terms
+    assert got["pcie"] == 0 and tuple(got) == OPERATIONS
     assert ex.step_time(b) == pytest.approx(sum(got.values()))
     # a ring all-reduce moves 2 (N - 1) / N of the message per GPU: 1 at N=2, 1.5 at N=4
     tp4 = make_sim(MODELS["llama-3-70b"], GPUS["h200"], tp=4).breakdown(b)
-    assert tp4["allreduce"] == pytest.approx(160 * (10e-6 + 2 * 3 / 4 * 4_718_592 / link))
+    assert tp4["allreduce"] == pytest.approx(160 * (34.3e-6 + 2 * 3 / 4 * 4_718_592 / link))
+
+
+def test_llama_31_8b_decodes_at_batch_one_as_vllm_measures():
+    """The issue's case: Llama-3.1-8B bf16 on one H100 SXM at batch 1, 1,024 in / 128 out, decoding
+    token 1,100: 15.01 GB of weights (32 layers x 218,103,808 + the 525,336,576-weight LM head, 2 bytes
+    each) at 3.35 TB/s x 0.884 take 5.07 ms; its 1,100 keys (131,072 bytes each) 0.05 ms; one step
+    1.83 ms and one sequence 0.073 ms: 7.02 ms, where vLLM measures about 6.5 (the sim said 9.3 with a
+    fixed 4 ms per step)."""
+    ex = make_sim(MODELS["llama-3.1-8b"], GPUS["h100"])
+    bw = 3.35e12 * 0.884
+    weights = 2 * (32 * 218_103_808 + 525_336_576)
+    kv = 1100 * 131_072 + 131_072 + 2 * 4096  # read 1,100 keys; write one token's K, V and embedding row
+    want = weights / bw + kv / bw + 1.83e-3 + 72.7e-6
+    assert ex.step_time(batch_of([], [1100])) == pytest.approx(want, rel=1e-9)
+    assert 6.9e-3 < want < 7.1e-3
 
 
 def test_decode_kv_reads_are_not_hidden_inside_a_big_prefill_chunk():
@@ -156,7 +176,7 @@ def test_decode_kv_reads_are_not_hidden_inside_a_big_prefill_chunk():
     ex = make_sim(MODELS["llama-3-8b"], GPUS["h200"])
     chunk = batch_of([(0, 8192, True)], [])
     both = batch_of([(0, 8192, True)], [8192] * 256)
-    kv_read_s = 256 * 8192 * 131_072 / (4.8e12 * 0.85)  # 275 GB of KV
+    kv_read_s = 256 * 8192 * 131_072 / (4.8e12 * 0.884)  # 275 GB of KV
     assert kv_read_s > 0.06
     assert ex.step_time(both) - ex.step_time(chunk) >= kv_read_s
 
@@ -166,7 +186,7 @@ def test_decode_step_time_rises_with_context_as_the_kv_bytes_predict():
     extra KV bytes at the KV bandwidth (the README's table)."""
     ex = make_sim(MODELS["llama-3-8b"], GPUS["h200"])
     times = {c: ex.step_time(batch_of([], [c] * 64)) for c in (1024, 4096, 16384)}
-    kv_bw = 4.8e12 * 0.85
+    kv_bw = 4.8e12 * 0.884
     for lo, hi in ((1024, 4096), (4096, 16384)):
         extra_bytes = 64 * (hi - lo) * 131_072  # KV read grows with context
         assert times[hi] - times[lo] == pytest.approx(extra_bytes / kv_bw, rel=1e-9)
@@ -191,17 +211,39 @@ def test_kv_heads_that_do_not_divide_tp_are_replicated():
         StepCost(MODELS["llama-3-8b"], tp=0)
 
 
-def test_presets_are_the_datasheets_with_one_derating():
-    """Memory in the vendor's unit (GB = 10^9) and dense bf16 rates; one derating factor per resource."""
-    sheet = {"h200": (141e9, 4.8e12, 989.5e12), "h100": (80e9, 3.35e12, 989.5e12),
-             "a100": (80e9, 2.039e12, 312e12), "l40s": (48e9, 864e9, 362.05e12)}
-    for name, (mem, bw, flops) in sheet.items():
-        g = get_gpu(name)
-        assert (g.mem_bytes, g.peak_mem_bw, g.peak_bf16_flops) == (mem, bw, flops)
-        assert g.mem_bw / g.peak_mem_bw == GPUS["h200"].mem_bw / GPUS["h200"].peak_mem_bw
-        assert g.matmul_flops / g.peak_bf16_flops == GPUS["h200"].matmul_flops / GPUS["h200"].peak_bf16_flops
-    assert get_gpu("l40s").peak_link_bw == get_gpu("l40s").peak_pcie_bw  # no NVLink: PCIe
-    assert get_gpu("h100").peak_link_bw == 450e9  # NVLink 4: 900 GB/s both ways
+# Each preset's datasheet (the comment beside it in presets.py names it): memory (GB = 10^9 bytes),
+# memory bandwidth, dense bf16 and fp8 tensor-core FLOP/s (the "with sparsity" figures halved; None: no
+# fp8 tensor cores), GPU-to-GPU and host bytes/s per direction.
+DATASHEETS = {
+    "h200": (141e9, 4.8e12, 989.5e12, 1979e12, 450e9, 64e9),
+    "h100": (80e9, 3.35e12, 989.5e12, 1979e12, 450e9, 64e9),
+    "a100": (80e9, 2.039e12, 312e12, None, 300e9, 32e9),
+    "a100-40gb": (40e9, 1.555e12, 312e12, None, 300e9, 32e9),
+    "l40s": (48e9, 864e9, 362.05e12, 733e12, 32e9, 32e9),  # no NVLink: PCIe Gen4 x16
+    "l4": (24e9, 300e9, 121e12, 242.5e12, 32e9, 32e9),  # 242 / 485 TFLOPS with sparsity; PCIe Gen4
+    "b200": (180e9, 8e12, 2250e12, 4500e12, 900e9, 64e9),  # DGX B200 / 8: 1,440 GB, 64 TB/s, 72 PF fp8 sparse
+    "h20": (96e9, 4.0e12, 148e12, 296e12, 450e9, 64e9),
+    "mi300x": (192e9, 5.3e12, 1307.4e12, 2614.9e12, 448e9, 64e9),  # 7 Infinity Fabric links x 64 GB/s
+}
+
+
+@pytest.mark.parametrize("name", list(DATASHEETS))
+def test_presets_are_the_datasheets_with_one_derating(name):
+    """Every preset is its datasheet, derated by the same fitted factor per resource."""
+    mem, bw, bf16, fp8, link, pcie = DATASHEETS[name]
+    g = get_gpu(name)
+    assert (g.mem_bytes, g.peak_mem_bw, g.peak_bf16_flops, g.peak_fp8_flops) == (mem, bw, bf16, fp8)
+    assert (g.peak_link_bw, g.peak_pcie_bw) == (link, pcie)
+    assert g.mem_bw == pytest.approx(bw * 0.884) and g.kv_bw == g.mem_bw
+    assert g.matmul_flops == pytest.approx(bf16 * 0.462) and g.attn_flops == g.matmul_flops
+    assert g.matmul_rate("fp8") == pytest.approx((fp8 or bf16) * 0.462)  # no fp8 tensor cores: bf16's
+    assert g.link_bw == pytest.approx(link * 0.8) and g.pcie_bw == pytest.approx(pcie * 0.8)
+    assert (g.step_overhead_s, g.seq_overhead_s, g.allreduce_latency_s) == (1.83e-3, 72.7e-6, 34.3e-6)
+
+
+def test_every_preset_is_checked_against_its_datasheet():
+    assert set(GPUS) == set(DATASHEETS)
+    assert get_gpu("A100") is get_gpu("a100") and get_gpu("a100").mem_bytes == 80e9  # a100 stays the 80 GB SXM
 
 
 def test_default_pool_is_the_gpu_memory_left_after_weights_and_activations():
@@ -421,3 +463,137 @@ def test_executor_interface_without_tp_is_the_single_gpu_model():
     ex = SimExecutor(MODELS["llama-3-8b"], CostModel.from_gpu(GPUS["h200"]), GPUS["h200"])
     assert ex.kv_bytes_per_token() == MODELS["llama-3-8b"].kv_bytes_per_token() == 131_072
     assert ex.device_name == "sim:h200"
+
+
+# -- weight dtype, CUDA graphs, the fixed and linear terms ---------------------------------------
+def test_fp8_weights_are_one_byte_on_fp8_tensor_cores():
+    """--dtype fp8: layer weights one byte each at the fp8 rate; the embedding and LM head stay bf16 (as
+    ModelOpt and llm-compressor checkpoints keep them), attention and KV stay bf16 (KV auto)."""
+    cost = StepCost(MODELS["llama-3-8b"], 1, "fp8", "bf16")
+    w = cost.work(batch_of([], [4096] * 64))
+    assert w.linear_bytes == 32 * (41_943_040 + 176_160_768)  # 6.98 GB, half of bf16's
+    assert w.lm_head_bytes == 2 * 525_336_576 and w.decode_bytes == 64 * 4096 * 131_072
+    assert w.kv_write_bytes == 64 * 131_072 + 2 * 64 * 4096  # new K/V and bf16 embedding rows
+    assert cost.weight_bytes() == 32 * (41_943_040 + 176_160_768 + 2 * 4096) + 4096 + 2 * 2 * 525_336_576
+    ex = make_sim(MODELS["llama-3-8b"], GPUS["h100"], dtype="fp8")
+    assert ex.shape.dtypes == ("fp8", "bf16") and ex.kv_bytes_per_token() == 131_072
+    assert ex.cost.matmul_flops == pytest.approx(1979e12 * 0.462)  # fp8 tensor cores: twice bf16's
+    assert ex.cost.attn_flops == pytest.approx(989.5e12 * 0.462)  # attention computes in bf16
+    bf16 = make_sim(MODELS["llama-3-8b"], GPUS["h100"])
+    b = batch_of([], [1100])
+    saved = bf16.breakdown(b)["linear"] - ex.breakdown(b)["linear"]
+    assert saved == pytest.approx(32 * 218_103_808 / (3.35e12 * 0.884))  # a byte less per layer weight
+    assert ex.default_kv_bytes() > bf16.default_kv_bytes() + 6.9e9  # the weights' half goes to the pool
+
+
+def test_fp8_on_an_a100_falls_back_to_bf16_math_and_says_so(caplog):
+    with caplog.at_level("WARNING"):
+        ex = make_sim(MODELS["llama-3-8b"], GPUS["a100"], dtype="fp8")
+    assert "no fp8 tensor cores" in caplog.text and "a100" in caplog.text
+    assert ex.shape.bw == 1 and ex.cost.matmul_flops == pytest.approx(312e12 * 0.462)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        make_sim(MODELS["llama-3-8b"], GPUS["h100"], dtype="fp8")
+    assert caplog.text == ""
+
+
+def test_eager_pays_every_layers_launches_and_graphs_do_not():
+    """--eager (no CUDA graphs): 32 layers x 114 us on every step of Llama-3-8B; CUDA graphs: none."""
+    b = batch_of([(0, 256, True)], [2048] * 8)
+    graphs = make_sim(MODELS["llama-3-8b"], GPUS["h100"]).breakdown(b)
+    eager = make_sim(MODELS["llama-3-8b"], GPUS["h100"], eager=True).breakdown(b)
+    assert graphs["launch"] == 0 and eager["launch"] == pytest.approx(32 * 114e-6)
+    assert {k: v for k, v in eager.items() if k != "launch"} == {k: v for k, v in graphs.items() if k != "launch"}
+    assert make_sim(MODELS["llama-3-70b"], GPUS["h100"], tp=4, eager=True).breakdown(b)["launch"] == \
+        pytest.approx(80 * 114e-6)
+
+
+def test_overhead_counts_every_scheduled_sequence():
+    """Per step 1.83 ms, and 72.7 us for each sequence the step schedules: chunks and decodes alike."""
+    ex = make_sim(MODELS["llama-3-8b"], GPUS["h100"])
+    assert ex.breakdown(batch_of([], [100]))["overhead"] == pytest.approx(1.83e-3 + 72.7e-6)
+    assert ex.breakdown(batch_of([(0, 64, True), (0, 64, False)], [100] * 30))["overhead"] == \
+        pytest.approx(1.83e-3 + 32 * 72.7e-6)
+
+
+def _write(tmp_path, content) -> str:
+    path = tmp_path / "cal.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return str(path)
+
+
+def test_a_linear_fit_times_steps_by_its_terms_alone(tmp_path):
+    """A live server's fit (kvbench calibrate --from-run): step = overhead + a prefill_tokens +
+    b decode_seqs + c context_tokens, the roofline's rates null (no roofline term), the terms it does
+    not give 0 (no per-sequence overhead of the preset's; no launches even with --eager)."""
+    cal = _write(tmp_path, {"kvbench_calibration": 3, "coefficients": {
+        "matmul_flops": None, "attn_flops": None, "mem_bw": None, "kv_bw": None, "step_overhead_s": 0.004,
+        "prefill_token_s": 2e-5, "decode_seq_s": 3e-4, "context_token_s": 1e-7}})
+    ex = make_sim(MODELS["llama-3-8b"], GPUS["h100"], cal, eager=True)
+    b = batch_of([(100, 300, True)], [1000, 3000])
+    assert ex.step_time(b) == pytest.approx(0.004 + 300 * 2e-5 + 2 * 3e-4 + 4000 * 1e-7, rel=1e-12)
+    assert ex.breakdown(b)["per_token"] == pytest.approx(300 * 2e-5 + 2 * 3e-4 + 4000 * 1e-7)
+    assert ex.breakdown(b)["linear"] == 0 and ex.cost.mem_bw == math.inf
+
+
+def test_old_calibration_files_are_still_read(tmp_path):
+    """Versions 1 and 2 (written before the per-layer, per-sequence and linear terms) fitted whole steps:
+    those terms are 0 under them, as under a version-3 file that does not give them (a live server's
+    linear fit gives no per-sequence term). A file without a version overrides only what it gives."""
+    v2 = make_sim(MODELS["llama-3-8b"], GPUS["h100"], _write(tmp_path, {
+        "kvbench_calibration": 2, "coefficients": {"matmul_flops": 5e14, "attn_flops": 4e14, "mem_bw": 3e12,
+                                                   "kv_bw": 2e12, "step_overhead_s": 0.003}}), eager=True)
+    assert (v2.cost.seq_overhead_s, v2.cost.layer_overhead_s, v2.cost.decode_seq_s) == (0, 0, 0)
+    assert v2.cost.step_overhead_s == 0.003 and v2.cost.kv_bw == 2e12
+    assert v2.breakdown(batch_of([], [100] * 4))["overhead"] == 0.003
+    v1 = make_sim(MODELS["llama-3-8b"], GPUS["h100"], _write(tmp_path, {
+        "kvbench_calibration": 1, "coefficients": {"matmul_flops": 5e14, "mem_bw": 3e12, "step_overhead_s": 0}}))
+    assert (v1.cost.attn_flops, v1.cost.kv_bw, v1.cost.seq_overhead_s) == (5e14, 3e12, 0)
+    v3 = make_sim(MODELS["llama-3-8b"], GPUS["h100"], _write(tmp_path, {
+        "kvbench_calibration": 3, "coefficients": {"step_overhead_s": 0.002, "decode_seq_s": 1e-4}}))
+    assert (v3.cost.seq_overhead_s, v3.cost.step_overhead_s, v3.cost.decode_seq_s) == (0, 0.002, 1e-4)
+    assert v3.cost.mem_bw == pytest.approx(3.35e12 * 0.884)  # rates it does not give: the preset's
+    partial = make_sim(MODELS["llama-3-8b"], GPUS["h100"], _write(tmp_path, {
+        "coefficients": {"seq_overhead_s": 1e-5}}))
+    assert partial.cost.seq_overhead_s == 1e-5 and partial.cost.step_overhead_s == 1.83e-3
+
+
+@pytest.mark.parametrize("content, field", [
+    ({"kvbench_calibration": 3, "coefficients": {"seq_overhead_s": -1e-5}}, "seq_overhead_s"),
+    ({"kvbench_calibration": 3, "coefficients": {"layer_overhead_s": "fast"}}, "layer_overhead_s"),
+    ({"kvbench_calibration": 3, "coefficients": {"context_token_s": None}}, "context_token_s"),
+    ({"kvbench_calibration": 2, "coefficients": {"mem_bw": None}}, "mem_bw"),  # null is version 3's
+    ({"kvbench_calibration": 9, "coefficients": {}}, "kvbench_calibration"),
+    ({"kvbench_calibration": 3, "coefficients": {"launch_s": 1e-6}}, "launch_s"),
+])
+def test_bad_new_calibration_terms_are_one_line_exit_2(tmp_path, content, field):
+    cal = _write(tmp_path, content)
+    r = _cli("replay", "traces/chat.jsonl", "--executor", "sim", "--calibration", cal, "--limit", "3",
+             "--out", str(tmp_path / "x"))
+    assert r.returncode == 2, r.stderr
+    assert field in r.stderr and cal in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_dtype_and_eager_from_the_command_line(tmp_path):
+    """--dtype fp8 and --eager reach the sim (and config.json); the model executor refuses both."""
+    from kvbench.workloads import WORKLOADS, Common, generate
+    from kvbench.trace.format import write_trace
+
+    trace = tmp_path / "random.jsonl"
+    write_trace(generate(WORKLOADS["random"], Common(requests=4), WORKLOADS["random"].params(
+        input_len=512, output_len=16)), str(trace))
+    runs = {}
+    for name, args in {"bf16": [], "fp8": ["--dtype", "fp8"], "eager": ["--eager"]}.items():
+        r = _cli("replay", str(trace), "--model", "llama-3.1-8b", "--gpu", "h100", "--max-concurrency", "1",
+                 "--json", "--out", str(tmp_path / name), *args)
+        assert r.returncode == 0, r.stderr
+        runs[name] = json.loads(r.stdout)
+    assert runs["fp8"]["tpot_ms_mean"] < runs["bf16"]["tpot_ms_mean"] < runs["eager"]["tpot_ms_mean"]
+    assert runs["eager"]["tpot_ms_mean"] - runs["bf16"]["tpot_ms_mean"] == pytest.approx(32 * 0.114, rel=1e-6)
+    cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())["settings"]
+    assert (cfg["dtype"], cfg["eager"]) == ("fp8", False)
+    for args in (["--dtype", "fp8"], ["--eager"]):
+        r = _cli("replay", str(trace), "--executor", "model", *args, "--out", str(tmp_path / "m"))
+        assert r.returncode == 2 and args[0] in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = _cli("replay", str(trace), "--dtype", "int4", "--out", str(tmp_path / "q"))
+    assert r.returncode == 2 and "--dtype" in r.stderr

@@ -38,6 +38,9 @@ class Workload:
     params: type
     build: Callable[[Common, object, np.random.Generator], list[Request]]
     example: str
+    # the Common knobs the command takes (the others keep their defaults); a generator whose params
+    # declare arrivals of their own (random: vLLM's rate and burstiness) takes fewer
+    common: tuple[str, ...] = ("requests", "rate", "seed", "arrival", "burstiness", "len_sigma")
 
 
 def generate(workload: Workload, common: Common, params=None) -> list[Request]:

@@ -73,7 +73,11 @@ Examples:
   kvbench calibrate --device cpu --quick -o cpu-tiny.json
   kvbench calibrate --device cuda --model llama-3-8b -o h200-llama3-8b.json
   kvbench replay traces/chat.jsonl --executor sim --model llama-3-8b --calibration h200-llama3-8b.json
+  kvbench calibrate --from-run runs/chat-live -o server.json     # a live server's clock (replay --endpoint)
 """)
+@click.option("--from-run", "from_run", type=click.Path(exists=True, file_okay=False), default=None,
+              help="fit the sim's step clock to a live run (kvbench replay --endpoint) from its per-token times, "
+                   "each step's work rebuilt by a sim replay of the same requests, instead of measuring here")
 @click.option("--device", type=click.Choice(C.DEVICES), default="auto", show_default=True)
 @click.option("--model", default="tiny", show_default=True, help="preset or local HF model folder")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -84,11 +88,14 @@ Examples:
 @click.option("-o", "--out", "out", type=click.Path(dir_okay=False), required=True,
               help="calibration file to write (JSON)")
 @click.option("--json", "as_json", is_flag=True, help="print the result as one JSON object")
-def calibrate(device, model, seed, quick, repeats, out, as_json):
+def calibrate(from_run, device, model, seed, quick, repeats, out, as_json):
     """Measure prefill chunks after a cached prefix, decode batches over a range of contexts and
     mixed steps (a chunk plus decodes) on the model executor, and fit the sim executor's
     per-operation coefficients (matmul and attention rates, weight and KV bandwidths, per-step
-    overhead) to them. Prints the error per step kind on the fitted and the held-out steps."""
+    overhead) to them. Prints the error per step kind on the fitted and the held-out steps.
+    With --from-run, fit a step clock to a live server's run instead (see its help)."""
+    if from_run is not None:
+        return _calibrate_from_run(from_run, out, as_json)
     from kvbench.executors.calibrate import calibrate as run
     from kvbench.executors.calibrate import write
     from kvbench.executors.model import ModelExecutor
@@ -122,6 +129,33 @@ def calibrate(device, model, seed, quick, repeats, out, as_json):
         click.echo(f"  timing spread over the {repeats} repeats (median step, (p75 - p25) / median): {spread:.1%}"
                    + ("  -- the machine's speed moved; errors this size are noise, not the model"
                       if spread > 0.05 else ""))
+    click.echo(f"wrote {out}", err=True)
+
+
+def _calibrate_from_run(run_dir: str, out: str, as_json: bool) -> None:
+    from kvbench.engine.fit_server import fit_from_run
+
+    where = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(where) or not os.access(where, os.W_OK):
+        raise InputError(f"cannot write here: {where} is not a writable directory", field="--out")
+    doc = fit_from_run(run_dir, out)
+    if as_json:
+        click.echo(dumps(doc))
+        return
+    c, fit = doc["coefficients"], doc["fit"]
+    click.echo(f"step = {c['step_overhead_s'] * 1e3:.3f} ms + {c['prefill_token_s'] * 1e3:.4f} ms per prefill token "
+               f"+ {c['decode_seq_s'] * 1e3:.4f} ms per decoding sequence + {c['context_token_s'] * 1e6:.4f} us "
+               f"per key read")
+    for part in ("train", "heldout"):
+        e = fit[part]
+        if e["median_abs_rel_err"] is not None:
+            click.echo(f"  {part:8s} {e['spans']:5d} spans: |predicted/measured - 1| median "
+                       f"{e['median_abs_rel_err']:.1%}, mean {e['mean_abs_rel_err']:.1%}")
+    chk = fit["replay_check"]["heldout"]
+    if chk["ttft_ms_p50_live"] is not None:
+        click.echo(f"  held-out requests ({chk['requests']}) replayed on it: TTFT p50 {chk['ttft_ms_p50_sim']:.1f} ms "
+                   f"(server {chk['ttft_ms_p50_live']:.1f}), TPOT p50 {chk['tpot_ms_p50_sim']:.2f} ms "
+                   f"(server {chk['tpot_ms_p50_live']:.2f})")
     click.echo(f"wrote {out}", err=True)
 
 

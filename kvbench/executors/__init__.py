@@ -6,11 +6,12 @@ from kvbench.executors.base import Executor
 
 
 def _make_sim(cfg, model):
-    from kvbench.executors.sim import make_sim
     from kvbench.executors.presets import get_gpu
+    from kvbench.executors.sim import make_sim
 
     return make_sim(model, get_gpu(cfg.gpu), cfg.calibration, cfg.kv_dtype, tp=cfg.tp,
-                    max_batched_tokens=cfg.max_batched_tokens, max_num_seqs=cfg.max_num_seqs)
+                    max_batched_tokens=cfg.max_batched_tokens, max_num_seqs=cfg.max_num_seqs, dtype=cfg.dtype,
+                    eager=cfg.eager)
 
 
 def _make_model(cfg, model):

@@ -6,7 +6,8 @@ The model executor runs a grid of steps on real KV tensors, three kinds of them:
   mixed    a chunk after a cached prefix plus a batch of decodes, as chunked prefill schedules them
 Each step's FLOPs and bytes per operation come from the sim's own model (StepCost.work), and the
 fitted coefficients are the sim's: matmul_flops, attn_flops, mem_bw, kv_bw and step_overhead_s
-(kvbench.executors.sim.CostModel.FITTED; link and PCIe bandwidths keep the --gpu preset's). The fit
+(kvbench.executors.sim.CostModel.FITTED; the file gives its other timing terms as 0, and link and PCIe
+bandwidths keep the --gpu preset's). The fit
 minimises the squared relative error, each step kind weighing the same, over the four rates (a
 coordinate search over log grids, and a least-squares step with every operation's bound held) with
 the overhead solved exactly for each trial. A third of the points of each kind is held out (see
@@ -161,7 +162,11 @@ RATES = ("matmul_flops", "attn_flops", "mem_bw", "kv_bw")
 
 
 def _with(base: CostModel, rates: np.ndarray, overhead: float) -> CostModel:
+    """``base``'s links with these rates and one per-step overhead: the grid's steps are timed whole
+    (the model executor runs eagerly, one step after another), so the other fixed and linear terms are 0."""
     c = CostModel(**base.to_dict())
+    for name in CostModel.OVERHEADS + CostModel.LINEAR:
+        setattr(c, name, 0.0)
     for name, v in zip(RATES, rates):
         setattr(c, name, float(v))
     c.step_overhead_s = overhead
@@ -289,7 +294,9 @@ def calibrate(executor, spec: ModelSpec, quick: bool = False, seed: int = 0, rep
         "model": spec.name,
         "model_spec": spec.to_dict(),
         "grid": "quick" if quick else "full",
-        "coefficients": {name: getattr(model, name) for name in CostModel.FITTED},
+        # every term that times a step: the fitted ones, and 0 for those the fit leaves out (the
+        # preset's would otherwise be added to steps the fit already priced whole)
+        "coefficients": {name: getattr(model, name) for name in CostModel.TIMING},
         "fit": {"per_kind": per_kind,
                 # the whole grid at once, as earlier files reported it
                 "mape_train": per_kind["all"]["train"], "mape_heldout": per_kind["all"]["heldout"],

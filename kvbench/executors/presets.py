@@ -3,9 +3,9 @@
 A ModelSpec is the part of a Llama-family config that decides KV memory and step cost, mixture-of-experts
 (Mixtral, Qwen MoE) included. It comes from a preset name or from a Hugging Face ``config.json`` (a file
 or a model folder). A GPUSpec holds a datasheet's figures (memory in the vendor's unit, GB = 10^9 bytes;
-dense bf16 matrix rate; memory, GPU-to-GPU and host link bandwidths) and the derating factors (the
-achieved fraction of each peak) that turn them into the sim executor's default coefficients, until
-``kvbench calibrate`` replaces them with measured ones.
+dense bf16 and fp8 matrix rates; memory, GPU-to-GPU and host link bandwidths); the efficiencies (the
+achieved fraction of each peak) and fixed costs below, fitted to published measurements, turn them into
+the sim executor's default coefficients, until a calibration file replaces them with measured ones.
 """
 from __future__ import annotations
 
@@ -101,35 +101,66 @@ MODELS["llama-3.1-8b"] = replace(MODELS["llama-3-8b"], name="llama-3.1-8b")
 MODELS["llama-3.1-70b"] = replace(MODELS["llama-3-70b"], name="llama-3.1-70b")
 
 
-# Derating: the achieved fraction of a datasheet peak, the same for every preset (a tuned bf16 GEMM at
-# large shapes reaches ~70% of the dense tensor-core rate; a streaming read ~85% of HBM/GDDR bandwidth;
-# NCCL all-reduce ~80% of the NVLink/PCIe per-direction rate). `kvbench calibrate` measures them instead.
-MATMUL_EFFICIENCY = 0.70
-MEM_EFFICIENCY = 0.85
-LINK_EFFICIENCY = 0.80
+# What the sim's defaults add to a datasheet, fitted to published vLLM V1 measurements (H100, B200,
+# MI300X; benchmarks/published_check.py --fit, its errors in benchmarks/published/fitted.json), the
+# same on every preset: one share of the tensor-core peak for every matmul, one share of the memory
+# bandwidth for every read, and the fixed costs a step pays beyond its operations. The defaults model
+# vLLM's GPU default, decode under CUDA graphs; most of the points fitted ran before async scheduling
+# became the default, so the overheads are what those runs left on the critical path (on the one
+# source that measured both, async scheduling was 3-5% faster). --eager adds each layer's launches.
+MATMUL_EFFICIENCY = 0.462  # linear layers, LM head: GEMM tiles and waves, fp8 scaling, the engine's kernels
+ATTN_EFFICIENCY = MATMUL_EFFICIENCY  # attention: the softmax between QK^T and PV stalls the tensor cores
+MEM_EFFICIENCY = 0.884  # weight streaming: HBM refresh and bank conflicts keep a read below the pin rate
+KV_EFFICIENCY = MEM_EFFICIENCY  # KV reads and writes: 16-token blocks gathered through the block table
+LINK_EFFICIENCY = 0.80  # NCCL/RCCL ring all-reduce: ~80% of the NVLink/xGMI/PCIe per-direction rate (not fitted)
+STEP_OVERHEAD_S = 1.83e-3  # per step: scheduling, input copies, sampling, the sampled tokens back to the host
+SEQ_OVERHEAD_S = 72.7e-6  # per scheduled sequence per step: its input rows, sampler row and output
+ALLREDUCE_LATENCY_S = 34.3e-6  # per all-reduce: a small message's launch and handshake across the group
+# Per layer per step without CUDA graphs (--eager): its kernels launched from Python one by one.
+# Estimated (not fitted) from the one source that ran a burst under piecewise graphs (attention
+# launched eagerly) and under full graphs: a lower bound for a wholly eager layer.
+LAYER_OVERHEAD_S = 114e-6
 GPU_MEMORY_UTILIZATION = 0.9  # share of device memory for weights + activations + KV (vLLM's default)
+
+
+def compute_dtype(weight_dtype: str) -> str:
+    """The dtype activations, the embedding and the LM head are in: bf16 under fp8 weights."""
+    return "bf16" if weight_dtype == "fp8" else weight_dtype
 
 
 @dataclass(frozen=True, slots=True)
 class GPUSpec:
-    """A datasheet's peaks (one GPU) and the per-step costs no datasheet gives."""
+    """A datasheet's peaks (one GPU); the sim's coefficients are these x the fitted factors above."""
 
     name: str
     mem_bytes: int  # device memory, as the vendor states it (GB = 10^9 bytes)
     peak_bf16_flops: float  # dense bf16 tensor-core FLOP/s (the datasheet's "with sparsity" figure / 2)
+    peak_fp8_flops: float | None  # dense fp8 tensor-core FLOP/s; None: no fp8 tensor cores
     peak_mem_bw: float  # HBM/GDDR bytes/s
-    peak_link_bw: float  # GPU-to-GPU bytes/s per direction (NVLink; PCIe where there is none)
+    peak_link_bw: float  # GPU-to-GPU bytes/s per direction (NVLink, xGMI; PCIe where there is none)
     peak_pcie_bw: float  # host<->device bytes/s per direction (KV offload)
-    step_overhead_s: float  # per-step fixed cost: scheduling, launch, sampling (an estimate)
-    allreduce_latency_s: float  # one small all-reduce's latency (an estimate; NCCL, within a node)
+
+    def matmul_rate(self, weight_dtype: str = "bf16") -> float:
+        """FLOP/s of the linear layers: fp8 weights on fp8 tensor cores; without them (A100) vLLM
+        multiplies fp8 weights in bf16 (weight-only FP8 Marlin kernels), at the bf16 rate."""
+        fp8 = weight_dtype == "fp8" and self.peak_fp8_flops is not None
+        return (self.peak_fp8_flops if fp8 else self.peak_bf16_flops) * MATMUL_EFFICIENCY
 
     @property
     def matmul_flops(self) -> float:
-        return self.peak_bf16_flops * MATMUL_EFFICIENCY
+        return self.matmul_rate("bf16")
+
+    @property
+    def attn_flops(self) -> float:
+        return self.peak_bf16_flops * ATTN_EFFICIENCY
 
     @property
     def mem_bw(self) -> float:
         return self.peak_mem_bw * MEM_EFFICIENCY
+
+    @property
+    def kv_bw(self) -> float:
+        return self.peak_mem_bw * KV_EFFICIENCY
 
     @property
     def link_bw(self) -> float:
@@ -139,26 +170,59 @@ class GPUSpec:
     def pcie_bw(self) -> float:
         return self.peak_pcie_bw * LINK_EFFICIENCY
 
+    @property
+    def step_overhead_s(self) -> float:
+        return STEP_OVERHEAD_S
+
+    @property
+    def seq_overhead_s(self) -> float:
+        return SEQ_OVERHEAD_S
+
+    @property
+    def layer_overhead_s(self) -> float:
+        return LAYER_OVERHEAD_S
+
+    @property
+    def allreduce_latency_s(self) -> float:
+        return ALLREDUCE_LATENCY_S
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "matmul_flops": self.matmul_flops, "mem_bw": self.mem_bw,
-                "link_bw": self.link_bw, "pcie_bw": self.pcie_bw}
+        return {**asdict(self), "matmul_flops": self.matmul_flops, "attn_flops": self.attn_flops,
+                "mem_bw": self.mem_bw, "kv_bw": self.kv_bw, "link_bw": self.link_bw, "pcie_bw": self.pcie_bw}
 
 
 GB = 10**9
 TB = 10**12
 GPUS: dict[str, GPUSpec] = {
-    # NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, BF16 1,979 TFLOPS with
-    # sparsity (989.5 dense), NVLink 900 GB/s (450 per direction), PCIe Gen5 128 GB/s (64 per direction).
-    "h200": GPUSpec("h200", 141 * GB, 989.5e12, 4.8 * TB, 450 * GB, 64 * GB, 4e-3, 10e-6),
-    # NVIDIA H100 Tensor Core GPU datasheet (SXM): 80 GB HBM3, 3.35 TB/s, BF16 1,979 TFLOPS with sparsity
-    # (989.5 dense), NVLink 900 GB/s, PCIe Gen5 128 GB/s.
-    "h100": GPUSpec("h100", 80 * GB, 989.5e12, 3.35 * TB, 450 * GB, 64 * GB, 4e-3, 10e-6),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, BF16 1,979 TFLOPS and FP8
+    # 3,958 TFLOPS with sparsity (989.5 and 1,979 dense), NVLink 900 GB/s (450 per direction), PCIe Gen5
+    # 128 GB/s (64 per direction).
+    "h200": GPUSpec("h200", 141 * GB, 989.5e12, 1979e12, 4.8 * TB, 450 * GB, 64 * GB),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM): 80 GB HBM3, 3.35 TB/s, BF16 1,979 and FP8 3,958 TFLOPS
+    # with sparsity, NVLink 900 GB/s, PCIe Gen5 128 GB/s.
+    "h100": GPUSpec("h100", 80 * GB, 989.5e12, 1979e12, 3.35 * TB, 450 * GB, 64 * GB),
     # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 80 GB HBM2e, 2,039 GB/s, BF16 312 TFLOPS dense
-    # (624 with sparsity), NVLink 600 GB/s (300 per direction), PCIe Gen4 64 GB/s (32 per direction).
-    "a100": GPUSpec("a100", 80 * GB, 312e12, 2039 * GB, 300 * GB, 32 * GB, 5e-3, 10e-6),
-    # NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, BF16 362.05 TFLOPS dense (733 with sparsity), no
-    # NVLink: GPUs talk over PCIe Gen4 x16, 64 GB/s bidirectional (32 per direction).
-    "l40s": GPUSpec("l40s", 48 * GB, 362.05e12, 864 * GB, 32 * GB, 32 * GB, 5e-3, 20e-6),
+    # (624 with sparsity), no FP8, NVLink 600 GB/s (300 per direction), PCIe Gen4 64 GB/s (32 per direction).
+    "a100": GPUSpec("a100", 80 * GB, 312e12, None, 2039 * GB, 300 * GB, 32 * GB),
+    # The same datasheet's 40GB SXM: 40 GB HBM2, 1,555 GB/s; rates and links as the 80 GB part.
+    "a100-40gb": GPUSpec("a100-40gb", 40 * GB, 312e12, None, 1555 * GB, 300 * GB, 32 * GB),
+    # NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, BF16 362.05 TFLOPS dense (733 with sparsity), FP8
+    # 733 dense (1,466 with sparsity), no NVLink: GPUs talk over PCIe Gen4 x16, 32 GB/s per direction.
+    "l40s": GPUSpec("l40s", 48 * GB, 362.05e12, 733e12, 864 * GB, 32 * GB, 32 * GB),
+    # NVIDIA L4 Tensor Core GPU datasheet: 24 GB GDDR6, 300 GB/s, BF16 242 TFLOPS and FP8 485 TFLOPS with
+    # sparsity (121 and 242.5 dense), no NVLink: PCIe Gen4 x16, 32 GB/s per direction.
+    "l4": GPUSpec("l4", 24 * GB, 121e12, 242.5e12, 300 * GB, 32 * GB, 32 * GB),
+    # NVIDIA DGX B200 datasheet, per GPU (of eight): 180 GB HBM3e (1,440 GB), 8 TB/s (64 TB/s), FP8
+    # 9 PFLOPS with sparsity (72; 4.5 dense), BF16 half that (2.25 dense), NVLink 5 1.8 TB/s (14.4 TB/s
+    # over two NVSwitches; 900 GB/s per direction), PCIe Gen5 x16 to the host (64 GB/s per direction).
+    "b200": GPUSpec("b200", 180 * GB, 2250e12, 4500e12, 8 * TB, 900 * GB, 64 * GB),
+    # NVIDIA H20 (HGX H20, as server vendors publish it; NVIDIA gives no public datasheet): 96 GB HBM3,
+    # 4.0 TB/s, BF16 148 TFLOPS and FP8 296 TFLOPS dense, NVLink 900 GB/s, PCIe Gen5 x16.
+    "h20": GPUSpec("h20", 96 * GB, 148e12, 296e12, 4.0 * TB, 450 * GB, 64 * GB),
+    # AMD Instinct MI300X data sheet: 192 GB HBM3, 5.3 TB/s, BF16 1,307.4 TFLOPS and FP8 2,614.9 TFLOPS dense
+    # (twice that with sparsity), seven Infinity Fabric links of 128 GB/s (64 per direction each; a ring
+    # over eight GPUs of a fully connected board uses all seven: 448 per direction), PCIe Gen5 x16.
+    "mi300x": GPUSpec("mi300x", 192 * GB, 1307.4e12, 2614.9e12, 5.3 * TB, 448 * GB, 64 * GB),
 }
 
 

@@ -1,14 +1,23 @@
 """The sim executor: a per-operation roofline of one engine step, on a GPU preset or a calibration.
 
-A step costs, per GPU, the sum over its operations of max(FLOPs / rate, bytes / bandwidth), plus a
-fixed overhead. With tensor parallelism (--tp N) every GPU does 1/N of the work at the same time, so
-the figures below are one GPU's. No tokens are produced: the memory behaviour is the engine's,
-identical to the model executor's.
+A step costs, per GPU, the sum over its operations of max(FLOPs / rate, bytes / bandwidth), plus the
+fixed costs real engines pay per step, per scheduled sequence and (without CUDA graphs) per layer.
+With tensor parallelism (--tp N) every GPU does 1/N of the work at the same time, so the figures
+below are one GPU's. No tokens are produced: the memory behaviour is the engine's, identical to the
+model executor's.
+
+Mode. The defaults model vLLM's GPU default: decode under CUDA graphs, no kernel launched one by one;
+their fixed costs were fitted to vLLM V1 runs, most of them from before async scheduling (the
+scheduler's work for the next step overlapped with this one's forward) became the default, so they
+are what those runs left on the critical path. ``--eager`` (vLLM's --enforce-eager) launches every
+layer's kernels from the host: each step pays L x layer_overhead_s more.
 
 Symbols (the model's shape; the step's StepBatch):
   L layers, h hidden size, Hq query heads, Hkv KV heads, d head dim, I MLP intermediate size, V vocab;
   MoE: E experts of intermediate size Ie, k of them per token, a shared expert of size Is (0: none)
   bw, bkv   bytes per weight and per KV element (bf16 2, fp8 1, fp32 4)
+  bc        bytes of the dtype activations are computed in (bf16 under fp8 weights); fp8 checkpoints
+            keep the embedding and LM head in it too
   N = --tp; hq = Hq / N; hkv = Hkv / N, or 1 when N > Hkv (every GPU holds a replica, as vLLM does)
   prefill chunk i: n_i new tokens after s_i cached ones (a prefix hit or earlier chunks)
   decode j: c_j keys (its own included)
@@ -27,12 +36,15 @@ Operations: FLOPs and bytes per GPU -> time = max(FLOPs / rate, bytes / bandwidt
   prefill    per chunk: 4 L hq d (n_i s_i + n_i (n_i + 1) / 2)  |  kv (s_i + n_i)   attn_flops | kv_bw
   decode     per sequence: 4 L hq d c_j  |  kv c_j                                 attn_flops | kv_bw
              (every decode has the same FLOPs per byte, so the sum of their maxes is one max of sums)
-  lm_head    2 S W_head  |  bw W_head, in steps that sample (S > 0)            matmul_flops | mem_bw
-  kv_write   bytes only: kv T (new K/V) + bw T h (embedding rows)
+  lm_head    2 S W_head  |  bc W_head, in steps that sample (S > 0)            matmul_flops | mem_bw
+  kv_write   bytes only: kv T (new K/V) + bc T h (embedding rows)
              + 2 kv (block_size x copy-on-write copies + compaction slot moves)       kv_bw
-  allreduce  N > 1: two per layer of the step's activations (T h bw bytes), ring:
-             2 L (allreduce_latency_s + 2 (N - 1) / N x T h bw / link_bw)
-  overhead   step_overhead_s
+  allreduce  N > 1: two per layer of the step's activations (T h bc bytes), ring:
+             2 L (allreduce_latency_s + 2 (N - 1) / N x T h bc / link_bw)
+  overhead   step_overhead_s + seq_overhead_s x Q     (Q = #chunks + #decodes: sequences scheduled)
+  launch     --eager only: L x layer_overhead_s
+  per_token  prefill_token_s x sum_i n_i + decode_seq_s x #decodes + context_token_s x sum_j c_j
+             (a linear fit of a live server's steps; 0 on a GPU preset)
   pcie       InfiniGen offload and recall: batch.pcie_bytes / (N pcie_bw), not overlapped
   tiers      prefix-cache tiers (kvbench.memory.tiers), one block of kv x block_size x N bytes per op,
              at the slower end's bandwidth (--cpu-bw, --disk-bw: the replica's links, its GPUs together):
@@ -42,17 +54,22 @@ Units: FLOPs, bytes, seconds; rates in FLOP/s, bandwidths in bytes/s (per GPU, p
 links). Biases and norms are left out of the FLOPs (under 0.1% of a layer's).
 
 Memory per GPU (GB = 10^9 bytes, as vendors state it):
-  weights     bw (L (W_attn + W_mlp(E) + 2 h) + h V / N (embedding) + W_head (untied) + h)
-  activations bw M (2 h + 3 I_tok / N) + 4 min(M, max_num_seqs) V   (M = --max-batched-tokens;
+  weights     bw (L (W_attn + W_mlp(E) + 2 h) + h) + bc (h V / N (embedding) + W_head (untied))
+  activations bc M (2 h + 3 I_tok / N) + 4 min(M, max_num_seqs) V   (M = --max-batched-tokens;
               I_tok = I, or k Ie + Is for MoE; the fp32 logits of the sampled rows)
   free        0.9 x memory - weights - activations (vLLM's gpu_memory_utilization)
 The default KV pool is N x free bytes, each token taking N x kv of them (a replicated KV head is paid
 for on every GPU). Weights and activations that do not fit, or a --kv-mem over N x free, are an
 InputError naming the fix (--tp, --kv-mem, a bigger --gpu).
 
-The coefficients (rates, bandwidths, overhead) come from the --gpu preset (datasheet peaks x the
-derating factors of kvbench.executors.presets), or from a calibration file written by
-``kvbench calibrate`` (the fitted ones replace the preset's; link and PCIe terms keep the preset's).
+The coefficients (CostModel) come from the --gpu preset (datasheet peaks x the efficiencies and
+overheads kvbench.executors.presets fitted to published measurements; fp8 weights at the fp8
+tensor-core rate, --dtype fp8), or from a calibration file (version 3) whose "coefficients" replace the
+preset's: written by ``kvbench calibrate`` (the rates and one overhead for whole steps), or a linear
+fit of a live server (the rates null: no roofline term; step_overhead_s and the per-token terms). A
+versioned file (1, 2 and 3 are read) prices whole steps: an overhead or linear term it does not give is
+0; rates, link and PCIe terms it does not give are the preset's. A file without a version replaces only
+the coefficients it gives.
 
 A calibration file may instead hold a plain linear clock, ``{"kind": "linear",
 "prefill_ms_per_token": 0.1, "decode_step_ms": 20, "overhead_ms": 0}``: a step costs the overhead,
@@ -68,37 +85,60 @@ import os
 from dataclasses import dataclass, field, fields
 
 from kvbench.errors import InputError
-from kvbench.executors.presets import DTYPE_BYTES, GPU_MEMORY_UTILIZATION, GPUSpec, ModelSpec
+from kvbench.executors.presets import (
+    DTYPE_BYTES,
+    GPU_MEMORY_UTILIZATION,
+    GPUSpec,
+    ModelSpec,
+    compute_dtype,
+)
 from kvbench.memory.tiers import op_seconds
 from kvbench.scheduler.batch import StepBatch, StepResult
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 2
-OPERATIONS = ("linear", "prefill", "decode", "lm_head", "kv_write", "allreduce", "overhead", "pcie")
+CALIBRATION_VERSION = 3
+OPERATIONS = ("linear", "prefill", "decode", "lm_head", "kv_write", "allreduce", "overhead", "launch", "per_token",
+              "pcie")
 
 
 @dataclass(slots=True)
 class CostModel:
-    """The coefficients of the roofline (per GPU)."""
+    """The coefficients of a step's time on one GPU (the module docstring's table). A rate or bandwidth
+    may be infinite: that operation then costs nothing beyond the linear terms (a linear fit)."""
 
-    matmul_flops: float  # FLOP/s of the linear layers and the LM head
-    attn_flops: float  # FLOP/s of attention (QK^T and PV)
-    mem_bw: float  # bytes/s reading weights
-    kv_bw: float  # bytes/s reading and writing KV
-    step_overhead_s: float  # fixed cost of a step
+    # Roofline rates: a datasheet peak x the share of it the operation reaches (presets: fitted).
+    matmul_flops: float  # FLOP/s of the linear layers and LM head: GEMM tiles, epilogues and waves leave the peak
+    attn_flops: float  # FLOP/s of attention (QK^T, PV): softmax and masking between the two GEMMs stall them
+    mem_bw: float  # bytes/s reading weights: a small batch's GEMV streams HBM below its pin rate
+    kv_bw: float  # bytes/s reading and writing KV: block-table gathers of 16-token blocks
+    step_overhead_s: float  # per step: what stays on the critical path (sampling, graph launch, copies)
     link_bw: float  # GPU-to-GPU bytes/s per direction (all-reduce)
-    allreduce_latency_s: float  # fixed cost of one all-reduce
+    allreduce_latency_s: float  # fixed cost of one all-reduce (launch, handshake)
     pcie_bw: float  # host<->device bytes/s (KV offload)
+    layer_overhead_s: float = 0.0  # per layer per step without CUDA graphs (--eager): kernel launches
+    seq_overhead_s: float = 0.0  # per scheduled sequence per step: its inputs, sampling and output
+    # Linear terms, as a live server's steps are fitted: per prefill token, per decoding sequence and
+    # per key a decode reads (0 on a GPU preset: its roofline prices that work).
+    prefill_token_s: float = 0.0
+    decode_seq_s: float = 0.0
+    context_token_s: float = 0.0
 
     FITTED = ("matmul_flops", "attn_flops", "mem_bw", "kv_bw", "step_overhead_s")  # by kvbench calibrate
-    MAY_BE_ZERO = ("step_overhead_s", "allreduce_latency_s")
+    RATES = ("matmul_flops", "attn_flops", "mem_bw", "kv_bw")  # may be infinite (a file's null)
+    OVERHEADS = ("step_overhead_s", "layer_overhead_s", "seq_overhead_s")
+    LINEAR = ("prefill_token_s", "decode_seq_s", "context_token_s")
+    TIMING = RATES + OVERHEADS + LINEAR  # what times a step (a calibration file's own terms)
+    MAY_BE_ZERO = OVERHEADS + LINEAR + ("allreduce_latency_s",)
 
     @classmethod
-    def from_gpu(cls, gpu: GPUSpec) -> "CostModel":
-        return cls(matmul_flops=gpu.matmul_flops, attn_flops=gpu.matmul_flops, mem_bw=gpu.mem_bw,
-                   kv_bw=gpu.mem_bw, step_overhead_s=gpu.step_overhead_s, link_bw=gpu.link_bw,
-                   allreduce_latency_s=gpu.allreduce_latency_s, pcie_bw=gpu.pcie_bw)
+    def from_gpu(cls, gpu: GPUSpec, weight_dtype: str = "bf16") -> "CostModel":
+        """A preset's coefficients: its datasheet peaks x the fitted efficiencies, its fitted overheads.
+        fp8 weights multiply at the fp8 tensor-core rate (bf16 where the GPU has none)."""
+        return cls(matmul_flops=gpu.matmul_rate(weight_dtype), attn_flops=gpu.attn_flops, mem_bw=gpu.mem_bw,
+                   kv_bw=gpu.kv_bw, step_overhead_s=gpu.step_overhead_s, link_bw=gpu.link_bw,
+                   allreduce_latency_s=gpu.allreduce_latency_s, pcie_bw=gpu.pcie_bw,
+                   layer_overhead_s=gpu.layer_overhead_s, seq_overhead_s=gpu.seq_overhead_s)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -110,7 +150,7 @@ class CostModel:
 
 @dataclass(slots=True)
 class Work:
-    """One step's FLOPs and bytes per GPU, by operation (the module docstring's table)."""
+    """One step's FLOPs and bytes per GPU, by operation, and the counts its fixed costs scale with."""
 
     linear_flops: float = 0.0
     linear_bytes: float = 0.0
@@ -124,6 +164,11 @@ class Work:
     allreduces: int = 0
     tp: int = 1
     pcie_bytes: float = 0.0
+    launches: int = 0  # layers whose kernels are launched one by one (--eager: every layer; else 0)
+    seqs: int = 0  # sequences scheduled: prefill chunks and decodes
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    context_tokens: int = 0  # keys the decodes read, their own included
 
     def seconds(self, c: CostModel) -> dict[str, float]:
         """Each operation's time under coefficients ``c``; the step is their sum."""
@@ -136,7 +181,10 @@ class Work:
             "lm_head": max(self.lm_head_flops / c.matmul_flops, self.lm_head_bytes / c.mem_bw),
             "kv_write": self.kv_write_bytes / c.kv_bw,
             "allreduce": self.allreduces * (c.allreduce_latency_s + ring) if self.allreduces else 0.0,
-            "overhead": c.step_overhead_s,
+            "overhead": c.step_overhead_s + self.seqs * c.seq_overhead_s,
+            "launch": self.launches * c.layer_overhead_s,
+            "per_token": (self.prefill_tokens * c.prefill_token_s + self.decode_seqs * c.decode_seq_s
+                          + self.context_tokens * c.context_token_s),
             "pcie": self.pcie_bytes / (n * c.pcie_bw) if self.pcie_bytes else 0.0,
         }
 
@@ -147,7 +195,8 @@ class Work:
 class StepCost:
     """A model's shape on N GPUs: the work of a step (``work``) and the memory it needs per GPU."""
 
-    def __init__(self, model: ModelSpec, tp: int = 1, weight_dtype: str = "bf16", kv_dtype: str = "bf16"):
+    def __init__(self, model: ModelSpec, tp: int = 1, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
+                 eager: bool = False):
         m = self.model = model
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise InputError(f"must be a whole number >= 1, got {tp!r}", field="--tp")
@@ -160,7 +209,11 @@ class StepCost:
                              field="--tp")
         self.tp = n = tp
         self.dtypes = (weight_dtype, kv_dtype)
+        self.eager = eager
         self.bw, self.bkv = DTYPE_BYTES[weight_dtype], DTYPE_BYTES[kv_dtype]
+        # bytes of the dtype activations are computed in: bf16 under fp8 weights, whose checkpoints
+        # (ModelOpt, llm-compressor) also keep the embedding and the LM head in bf16
+        self.bc = DTYPE_BYTES[compute_dtype(weight_dtype)]
         h, d = m.hidden_size, m.head_dim
         self.hq = m.num_heads // n
         self.hkv = m.num_kv_heads // n if m.num_kv_heads >= n else 1  # replicated KV heads: one per GPU
@@ -190,7 +243,7 @@ class StepCost:
         m, h = self.model, self.model.hidden_size
         layers = m.num_layers * (self.w_attn + self.mlp_weights(m.num_experts) + 2 * h)
         emb = h * m.vocab_size / self.tp
-        return self.bw * (layers + emb + (0 if m.tie_word_embeddings else self.w_head) + h)
+        return self.bw * (layers + h) + self.bc * (emb + (0 if m.tie_word_embeddings else self.w_head))
 
     def activation_bytes(self, max_batched_tokens: int, max_num_seqs: int) -> float:
         """Peak activations of the largest step on one GPU (see the module docstring)."""
@@ -198,13 +251,13 @@ class StepCost:
         inter = (m.experts_per_token * m.moe_intermediate_size + m.shared_expert_intermediate_size
                  if m.is_moe else m.intermediate_size)
         tokens = max_batched_tokens
-        return (self.bw * tokens * (2 * h + 3 * inter / self.tp)
+        return (self.bc * tokens * (2 * h + 3 * inter / self.tp)
                 + 4 * min(tokens, max_num_seqs) * m.vocab_size)
 
     # -- one step -----------------------------------------------------------------------------
     def work(self, batch: StepBatch) -> Work:
         m, kv = self.model, self.kv_tok
-        w = Work(tp=self.tp, pcie_bytes=float(batch.pcie_bytes))
+        w = Work(tp=self.tp, pcie_bytes=float(batch.pcie_bytes), launches=m.num_layers if self.eager else 0)
         n_pre = 0
         for start, n in zip(batch.prefill_starts, batch.prefill_lens):
             n_pre += n
@@ -212,6 +265,8 @@ class StepCost:
             w.prefill.append((self.flops_pair * n * (start + (n + 1) / 2), kv * (start + n)))
         ctx = batch.decode_context_total()
         w.decode_flops, w.decode_bytes = self.flops_pair * ctx, float(kv * ctx)
+        w.prefill_tokens, w.decode_seqs, w.context_tokens = n_pre, len(batch.decode_positions), ctx
+        w.seqs = len(batch.prefill_lens) + w.decode_seqs
         t = n_pre + len(batch.decode_positions)
         if t:
             active = m.experts_per_token if m.is_moe else 0
@@ -219,13 +274,13 @@ class StepCost:
             w.linear_bytes = self.bw * m.num_layers * (self.w_attn + self.mlp_weights(self.experts_touched(t)))
         sampled = len(batch.decode_positions) + sum(batch.prefill_last)
         if sampled:
-            w.lm_head_flops, w.lm_head_bytes = 2.0 * sampled * self.w_head, self.bw * self.w_head
+            w.lm_head_flops, w.lm_head_bytes = 2.0 * sampled * self.w_head, self.bc * self.w_head
         moved = len(batch.copies) * batch.block_size
         if batch.slot_moves is not None:  # compaction after token eviction
             moved += len(batch.slot_moves[0])
-        w.kv_write_bytes = float(kv * t + self.bw * t * m.hidden_size + 2 * kv * moved)
+        w.kv_write_bytes = float(kv * t + self.bc * t * m.hidden_size + 2 * kv * moved)
         if self.tp > 1 and t:
-            w.allreduces, w.allreduce_bytes = 2 * m.num_layers, float(t * m.hidden_size * self.bw)
+            w.allreduces, w.allreduce_bytes = 2 * m.num_layers, float(t * m.hidden_size * self.bc)
         return w
 
 
@@ -286,11 +341,18 @@ def read_calibration(path: str) -> dict:
 
 
 def cost_from_calibration(c: dict, path: str, base: CostModel) -> CostModel:
-    """``base`` with the file's coefficients in place of its own (a file may give only some)."""
+    """``base`` with the file's coefficients in place of its own. A file with a version was fitted to
+    whole steps: an overhead or linear term it does not give is 0 (versions 1 and 2 had only the per-step
+    overhead), its rates, links and PCIe default to ``base``'s; in version 3 a rate may be null (infinite:
+    no roofline term). A file without a version replaces only the coefficients it gives."""
     unknown = sorted(set(c) - set(CALIBRATION_KEYS))
     if unknown:
         raise InputError(f"unknown key {unknown[0]!r} (a calibration file holds {', '.join(CALIBRATION_KEYS)}, "
                          "or is a linear clock with \"kind\": \"linear\")", file=path, field="--calibration")
+    version = c.get("kvbench_calibration")
+    if version is not None and version not in range(1, CALIBRATION_VERSION + 1):
+        raise InputError(f"unknown version {version!r} (this kvbench reads 1 to {CALIBRATION_VERSION})", file=path,
+                         field="kvbench_calibration")
     coef = c.get("coefficients")
     if not isinstance(coef, dict):
         raise InputError("needs an object \"coefficients\" (run kvbench calibrate to write one)", file=path,
@@ -307,14 +369,22 @@ def cost_from_calibration(c: dict, path: str, base: CostModel) -> CostModel:
     if "model_spec" in c and not isinstance(c["model_spec"], dict):
         raise InputError("must be an object", file=path, field="model_spec")
     out = CostModel(**base.to_dict())
-    if c.get("kvbench_calibration") == 1:  # one rate and one bandwidth for every operation
+    if version is not None:
+        for name in CostModel.OVERHEADS + CostModel.LINEAR:
+            setattr(out, name, 0.0)
+    if version == 1:  # one rate and one bandwidth for every operation
         coef = {**coef, "attn_flops": coef.get("matmul_flops", base.attn_flops),
                 "kv_bw": coef.get("mem_bw", base.kv_bw)}
     for name, v in coef.items():
+        if v is None and name in CostModel.RATES and version not in (1, 2):
+            setattr(out, name, math.inf)
+            continue
         zero_ok = name in CostModel.MAY_BE_ZERO
         if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
                 or (v == 0 and not zero_ok)):
             want = "a finite number >= 0" if zero_ok else "a finite number > 0"
+            if name in CostModel.RATES and version not in (1, 2):
+                want += " (or null: no roofline term)"
             raise InputError(f"must be {want}, got {v!r}", file=path, field=name)
         setattr(out, name, float(v))
     return out
@@ -349,20 +419,21 @@ class SimExecutor:
     speculate = None  # InfiniGen's look-ahead needs a model: the sim's synthetic attention scores instead
 
     def __init__(self, model: ModelSpec, cost: CostModel, gpu: GPUSpec, tp: int = 1, kv_dtype: str = "bf16",
-                 weight_dtype: str = "bf16", max_batched_tokens: int = 8192, max_num_seqs: int = 256):
+                 weight_dtype: str = "bf16", max_batched_tokens: int = 8192, max_num_seqs: int = 256,
+                 eager: bool = False):
         self.model, self.cost, self.gpu = model, cost, gpu
         self.clock: LinearClock | None = None  # a linear clock replaces the roofline when given
         self.tier_bw: dict[str, float] = {}  # bytes/s per tier behind the pool (bind_tiers)
         self._recompute_memo: dict[tuple[int, int, int], float] = {}
         self.kv_dtype = kv_dtype
-        self.shape = StepCost(model, tp, weight_dtype, kv_dtype)
+        self.shape = StepCost(model, tp, weight_dtype, kv_dtype, eager)
         self.tp = tp
         self.weights_per_gpu = self.shape.weight_bytes()
         self._act_args = (max_batched_tokens, max_num_seqs)
         self.activations_per_gpu = self.shape.activation_bytes(*self._act_args)
         self.usable_per_gpu = gpu.mem_bytes * GPU_MEMORY_UTILIZATION
         self.free_per_gpu = self.usable_per_gpu - self.weights_per_gpu - self.activations_per_gpu
-        self.device_name = f"sim:{gpu.name}" + (f"x{tp}" if tp > 1 else "")
+        self.device_name = f"sim:{gpu.name}" + (f"x{tp}" if tp > 1 else "") + (" (eager)" if eager else "")
         if self.free_per_gpu <= 0:
             raise InputError(self._does_not_fit(), field="--tp")
 
@@ -473,22 +544,33 @@ def _smallest_tp(model: ModelSpec, dtypes: tuple[str, str], gpu: GPUSpec, above:
 
 
 def make_sim(model: ModelSpec, gpu: GPUSpec, calibration: str | None = None, kv_dtype: str = "auto",
-             tp: int = 1, max_batched_tokens: int = 8192, max_num_seqs: int = 256) -> SimExecutor:
+             tp: int = 1, max_batched_tokens: int = 8192, max_num_seqs: int = 256, dtype: str = "auto",
+             eager: bool = False) -> SimExecutor:
     """The sim for a model on ``tp`` GPUs of a preset, timed by the preset or a calibration file.
-    ``kv_dtype`` auto: the weights' dtype (bf16, or the dtype a calibration was measured in)."""
+    ``dtype`` (the weights') auto: bf16, or the dtype a calibration was measured in; ``kv_dtype`` auto:
+    the dtype activations are computed in (bf16 under fp8 weights, as vLLM's --kv-cache-dtype auto).
+    ``eager``: no CUDA graphs (vLLM's --enforce-eager), every layer's kernel launches paid."""
     clock, raw = None, None
-    cost = CostModel.from_gpu(gpu)
-    weight_dtype = "bf16"
+    weight_dtype = "bf16" if dtype == "auto" else dtype
     if calibration:
         raw = read_calibration(calibration)
         if raw.get("kind") == "linear":
             clock = LinearClock.from_dict(raw, calibration)
         else:
-            cost = cost_from_calibration(raw, calibration, cost)
-            weight_dtype = raw.get("dtype") or weight_dtype
-            for msg in calibration_mismatches(raw, model, gpu, kv_dtype):
-                log.warning("kvbench: warning: --calibration %s: %s", calibration, msg)
-    ex = SimExecutor(model, cost, gpu, tp, weight_dtype if kv_dtype == "auto" else kv_dtype, weight_dtype,
-                     max_batched_tokens, max_num_seqs)
+            measured = raw.get("dtype")
+            if measured and dtype not in ("auto", measured):
+                log.warning("kvbench: warning: --calibration %s: measured with %s weights; its coefficients "
+                            "time %s, not the --dtype %s asked for", calibration, measured, measured, dtype)
+            weight_dtype = measured or weight_dtype
+    if weight_dtype == "fp8" and gpu.peak_fp8_flops is None:
+        log.warning("kvbench: warning: the %s has no fp8 tensor cores: fp8 weights are read as one byte and "
+                    "multiplied at the bf16 rate, as vLLM's weight-only FP8 (Marlin) kernels do", gpu.name)
+    cost = CostModel.from_gpu(gpu, weight_dtype)
+    if raw is not None and clock is None:
+        cost = cost_from_calibration(raw, calibration, cost)
+        for msg in calibration_mismatches(raw, model, gpu, kv_dtype):
+            log.warning("kvbench: warning: --calibration %s: %s", calibration, msg)
+    kv = compute_dtype(weight_dtype) if kv_dtype == "auto" else kv_dtype
+    ex = SimExecutor(model, cost, gpu, tp, kv, weight_dtype, max_batched_tokens, max_num_seqs, eager)
     ex.clock = clock
     return ex

@@ -1,0 +1,141 @@
+"""The sim's defaults against the published GPU measurements (benchmarks/published/): every point has a
+load the sim replays and a role; the vLLM V1 points the defaults were fitted to stay within the stated
+error, so a change to the cost model that breaks agreement with measured engines fails here; the
+presets hold the parameters the fit found; the fit's re-timing of recorded steps is the replay's."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvbench.executors import presets
+from kvbench.executors.presets import GPUS, MODELS
+from kvbench.executors.sim import StepCost, make_sim
+from kvbench.scheduler.batch import StepBatch
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("published_check", ROOT / "benchmarks" / "published_check.py")
+pc = sys.modules["published_check"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pc)
+FITTED = json.loads((ROOT / "benchmarks" / "published" / "fitted.json").read_text())
+
+# Loads cut to this many requests (a closed loop keeps at least two per user): the errors below were
+# measured at this size; the full loads' are in fitted.json.
+MAX_REQUESTS = 40
+# Fit points whose error the goals (20% TPOT, ITL, throughput and one batch's latency; 30% TTFT) do not
+# hold, each with the bound it keeps and the reason (the table in fitted.json says the same).
+MISSES = {
+    # untuned fused_moe Triton configs (the PR's subject) slow this MoE's prefill far below any roofline
+    ("vllmpr23151-qwen3-30b-a3b-h100-c10", "ttft_ms_mean"): 0.70,
+    ("vllmpr23151-qwen3-30b-a3b-h100-c10", "ttft_ms_p50"): 0.75,
+}
+
+
+@pytest.fixture(scope="module")
+def points():
+    return pc.load_points(max_requests=MAX_REQUESTS)
+
+
+@pytest.fixture(scope="module")
+def predicted(points, tmp_path_factory):
+    work = str(tmp_path_factory.mktemp("published"))
+    return {p.id: pc.replay_point(p, workdir=work)[0] for p in points if p.role == "fit"}
+
+
+def test_every_point_has_a_load_and_a_role(points):
+    assert len(points) == 65
+    roles = {p.role for p in points}
+    assert roles == {"fit", "other engine", "flagged"}
+    for p in points:
+        assert p.published and p.load.requests >= 1 and p.model in MODELS and p.gpu in GPUS
+        assert (p.flag is not None) == (p.role == "flagged")
+        if p.role == "fit":
+            assert p.source in pc.V1_SOURCES and p.engine == "vllm"
+        if p.role == "other engine":
+            assert p.engine in ("sglang", "trt-llm", "nim")
+    by_id = {p.id: p for p in points}
+    assert "pre-V1" in by_id["sglreadme-vllm-8b-a100-rps4"].flag  # vLLM 0.6, multi-step
+    assert "NVFP4" in by_id["trtllm-qwen3moe-b200-1000-1000"].flag
+    assert "piecewise" in by_id["vllmpr25444-qwen3coder30ba3b-fp8-h100-c10-default"].flag
+    blog = by_id["vllmblog-fp8kv-8b-h100-c8-fp8kv"]
+    assert (blog.load.input_len, blog.load.output_len, blog.load.range_ratio, blog.load.concurrency) == \
+        (20000, 2000, 0.15, 8)
+    assert blog.kv_dtype == "fp8" and blog.published == {"ttft_ms_p50": 742.8, "itl_ms_p50": 12.93,
+                                                         "output_tok_per_s": 517.5}
+    rocm = by_id["rocm-70bfp8-mi300x-tp8-2048-2048-bs64"]
+    assert (rocm.gpu, rocm.tp, rocm.dtype, rocm.load.requests) == ("mi300x", 8, "fp8", 64)
+    assert rocm.published == {"batch_ms": 35324.0}  # benchmark_latency: the whole batch's latency
+
+
+def test_fit_points_stay_within_the_stated_error(points, predicted):
+    """Each fitted vLLM V1 point within its goal (or its documented miss), and the median within the
+    stated in-sample median (fitted.json) plus two points."""
+    errs, out = [], []
+    for p in points:
+        if p.role != "fit":
+            continue
+        for key, e in pc.errors(p, predicted[p.id]).items():
+            errs.append(abs(e))
+            bound = MISSES.get((p.id, key), pc.GOALS[pc.KIND_OF[key]])
+            if abs(e) > bound:
+                out.append(f"{p.id} {key}: {e:+.1%} (bound {bound:.0%})")
+    assert not out, "\n".join(out)
+    assert np.median(errs) <= FITTED["defaults"]["fit"]["all"]["median"] + 0.02
+
+
+def test_presets_hold_the_fitted_parameters():
+    """presets.py's constants are the fit's (rounded): change one and refit (published_check.py --fit)."""
+    got = pc.defaults()
+    for name, value in FITTED["parameters"].items():
+        mine = got.get(name, presets.LAYER_OVERHEAD_S if name == "layer_s" else None)
+        assert mine == pytest.approx(value, rel=0.02), name
+    assert presets.ATTN_EFFICIENCY == presets.MATMUL_EFFICIENCY and presets.KV_EFFICIENCY == presets.MEM_EFFICIENCY
+
+
+def test_held_out_errors_are_recorded():
+    """fitted.json keeps each source's leave-one-source-out prediction beside the fitted one."""
+    h = FITTED["heldout"]["fit"]
+    assert h["all"]["metrics"] == FITTED["defaults"]["fit"]["all"]["metrics"]
+    assert set(FITTED["folds"]) == set(pc.V1_SOURCES)
+    assert all("heldout" in row for row in FITTED["points"] if row["role"] == "fit")
+
+
+def test_retiming_a_recording_is_the_replay(points):
+    """The fit's fast path (a recorded schedule re-timed under other parameters) gives the replay's own
+    figures for a closed loop and for a batch, exactly, at the parameters it was recorded with."""
+    by_id = {p.id: p for p in points}
+    theta = pc.defaults()
+    for pid in ("vllmpr23151-qwen3-30b-a3b-h100-c10", "rocm-70bfp8-mi300x-tp8-128-2048-bs8"):
+        summary, rec = pc.replay_point(by_id[pid], theta, record=True)
+        again = pc.Retimer(rec).summary(theta)
+        for key in ("ttft_ms_mean", "tpot_ms_p50", "itl_ms_p50", "output_tok_per_s", "batch_ms"):
+            assert again[key] == pytest.approx(summary[key], rel=1e-9), (pid, key)
+
+
+def test_a_batch_point_is_its_steps_added_up():
+    """benchmark_latency's batch of 1 on the MI300X (Llama-3.1-70B fp8 over 8 GPUs, 128 in, 2,048 out),
+    worked out step by step from the cost model: one prefill step, then 2,047 decodes over 129 to 2,175
+    keys; the replay's duration is that sum."""
+    ex = make_sim(MODELS["llama-3.1-70b"], GPUS["mi300x"], tp=8, dtype="fp8")
+    cost = StepCost(MODELS["llama-3.1-70b"], 8, "fp8", "bf16")
+    c = ex.cost
+
+    def step(chunks, contexts):
+        b = StepBatch(block_size=16)
+        for i, n in enumerate(chunks):
+            b.prefill_seq_ids.append(i)
+            b.prefill_starts.append(0)
+            b.prefill_lens.append(n)
+            b.prefill_last.append(True)
+        for j, ctx in enumerate(contexts):
+            b.decode_seq_ids.append(10 + j)
+            b.decode_positions.append(ctx - 1)
+        return cost.work(b).time(c)
+    total = step([128], []) + sum(step([], [ctx]) for ctx in range(129, 129 + 2047))
+    point = next(p for p in pc.load_points() if p.id == "rocm-70bfp8-mi300x-tp8-128-2048-bs1")
+    assert pc.replay_point(point)[0]["batch_ms"] == pytest.approx(total * 1e3, rel=1e-9)
+    assert total == pytest.approx(17.236, rel=0.15)  # published: 17.236 s
