@@ -1,10 +1,13 @@
-"""The ``kvbench`` command line: a click group; each command lives in a cli_* module of its own.
+"""The ``kvbench`` command line: a click group; each command lives in a cli_* module of its own,
+imported when the command is run or listed (``COMMANDS``), so a command pays only for its own imports
+(``kvbench trace whatif`` never loads the engine, pandas, pyarrow or torch).
 
 Errors: InputError and click usage errors print one line on stderr and exit 2; RunError exits 1
 (2 where it blames the settings). Data goes to stdout, progress and logs to stderr.
 """
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
@@ -22,19 +25,43 @@ Examples:
 """
 
 
-@click.group(epilog=EXAMPLES, context_settings={"help_option_names": ["-h", "--help"]})
+# every top-level command: name -> "module:attribute" (each module's COMMANDS, and the trace group)
+COMMANDS = {
+    "trace": "kvbench.cli.trace:trace",
+    "replay": "kvbench.cli.replay:replay",
+    "sweep": "kvbench.cli.sweep:sweep",
+    "report": "kvbench.cli.report:report",
+    "export": "kvbench.cli.report:export",
+    "selfcheck": "kvbench.cli.model:selfcheck",
+    "calibrate": "kvbench.cli.model:calibrate",
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose commands are imported on first use, by name, from ``COMMANDS`` (click's lazy
+    loading pattern): ``kvbench trace ...`` imports kvbench.cli.trace and nothing of the others;
+    ``kvbench --help`` imports them all, for their one-line help."""
+
+    def list_commands(self, ctx) -> list[str]:
+        return sorted({*self.commands, *COMMANDS})
+
+    def get_command(self, ctx, name: str):
+        if name not in self.commands and name in COMMANDS:
+            module, attribute = COMMANDS[name].split(":")
+            self.add_command(getattr(importlib.import_module(module), attribute), name)
+        return self.commands.get(name)
+
+
+@click.group(cls=LazyGroup, epilog=EXAMPLES, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kvbench")
 def cli():
     """Replay LLM request traces through a real paged-KV engine and compare KV-cache choices."""
 
 
 def _register() -> None:
-    from kvbench.cli import model, replay, report, sweep, trace
-
-    cli.add_command(trace.trace)
-    for mod in (replay, sweep, report, model):
-        for cmd in mod.COMMANDS:
-            cli.add_command(cmd)
+    """Import every command now (for callers that read ``cli.commands``)."""
+    for name in COMMANDS:
+        cli.get_command(None, name)
 
 
 def _fail(message: str, code: int) -> None:
@@ -43,7 +70,6 @@ def _fail(message: str, code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    _register()
     try:
         rv = cli.main(args=argv, prog_name="kvbench", standalone_mode=False)
     except InputError as e:

@@ -14,7 +14,7 @@ import sys
 import click
 
 from kvbench.cli.types import Count, Finite
-from kvbench.engine.config import MAX_BLOCK_SIZE
+from kvbench.engine.sizes import MAX_BLOCK_SIZE
 from kvbench.errors import InputError
 from kvbench.jsonio import dumps
 from kvbench.trace.format import MAX_REQUEST_TOKENS, write_trace
@@ -67,16 +67,16 @@ def _knob_option(f: dataclasses.Field) -> click.Option:
 def _gen_command(workload) -> click.Command:
     from kvbench.workloads import Common, generate
 
-    common_fields = [f for f in dataclasses.fields(Common) if f.metadata]
+    common_fields = [f for f in dataclasses.fields(Common) if f.metadata and f.name in workload.common]
     param_fields = dataclasses.fields(workload.params)
 
     def run(**kw):
         out = kw.pop("out")
         src = click.get_current_context().get_parameter_source("burstiness")
-        if kw["arrival"] == "poisson" and src is not click.core.ParameterSource.DEFAULT:
+        if kw.get("arrival") == "poisson" and src is not click.core.ParameterSource.DEFAULT:
             raise click.BadParameter("needs --arrival gamma (Poisson gaps have CV 1)",
                                      param_hint="--burstiness")
-        common = Common(**{f.name: kw.pop(f.name) for f in common_fields}, arrival=kw.pop("arrival"))
+        common = Common(**{f.name: kw.pop(f.name) for f in common_fields}, arrival=kw.pop("arrival", "poisson"))
         try:
             reqs = generate(workload, common, workload.params(**kw))
         except ValueError as e:
@@ -86,7 +86,8 @@ def _gen_command(workload) -> click.Command:
         _note(f"wrote {n} {workload.name} requests ({tokens} prompt tokens, "
               f"{reqs[-1].t:.1f} s of arrivals) to {out}")
 
-    params = ([_knob_option(f) for f in common_fields] + _ARRIVAL_OPTIONS
+    params = ([_knob_option(f) for f in common_fields]
+              + [o for o in _ARRIVAL_OPTIONS if o.name in (*workload.common, "out")]
               + [_knob_option(f) for f in param_fields])
     epilog = f"\b\nExample:\n  {workload.example}\n  kvbench trace inspect {workload.example.split()[-1]}"
     doc = (sys.modules[workload.build.__module__].__doc__ or workload.summary).replace("``", "")
@@ -119,7 +120,7 @@ Examples:
   kvbench trace gen best-of-n --requests 30 --n 8 -o bon.jsonl
 """)
 def gen():
-    """Generate a synthetic trace: chat, rag, agent or best-of-n.
+    """Generate a synthetic trace: chat, rag, agent, best-of-n, or random (vllm bench serve's fixed lengths).
 
     Every length is lognormal around the mean its flag sets (spread --len-sigma); arrivals are
     Poisson or gamma at --rate requests per second; the same flags and --seed give the same file.
@@ -312,9 +313,12 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of a table")
 @click.option("--out", type=click.Path(file_okay=False),
               help="also write whatif.parquet, whatif.png and whatif.json into this directory")
+@click.option("--no-cache", is_flag=True,
+              help="read TRACE again rather than its parsed copy kept in $XDG_CACHE_HOME/kvbench (or "
+                   "~/.cache/kvbench); KVBENCH_NO_CACHE=1 does the same")
 def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, policies, prefix_mode, warmup,
            jobs, replicas, router, router_prefix_blocks, budget_counts, tiers_text, tier_policy, offload,
-           as_json, out):
+           as_json, out, no_cache):
     """Prefix hit rate against KV cache size and cache policy, straight from a trace.
 
     Prompts are replayed one after another in trace order (no concurrency, no decode) through a
@@ -328,7 +332,7 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
 
     from kvbench.executors.presets import get_model
     from kvbench.memory.policies import CACHE_POLICIES, check_policy
-    from kvbench.trace.pieces import read_pieces
+    from kvbench.trace.cache import TraceAnswer, read_pieces_cached
     from kvbench import whatif as wi
 
     spec = get_model(model)
@@ -355,20 +359,31 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
             _note(f"-j {jobs}: the tiered and store what-ifs run in one process")
         return _whatif_stores(trace_path, spec, kv_dtype, per_token, block_size, chosen, warmup, budgets,
                               budget_blocks, prefix_mode, replicas, budget_counts, tiers_text, tier_policy, offload,
-                              as_json, out)
+                              as_json, out, not no_cache)
     plan = _budget_plan(budgets, budget_blocks, block_size, block_bytes)
     _note(f"{spec.name} {kv_dtype}: {per_token:,} bytes of KV per token ({wi.format_bytes(per_token)}); "
           f"a block of {block_size} tokens is {wi.format_bytes(block_bytes)}")
-    from kvbench.cli.console import say_compiling, working
-    from kvbench.jit import WHATIF_MODULES
+    settings = dict(trace=trace_path, model=spec.name, kv_dtype=kv_dtype, kv_bytes_per_token=per_token,
+                    block_size=block_size, budgets=plan, policies=chosen, warmup=warmup, jobs=jobs,
+                    prefix_mode=prefix_mode, replicas=replicas, router=router,
+                    router_prefix_blocks=router_prefix_blocks)
+    # the same question about the same file and code is answered from the cache; --out computes (its
+    # files are written from the computed result)
+    answer = TraceAnswer(trace_path, _question(settings), use_cache=not (no_cache or out))
+    kept = answer.get()
+    try:
+        result = None if kept is None else wi.WhatIf(**kept)
+    except TypeError:  # not a WhatIf's fields (an entry edited by hand): computed again
+        result = None
+    if result is None:
+        from kvbench.cli.console import say_compiling, working
+        from kvbench.jit import WHATIF_MODULES
 
-    compiling = say_compiling(WHATIF_MODULES)
-    with working("compiling, then the what-if (once per install)", compiling):
-        reqs = read_pieces(trace_path)  # the trace as the what-if needs it, without a Request per line
-        result = wi.whatif(reqs, trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
-                           kv_bytes_per_token=per_token, block_size=block_size, budgets=plan,
-                           policies=chosen, warmup=warmup, jobs=jobs, prefix_mode=prefix_mode,
-                           replicas=replicas, router=router, router_prefix_blocks=router_prefix_blocks)
+        compiling = say_compiling(WHATIF_MODULES)
+        with working("compiling, then the what-if (once per install)", compiling):
+            # the trace as the what-if needs it, without a Request per line; parsed once per file
+            result = wi.whatif(read_pieces_cached(trace_path, use_cache=not no_cache), **settings)
+        answer.put(result.to_dict())
     if not _show(result, wi.write_outputs(result, out) if out else [], as_json, wi.table, wi.gap_table):
         return
     if result.replicas > 1:
@@ -382,10 +397,21 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
               "its first blocks that fit (an engine with this pool would refuse it)")
 
 
+def _question(settings: dict) -> dict:
+    """The what-if's settings as the answer cache's question: JSON values, and each file a policy
+    names (learned:FILE) by its content."""
+    from kvbench.memory.policies import split_policy
+    from kvbench.provenance import file_sha256
+
+    files = {arg: file_sha256(arg) for _, arg in map(split_policy, settings["policies"]) if arg is not None}
+    budgets = [[b.bytes, b.blocks, b.label] for b in settings["budgets"]]
+    return {"command": "trace whatif", **settings, "budgets": budgets, "policy_files": files}
+
+
 def _budget_plan(budgets, budget_blocks, block_size: int, block_bytes: int):
     """--budgets (bytes) or --budget-blocks -> curve.Budget list, each holding a block; InputError
     otherwise."""
-    from kvbench.engine.config import parse_size
+    from kvbench.engine.sizes import parse_size
     from kvbench import whatif as wi
 
     if budget_blocks is not None:
@@ -411,13 +437,13 @@ def _show(result, paths: list[str], as_json: bool, *tables) -> bool:
     """Note the files written, then print the result as JSON or as its tables (each ``table(result)``:
     a rich Table, or None for none).
     Returns whether the tables were printed (the notes after them are for a reader of tables)."""
-    from rich.console import Console
-
     for path in paths:
         _note(f"wrote {path}")
     if as_json:
         click.echo(dumps(result.to_dict()))
         return False
+    from rich.console import Console
+
     console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 110)
     for table in tables:
         t = table(result)
@@ -427,15 +453,15 @@ def _show(result, paths: list[str], as_json: bool, *tables) -> bool:
 
 
 def _whatif_stores(trace_path, spec, kv_dtype, per_token, block_size, chosen, warmup, budgets, budget_blocks,
-                   prefix_mode, replicas, budget_counts, tiers_text, tier_policy, offload, as_json, out):
+                   prefix_mode, replicas, budget_counts, tiers_text, tier_policy, offload, as_json, out,
+                   use_cache):
     """``whatif --tiers`` and ``whatif --budget-counts cache`` (kvbench.whatif.tiers)."""
-    from kvbench.memory.policies import check_policy
-    from kvbench.trace.pieces import read_pieces
-    from kvbench import whatif as wi
-    from kvbench.whatif import tiers as wt
-
     from kvbench.cli.console import say_compiling
     from kvbench.jit import WHATIF_MODULES
+    from kvbench.memory.policies import check_policy
+    from kvbench.trace.cache import read_pieces_cached
+    from kvbench import whatif as wi
+    from kvbench.whatif import tiers as wt
 
     what = "--tiers" if tiers_text is not None else "--budget-counts cache"
     say_compiling(WHATIF_MODULES)
@@ -460,15 +486,16 @@ def _whatif_stores(trace_path, spec, kv_dtype, per_token, block_size, chosen, wa
                 if (size or name == "gpu") and size < block_bytes:
                     raise InputError(f"{name}={label} holds no block of {block_size} tokens "
                                      f"({wi.format_bytes(block_bytes)})", field="--tiers")
-        result = wt.whatif_tiers(read_pieces(trace_path), trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
-                                 kv_bytes_per_token=per_token, block_size=block_size, tiers=tiers,
-                                 policies=chosen, tier_policy=tier_policy, offload=offload, warmup=warmup)
+        result = wt.whatif_tiers(read_pieces_cached(trace_path, use_cache=use_cache), trace=trace_path,
+                                 model=spec.name, kv_dtype=kv_dtype, kv_bytes_per_token=per_token,
+                                 block_size=block_size, tiers=tiers, policies=chosen, tier_policy=tier_policy,
+                                 offload=offload, warmup=warmup)
         _show(result, wt.write_outputs(result, out) if out else [], as_json, wt.table)
         return
     plan = _budget_plan(budgets, budget_blocks, block_size, block_bytes)
-    result = wt.whatif_cache(read_pieces(trace_path), trace=trace_path, model=spec.name, kv_dtype=kv_dtype,
-                             kv_bytes_per_token=per_token, block_size=block_size, budgets=plan,
-                             policies=chosen, warmup=warmup)
+    result = wt.whatif_cache(read_pieces_cached(trace_path, use_cache=use_cache), trace=trace_path,
+                             model=spec.name, kv_dtype=kv_dtype, kv_bytes_per_token=per_token,
+                             block_size=block_size, budgets=plan, policies=chosen, warmup=warmup)
     if _show(result, wi.write_outputs(result, out) if out else [], as_json, wi.table):
         _note("budgets count cached blocks only (an external KV store): requests run outside them")
 

@@ -14,7 +14,6 @@ from kvbench.trace.ideal import dense_block_ids, ideal_hit_blocks, parent_block_
 from kvbench.trace.keys import PrefixKeys, lookup_blocks
 from kvbench.trace.pieces import Pieces
 from kvbench.trace.tokens import TokenStreams
-from kvbench.whatif.compiled import next_uses_dense
 
 PREPARE_STREAM_TOKENS = 2**20  # the token streams' memo while prepare hashes the trace (4 MB)
 
@@ -66,6 +65,8 @@ class BlockTrace:
             raise ValueError("belady needs the BlockTrace built with future=True")
         if not (self.lookups > budget_blocks).any():
             return self.next_use
+        from kvbench.whatif.compiled import next_uses_dense
+
         return next_uses_dense(self.ids, self.starts, np.minimum(self.lookups, budget_blocks))
 
 
@@ -98,6 +99,8 @@ def prepare(requests: Sequence[Request] | Pieces, block_size: int, warmup: float
                     int(hit_blocks[start:].sum()) * block_size, partial=p.seq_lens % block_size != 0,
                     arrival_s=p.arrival_s, parent=parent, keys=distinct)
     if future:
+        from kvbench.whatif.compiled import next_uses_dense
+
         bt.next_use = next_uses_dense(bt.ids, starts, bt.lookups)
     return bt
 

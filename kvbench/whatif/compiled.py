@@ -11,7 +11,7 @@ from kvbench.memory.policy_base import NEVER
 
 def next_uses_dense(ids: np.ndarray, starts: np.ndarray, lookups: np.ndarray) -> np.ndarray:
     """kvbench.memory.future.next_uses_from_keys's backward pass, over dense ids and compiled (its
-    dict of keys and per-request lists cost ~1 GB and 3 s on Mooncake at block 16), flattened like
+    dict of keys and per-request lists of Python ints grow with the whole trace), flattened like
     ``ids``; tests/test_whatif_curve.py holds the two equal."""
     n_ids = int(ids.max()) + 1 if len(ids) else 1
     return _next_uses_compiled(ids, starts, lookups, n_ids, NEVER)

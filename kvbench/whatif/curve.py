@@ -1,59 +1,9 @@
 """The cache what-if (``kvbench trace whatif``): prefix hit rate against KV budget and cache policy,
-straight from a trace, with the infinite-cache ceiling beside it; and the curve's table, parquet and PNG.
-
-The model: requests in trace order, one at a time, no decode. Each request looks up its longest cached
-run of whole blocks (a miss ends it; never the block holding the last prompt token), takes those hits,
-stores its other whole blocks (the prompt's, and a named answer's computed part, as the ideal hit rate
-counts them), evicting by the policy when the budget is full, then releases all of them tail first:
-the calls PagedKV makes for one request of a replay (lookup, allocate, commit, free). A request with
-more whole blocks than the budget B runs as its first B blocks (it looks up at most B, and the cache
-then holds its first B): a pool refuses it, so the rule is ours to choose, and this one keeps lru a
-stack algorithm; its prompt tokens all count. The hit rate is hit tokens / prompt tokens over the
-requests after the warm-up fraction; the requests before it only warm the cache.
-
-lru is computed for every budget at once (``lru_curve``, a Mattson stack-distance pass), and
-``simulate`` agrees with it exactly at any one budget (tests/test_whatif_curve.py) because its lru
-releases every block the request runs with, tail first: a block past the first miss whose key is
-still cached is taken and released with the others rather than left where it was (the pool leaves
-it, and computes a private copy). Tail-first release then makes every prefix more recent than its
-continuation, at every budget. The other policies keep the pool's rule.
-
-``prefix_mode="radix"`` answers the same question for SGLang's radix cache at page size = block size:
-whole blocks matched, as above, and node-granular LRU eviction (kvbench.memory.radix.RadixNodes, the
-class PagedKV's radix mode evicts with): a request's new blocks form a node, a match ending inside a
-node splits it, and eviction frees whole least recently used leaf nodes. Driven one request at a
-time, it gives SGLang 0.5.23's own RadixCache's hits (benchmarks/sglang_reference). Its ceiling is
-the block-granular ideal: without partial-block matching, that is all a radix cache of whole pages can
-reach.
-
-Every cache policy of the registry runs here as in a replay (``learned:FILE`` too, a model fitted
-by ``kvbench trace fit-policy``, kvbench.whatif.fit); policies are told the request's arrival as the
-time, and read keys and parents through DenseView. Each row carries the share of the lru -> belady
-gap the policy closes at its budget (``gap_closed``).
-
-Shared with the replay, not copied: the block keys (kvbench.trace.ideal.PrefixKeys), the lookup rule
-(lookup_blocks), the ceiling (IdealCounter's rule, over dense ids: kvbench.trace.compiled.ideal_hit_blocks,
-held equal to it) and the eviction decisions: the kvbench.memory.policies
-classes, driven through their batch calls in the order PagedKV drives them. Two restatements are
-compiled (numba) for speed, and tests/test_whatif_curve.py holds each to its original: fifo, lfu and
-belady by name (``_run_compiled``; a policy object, e.g. a test's, still drives the class), request
-by request, and belady's future over dense ids (``_next_uses``; kvbench.memory.future's over keys).
-What is not shared is the block pool's bookkeeping (free list, refcounts, token checks): with one
-request at a time every cached block is evictable between requests, so a block is named by its
-prefix key, remapped to a dense id 0..D-1, and one bool array says what is
-cached. The policies break ties by release order, never by block id, so these ids make the same
-decisions as a pool's physical ones; tests/test_whatif.py holds the two to equal hits request by request.
-
-Speed (see benchmarks/bench_whatif.py): lru costs one compiled pass whatever the budgets (lru_curve:
-O(log requests) per run of a request's blocks that one request last released); fifo, lfu and belady
-are compiled (lists by key, O(1) per block); every request's keys are computed once, factorised into
-one flat int array of dense ids and shared by all (budget, policy) points (forked
-workers inherit it); belady's next uses come from one backward pass (another only for a budget below
-some request's lookups: it looks up only its first B there); the other policies are driven once per
-request per kind of call (a batch); points run in processes (``jobs``), the lru pass in the parent
-meanwhile. The keys of a whole trace come from one compiled pass (kvbench.trace.compiled.trace_keys:
-token streams, xxh3 and a memo of the segments that recur after the same parent); on the whole Mooncake
-trace at block 512 reading the trace now takes longer than preparing and running every point.
+straight from a trace, with the infinite-cache ceiling beside it. ``simulate`` runs one (budget, policy)
+point, requests one at a time through the replay's own policy classes; ``lru_curve`` gives lru at every
+budget in one stack-distance pass, equal to ``simulate`` at each; radix mode is SGLang's node eviction.
+The model, what it shares with the replay and what it restates, and its costs: docs/architecture.md,
+"Layer 7, whatif" ("The what-if's model").
 """
 from __future__ import annotations
 
@@ -68,7 +18,6 @@ from kvbench.memory.policies import make_policy
 from kvbench.memory.policy_base import CachePolicy
 from kvbench.memory.radix import RadixNodes
 from kvbench.whatif.blocktrace import BlockTrace, DenseView
-from kvbench.whatif.compiled import COMPILED, lru_depths, run_compiled
 from kvbench.whatif.output import format_bytes
 
 # --------------------------------------------------------------------------------- one point
@@ -104,6 +53,8 @@ def simulate(bt: BlockTrace, budget_blocks: int, policy: str | CachePolicy,
     check_mode(prefix_mode, [label])
     if prefix_mode == "radix":
         return _simulate_radix(bt, budget_blocks, on_request)
+    from kvbench.whatif.compiled import COMPILED
+
     t0 = time.perf_counter()
     if isinstance(policy, str) and policy in COMPILED and bt.requests < 1 << 22:
         hits, evicted = _simulate_compiled(bt, budget_blocks, policy)
@@ -217,10 +168,12 @@ def lru_curve(bt: BlockTrace) -> StackCurve:
     The depth of block j of request i, last released by request p, is the number of blocks released
     since: those whose last release is a request in (p, i), plus the blocks before j that p released
     after it and nobody released since (ancestors of j, whose last release is p). The pass is compiled
-    (``_lru_depths``); the state is one int per block and a Fenwick tree over requests of how many
+    (``compiled.lru_depths``); the state is one int per block and a Fenwick tree over requests of how many
     blocks each was the last to release, so the count over (p, i) costs O(log requests) however far
     back p is.
     """
+    from kvbench.whatif.compiled import lru_depths
+
     t0 = time.perf_counter()
     hits_by_depth, held_by_depth = lru_depths(bt.ids, bt.starts, bt.lookups, bt.window_start,
                                                bt.distinct_blocks)
@@ -229,6 +182,8 @@ def lru_curve(bt: BlockTrace) -> StackCurve:
 
 def _simulate_compiled(bt: BlockTrace, budget_blocks: int, policy: str) -> tuple[np.ndarray, int]:
     """(hit blocks per request, evicted blocks) of ``policy`` at a budget, compiled."""
+    from kvbench.whatif.compiled import COMPILED, run_compiled
+
     n_ids = max(bt.distinct_blocks, 1)
     if policy == "belady":
         # request indices, NEVER as one past the last request: the bucket is (never - next use)

@@ -24,7 +24,6 @@ from kvbench.trace.format import Request
 from kvbench.trace.ideal import ideal_hit_blocks
 from kvbench.trace.pieces import Pieces
 from kvbench.whatif.blocktrace import BlockTrace
-from kvbench.whatif.compiled import next_uses_dense
 from kvbench.whatif.curve import Point
 
 # kv-aware without time: affinity would send every request that shares a first block to one replica,
@@ -84,6 +83,8 @@ def split(bt: BlockTrace, where: np.ndarray, replicas: int, future: bool) -> lis
     of first appearance, parents with them), the warm-up window where the whole trace's begins, and its
     own ceiling (an infinite cache of the replica's own)."""
     import pandas as pd
+
+    from kvbench.whatif.compiled import next_uses_dense
 
     out = []
     sizes = np.diff(bt.starts)

@@ -1,40 +1,9 @@
 """The tiered what-if (``kvbench trace whatif --tiers``) and the external-store semantics
 (``--budget-counts cache``): prefix hit rate per tier (GPU pool, host DRAM, local NVMe) for every
-combination of tier sizes and cache policy, from the trace alone, with the ceiling beside it.
-
-The GPU tier is the what-if's pool (kvbench.whatif.curve.simulate, unchanged: a block loaded from a
-lower tier enters the GPU like a computed one, so the GPU's hits never depend on the tiers behind
-it). Requests one at a time, in trace order. A request looks up its prompt's blocks (lookup_blocks:
-never the block holding the last prompt token): the GPU prefix hit first, then the continuation
-block by block in the lower tiers, each block a hit of the fastest tier holding it (cpu before
-disk), up to the first block no tier holds. Loaded blocks stay in their tier (inclusive) and are
-touched there (a use). Then, with ``write-through``, every block the request computes (hit nowhere:
-the prompt's and a named answer's, the blocks the GPU caches) is stored into every lower tier (a
-block already there is touched); with ``write-back``, the blocks the GPU evicted while the request
-allocated are stored into the next tier (cpu, else disk), those cpu evicts into disk, and disk's
-evictions are dropped; a tier is offered what the tier above evicted most recently used first.
-
-A lower tier is an external store (``Store``): its budget holds only cached blocks, nothing runs
-there, a size of 0 is no tier. A store takes a run of a request's blocks (chain order) the way the
-pool commits them: the ones it holds are touched, the shortfall for the new ones is evicted among
-its other blocks, as many new ones as fit are inserted (the first ones), and the run is released
-tail first, so a prefix is never older than its continuation. belady may decline a block (bypass):
-one whose next use is no earlier than the furthest next use among the blocks it could evict; the
-others always store. ``--budget-counts cache`` is this store alone, fed every block each request
-computes: the single-budget what-if of a KV store (Mooncake Store, LMCache's remote backend).
-
-Every policy is a kvbench.memory.policies class, driven through its batch calls as the block pool
-drives it (reuse, on_use, on_insert, release, pop).
-
-What the tests hold (tests/test_whatif_tiers.py): with no lower tier, the GPU's figures are the
-what-if's; lru's store equals lru's pool at every budget (one request at a time both hold the blocks
-released last), so the two semantics differ only for policies that decline or choose otherwise.
-belady, with next uses counted in lookups, is the brute-force optimum of either semantics wherever
-every block a request holds is one it looks up; a request that holds a block without looking it up
-(the last prompt token's block, a named answer's) stores it again for free, which those next uses do
-not see, and there belady can fall short of the optimum. Per tier, belady ranks blocks by their next
-lookup whether or not a faster tier will serve it, so behind a GPU that holds them it keeps
-duplicates: it is no optimum of the tiers together.
+combination of tier sizes and cache policy, from the trace alone, with the ceiling beside it. The GPU
+tier is kvbench.whatif.curve.simulate; each lower tier is a ``Store`` of cached blocks only. Lookup,
+write-through and write-back, belady's bypass and what the tests hold: docs/architecture.md,
+"Layer 7, whatif" ("Tiers and external stores in the what-if").
 """
 from __future__ import annotations
 
@@ -70,7 +39,7 @@ def parse_tiers(text: str, field: str = "--tiers") -> dict[str, list[tuple[int, 
     """'gpu=16GiB,32GiB,cpu=0,512GiB' -> {'gpu': [(bytes, '16GiB'), ...], 'cpu': [(0, '0'), ...],
     'disk': [(0, '0')]}: an item with ``name=`` starts a tier, bare items extend its list; a tier
     not named is absent (0); gpu is required and holds at least one byte. InputError otherwise."""
-    from kvbench.engine.config import parse_size
+    from kvbench.engine.sizes import parse_size
 
     tiers: dict[str, list[tuple[int, str]]] = {}
     current = None
