@@ -336,12 +336,21 @@ class _Handler(BaseHTTPRequestHandler):
             fake.log.append((prompt, body, answers))
             fake.in_flight += 1
             fake.peak = max(fake.peak, fake.in_flight)
+        self._open = True
         try:
             self._stream(fake, answers, cached, len(prompt))
         finally:
             with fake.lock:
-                fake.in_flight -= 1
                 fake.finished += 1
+            self._close_slot(fake)
+
+    def _close_slot(self, fake) -> None:
+        """The request leaves the server's count before the client can see its end (the usage and
+        [DONE] events): else the client's next request, sent at once, can arrive first."""
+        with fake.lock:
+            if self._open:
+                self._open = False
+                fake.in_flight -= 1
 
     def _stream(self, fake, answers, cached, prompt_len):
         self.send_response(200)
@@ -356,6 +365,7 @@ class _Handler(BaseHTTPRequestHandler):
             for s, ans in enumerate(answers):
                 self._event({"choices": [{"index": s, "text": "", "token_ids": [ans[i]]}]})
         total = sum(len(a) for a in answers)
+        self._close_slot(fake)
         self._event({"choices": [], "usage": {"prompt_tokens": prompt_len, "completion_tokens": total,
                                               "prompt_tokens_details": {"cached_tokens": cached}}})
         self.wfile.write(b"data: [DONE]\n\n")

@@ -176,7 +176,8 @@ def test_the_first_run_on_an_install_says_it_compiles(tmp_path):
 def test_a_read_only_install_caches_compiled_code_in_the_users_cache(tmp_path, monkeypatch):
     from kvbench import jit
 
-    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "")  # recorded, so that the value configure_cache sets is undone
+    monkeypatch.delenv("NUMBA_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(jit, "writable", lambda path: False)
     assert jit.configure_cache("/usr/lib/python3/site-packages/kvbench") == str(tmp_path / "cache" / "kvbench" / "numba")

@@ -337,9 +337,10 @@ class LiveRun:
         self.warm = sorted((r for r in reqs if r.index in warm), key=lambda r: r.t)
         self.measured = sorted((r for r in reqs if r.index not in warm), key=lambda r: r.t)
         self.server = server_settings_from_server(self.root, opts.request_headers())
-        self.model = opts.served_model or self.server.served_model
-        if self.model is None:
+        model = opts.served_model or self.server.served_model
+        if model is None:
             raise InputError(f"{self.root}/v1/models lists no model: name the one to ask for", field="--served-model")
+        self.model = model
         self.vocab_size, self.vocab_source = self._vocab()
         self.prompts = PromptBuilder(reqs, self.vocab_size, opts.remap_vocab, trace_path)
         if opts.api == "completions":
@@ -360,6 +361,7 @@ class LiveRun:
             return self.server.vocab_size, f"the served model's config.json ({self.server.model_path or self.model})"
         from kvbench.executors.presets import get_model
 
+        assert self.cfg.model is not None  # (validate names one)
         return get_model(self.cfg.model).vocab_size, f"--model {self.cfg.model}"
 
     def run(self, on_progress: Callable[[int, int, int], None] | None = None) -> dict:
@@ -479,12 +481,14 @@ class LiveRun:
         st.last_finish_s = max(st.last_finish_s, reply.finish_s)
         nan = math.nan
         per_sample = max(reply.received.values(), default=0)
-        ttft = (reply.first_token_s - reply.issue_s) * 1e3 if done else nan
-        tpot = (reply.finish_s - reply.first_token_s) * 1e3 / (per_sample - 1) if done and per_sample > 1 else nan
+        first = reply.first_token_s if reply.first_token_s is not None else nan  # (none: a stream with no token)
+        ttft = (first - reply.issue_s) * 1e3 if done else nan
+        tpot = (reply.finish_s - first) * 1e3 / (per_sample - 1) if done and per_sample > 1 else nan
         e2e = (reply.finish_s - reply.issue_s) * 1e3 if done else nan
         itl_max = reply.longest_gap_s * 1e3 if done else nan
         for choice, t_s, n in reply.chunks:
             self.tokens.add((r.id, choice, t_s, n))
+        assert self.writer is not None  # (run opens it before any request)
         self.writer.requests.add((r.id, r.session, None, reply.issue_s, reply.first_token_s, reply.finish_s,
                                   reply.prompt_tokens, reply.cached_tokens, reply.output_tokens, r.n, ttft, tpot,
                                   e2e, None, None, None, None, None, None, reply.error, itl_max))
@@ -509,6 +513,7 @@ class LiveRun:
         st, tl = self.st, self.timeline
         duration = st.last_finish_s - st.first_issue_s if st.issued else 0.0
         lat = np.array(st.lat, dtype=np.float64).reshape(-1, 4)
+        s: dict[str, object]  # summary.json's values
         s = {"complete": complete, "requests": len(st.issued), "completed": len(st.served), "rejected": st.rejected,
              "truncated": st.truncated, "errors": st.errors, "not_issued": len(self.measured) - len(st.issued),
              "warmup_requests": len(self.warm), "duration_s": duration,

@@ -115,10 +115,12 @@ class Router:
             pos = bisect_right(self._ring, _h64((int(keys[k - 1]) & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")))
             return self._owner[pos % len(self._ring)], 0
         # kv-aware
-        self.index.advance(now_s)
+        index = self.index
+        assert index is not None  # (kv-aware's)
+        index.advance(now_s)
         best, best_cost, best_hit = 0, None, 0
         for i in range(self.n):
-            hit = self.index.match(i, keys)
+            hit = index.match(i, keys)
             cost = self.cache_weight * (prompt_blocks - hit) + self.load_weight * (loads[i][2] + prompt_blocks)
             if best_cost is None or cost < best_cost:
                 best, best_cost, best_hit = i, cost, hit

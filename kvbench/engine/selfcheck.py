@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvbench import kernels
-from kvbench.executors.model import resolve_device
+from kvbench.executors.model import ModelExecutor, resolve_device
 from kvbench.executors.modeling import (
+    PagedAttention,
     PagedLlama,
     build_inputs,
     build_model,
@@ -37,21 +39,28 @@ def hf_model(spec: ModelSpec, state_dict: dict, device: torch.device, dtype: tor
     ``state_dict``. Mistral is built as Llama: without sliding windows the two are the same network."""
     import transformers
 
-    common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+    common: dict[str, Any] = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
                   intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
                   num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
                   head_dim=spec.head_dim, max_position_embeddings=spec.max_model_len,
                   rms_norm_eps=spec.rms_norm_eps, rope_theta=spec.rope_theta,
                   tie_word_embeddings=spec.tie_word_embeddings)
-    if spec.architecture == "qwen2":
-        cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
-    else:
-        cfg, cls = transformers.LlamaConfig(attention_bias=spec.qkv_bias, **common), transformers.LlamaForCausalLM
+    cfg = (transformers.Qwen2Config(**common) if spec.architecture == "qwen2"
+           else transformers.LlamaConfig(attention_bias=spec.qkv_bias, **common))
     cfg._attn_implementation = "eager"
     with torch.device(device):
-        m = cls(cfg).to(dtype)
+        m: torch.nn.Module = (transformers.Qwen2ForCausalLM(cfg) if isinstance(cfg, transformers.Qwen2Config)
+                              else transformers.LlamaForCausalLM(cfg))
+        m = m.to(dtype)
     m.load_state_dict(state_dict, strict=True)
     return m.eval()
+
+
+def _attention_backend(net: PagedLlama) -> str:
+    """The attention backend our model runs (every layer's PagedAttention holds the same)."""
+    attn = net.model.layers[0].self_attn
+    assert isinstance(attn, PagedAttention)
+    return attn.backend
 
 
 @dataclass
@@ -91,7 +100,8 @@ class _Driver:
 
     def step(self, seqs: list[_Seq]) -> None:
         """One forward over every unfinished sequence: a prefill chunk, or a decode of its last token."""
-        pre, dec = [], []
+        pre: list[tuple[_Seq, int]] = []
+        dec: list[tuple[_Seq, int]] = []
         for s in seqs:
             if s.done:
                 continue
@@ -134,7 +144,7 @@ def _scenario(drv: _Driver, vocab: int, rng: random.Random) -> list[_Seq]:
     d2 = _Seq("sample-2", list(d1.tokens), new_tokens=d1.new_tokens, computed=d1.computed,
               table=d1.table[:2] + [drv.free.pop()])
     kernels.copy_blocks(drv.pool, torch.tensor([[d1.table[2], d2.table[2]]], device=drv.pool.device),
-                        backend=drv.net.model.layers[0].self_attn.backend)
+                        backend=_attention_backend(drv.net))
     d2.logits = dict(d1.logits)
     live = [a, b, c, d1, d2]
     while not a.done:
@@ -180,7 +190,7 @@ def run_selfcheck(device: str = "cpu", model: str | ModelSpec = "tiny", seed: in
     return {"ok": worst <= tol and share >= need, "max_logit_diff": worst, "greedy_agree": share,
             "tolerance": tol, "tokens_compared": sampled, "positions_compared": positions,
             "per_sequence": per_seq, "model": spec.name, "device": str(dev),
-            "dtype": str(dtype).replace("torch.", ""), "attention": net.model.layers[0].self_attn.backend}
+            "dtype": str(dtype).replace("torch.", ""), "attention": _attention_backend(net)}
 
 
 def _engine_requests(tiers: bool = False):
@@ -222,7 +232,7 @@ def run_engine_selfcheck(device: str = "cpu", model: str = "tiny", seed: int = 0
     from kvbench.executors.modeling import default_dtype
 
     reqs = sorted(_engine_requests(tiers), key=lambda r: r.t)
-    tier_cfg = {}
+    tier_cfg: dict[str, Any] = {}  # ReplayConfig's tier fields
     if tiers:
         dtype = "fp32" if default_dtype(resolve_device(device)) == torch.float32 else "bf16"
         block = get_model(model).kv_bytes_per_token(dtype) * 8
@@ -233,10 +243,11 @@ def run_engine_selfcheck(device: str = "cpu", model: str = "tiny", seed: int = 0
                        prefix_mode=prefix_mode, **tier_cfg)
     with tempfile.TemporaryDirectory() as tmp:
         rp = Replay("<selfcheck>", cfg, tmp, requests=reqs)
+        ex = rp.executor
+        assert isinstance(ex, ModelExecutor)  # (executor="model")
         rp.finished = []
-        rp.executor.logits_log = {}
+        ex.logits_log = {}
         summary = rp.run()
-    ex = rp.executor
     ref = hf_model(ex.spec, ex.net.state_dict(), ex.device, ex.dtype)
     agree = total = 0
     worst = 0.0
@@ -248,13 +259,15 @@ def run_engine_selfcheck(device: str = "cpu", model: str = "tiny", seed: int = 0
         rows = {sid: ex.logits_log.get(sid, []) for sid, _ in samples}
         first = next((r[0] for r in rows.values() if len(r) == out_len), None)
         n_equal = 0
-        plen = len(rs.prompt)
+        prompt = rs.prompt
+        assert prompt is not None  # (the model executor takes tokens)
+        plen = len(prompt)
         for sid, toks in samples:
             # The engine feeds each sample the tokens of its own stream (kvbench.trace.tokens), so
             # transformers is fed the same sequence: its logits at every sampled position must match
             # ours, and so must the greedy choice made from them.
             ours = rows[sid] if len(rows[sid]) == out_len else [first] + rows[sid]
-            seq = rs.prompt.tolist() + toks[:-1]
+            seq = prompt.tolist() + toks[:-1]
             with torch.inference_mode():
                 hf = ref(input_ids=torch.tensor([seq], device=ex.device)).logits[0].float().cpu().numpy()
             for i, row in enumerate(ours):

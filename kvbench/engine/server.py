@@ -121,7 +121,7 @@ def read_metrics(text: str) -> MetricsSnapshot:
     samples = parse_prometheus(text)
     kind = engine_kind(samples)
     values: dict[str, float | None] = dict.fromkeys(METRIC_COLUMNS)
-    for src in ENGINE_METRICS.get(kind, ()):
+    for src in (ENGINE_METRICS.get(kind, ()) if kind is not None else ()):
         found = [s.value for s in samples if s.name == src.name and math.isfinite(s.value)]
         if found:
             values[src.column] = sum(found) / len(found) if src.combine == "mean" else sum(found)
@@ -130,7 +130,7 @@ def read_metrics(text: str) -> MetricsSnapshot:
 
 def metric_names(kind: str | None) -> dict[str, str]:
     """column -> the engine's metric name, for config.json."""
-    return {src.column: src.name for src in ENGINE_METRICS.get(kind, ())}
+    return {src.column: src.name for src in (ENGINE_METRICS.get(kind, ()) if kind is not None else ())}
 
 
 @dataclass(slots=True)
@@ -197,7 +197,7 @@ class MetricsTimeline:
     """/metrics scraped before, during and after the measured requests. Gauges are samples (as good
     as the interval); counters are read as differences from the first scrape."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.rows: list[Scrape] = []
         self.failures = 0
 
@@ -247,7 +247,7 @@ class MetricsTimeline:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        cols = {"t_s": [row.t_s for row in self.rows]}
+        cols: dict[str, list[float | None]] = {"t_s": [row.t_s for row in self.rows]}
         for c in METRIC_COLUMNS:
             cols[c] = [row.snapshot.get(c) for row in self.rows]
         schema = pa.schema([(name, pa.float64()) for name in cols])
@@ -274,7 +274,7 @@ class MetricsTimeline:
             step.update(step=k, t_s=row.t_s, dur_ms=(until - row.t_s) * 1e3,
                         running=_int(snap.get("running")), waiting=_int(snap.get("waiting")),
                         blocks_total=blocks_total, blocks_used=used,
-                        blocks_free=None if used is None else blocks_total - used,
+                        blocks_free=None if used is None or blocks_total is None else blocks_total - used,
                         slots_allocated=None if used is None or block_size is None else used * block_size,
                         kv_util=usage, hit_tokens_cum=since_first(snap, "prefix_cache_hits"),
                         query_tokens_cum=since_first(snap, "prefix_cache_queries"))

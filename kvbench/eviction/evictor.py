@@ -1,55 +1,10 @@
 """Layer 3, token eviction: which tokens of a sequence keep their KV when it outgrows its budget.
 
-One mechanism serves every policy; a policy (``EVICTION_POLICIES``, chosen by ``--eviction``) only says how
-many of the kept tokens are the most recent ones, whether attention scores are accumulated, and
-whether evicted tokens go to a CPU pool and can come back:
-- ``streaming`` (StreamingLLM): the first ``--sink-tokens`` plus the most recent tokens;
-- ``h2o``: sinks + a recent window + the heavy hitters (highest accumulated attention), half recent
-  and half heavy as the H2O paper's 10% + 10% of a 20% budget; evicted tokens are gone for good;
-- ``infinigen``: H2O's choice of what stays on the GPU, but evicted tokens' KV moves to a CPU pool
-  (kvbench.eviction.cpu_pool: a capacity and a counter/lru/fifo rule), and before every decode the
-  pooled tokens are scored against the coming query and those above a threshold recalled.
-
-Decisions:
-- Budget = ``--kv-budget`` tokens when >= 1, else ceil(kv_budget x sequence length) (prompt plus
-  tokens generated so far), never below sinks + MIN_RECENT. A sequence is checked after every step in
-  which it computed its last token: when the next decode would exceed the budget it is cut to
-  budget - block_size, so a block is freed and compaction runs about once per block_size steps
-  rather than every step. Prefill computes the whole prompt first (as H2O does); the first cut
-  follows it, so from the first decode on a sequence never holds more than its budget (counted in
-  ``budget_excess_max_tokens``, which stays <= 0 unless memory was too short to compact).
-- Scores: one kept set per token for all layers and heads (a paged block holds every head), so the
-  model executor's weights are summed over the query heads of each KV group, then over groups,
-  and averaged over layers (GQA-safe: a group's heads all vote for the KV they share). Recency is by
-  token position, not slot, since compaction and recall reorder slots.
-- Paged mechanics: ``PagedKV.compact`` packs the kept tokens into the first slots so whole blocks are
-  freed; shared or prefix-cached blocks are never written: their kept tokens are copied into private
-  blocks (token-level copy-on-write) and the reference dropped. K is stored after rotary embedding,
-  so compaction only moves slots: a decode keeps its true position (``decode_positions``) while it
-  writes slot ``num_kv`` and attends to ``num_kv + 1`` slots (``decode_slots``, ``decode_ctx_lens``).
-  Moves, offloads and recalls are queued here and handed to the executor with the next batch.
-- InfiniGen's speculation: before a decode, every pooled token is scored against the query that
-  decode will have, so what it needs is back on the GPU when it runs (scoring the query that just
-  ran would always recall one step late: an answer that quotes its context re-reads the next
-  token of the quote each step). The model executor's ``speculate`` approximates each layer's
-  coming query from the next token's embedding and scores it, on the device, with InfiniGen's
-  reduced-dimension partial keys (half of each head's key dims, kept on the device for the pooled
-  tokens; kvbench.eviction.host_kv says why half), normalised by the same partial scores over the
-  kept tokens and the query's own key. The sim scores its synthetic attention at the coming
-  query's position. A pooled token is recalled when its weight relative to the kept tokens
-  exceeds RECALL_ALPHA times the mean kept token's; at most RECALL_SHARE of the budget per step.
-  PCIe traffic = offloaded + recalled tokens x KV bytes per token; its time comes from the GPU
-  preset's pcie_bw (sim) or is measured (model executor), added to the step (no overlap with
-  compute assumed: an upper bound); the model executor's speculation time is added too.
-- Counters: ``evicted_tokens`` counts evictions (a token recalled and evicted again counts each
-  time), ``recalled_tokens`` recalls, ``offloaded_tokens`` the evictions that went to the CPU pool.
-- Attention mass kept (model executor): every evicted token's K also goes to a host shadow (never
-  counted as traffic or memory) so the executor can add, per decode, the weight the query gives to
-  evicted tokens to the kept tokens' log-sum-exp; mass kept = kept / (kept + evicted), averaged
-  over heads, layers and every decode step (steps with nothing evicted count 1) — of up to
-  MASS_SAMPLE sequences per step, in turn, when more decode at once. The sim executor
-  has no model: it uses the synthetic attention of kvbench.eviction.synth for scores and recalls
-  and reports no mass kept.
+One mechanism (``Evictor``) serves every policy of ``EVICTION_POLICIES`` (``--eviction``: streaming, h2o,
+infinigen); a policy only says how many kept tokens are the most recent, whether attention is scored and
+whether evicted tokens go to a CPU pool and may be recalled. The scheduler calls ``after_step``,
+``release`` and ``fill_batch``. Budgets, scores, the paged mechanics, InfiniGen's speculation and the
+counters: docs/architecture.md, "Layer 3, eviction".
 """
 from __future__ import annotations
 
@@ -125,7 +80,8 @@ class SeqState:
         self.n = num_kv
         self.key = key
         self.reread_p = reread_p
-        self.ahead = None  # sim: (t, raw weights of slots [0, n) for the query at t), computed ahead
+        # sim: (t, raw weights of slots [0, n) for the query at t), computed ahead
+        self.ahead: tuple[int, np.ndarray] | None = None
 
     def sync(self, num_kv: int, computed: int) -> None:
         """Slots [n, num_kv) were written since: the latest tokens, positions up to computed - 1."""
@@ -305,7 +261,9 @@ class Evictor:
         new_pos[comp.dst], new_score[comp.dst] = old_pos[comp.src], old_score[comp.src]
         gone_pos = old_pos[gone_idx]
         if n_recall:
+            assert self.cpu is not None and cand is not None  # (recalls are the CPU pool's candidates)
             o = self.cpu.get(s.seq_id)
+            assert o is not None
             pick = cand[:n_recall]
             new_pos[comp.append], new_score[comp.append] = o.pos[pick], o.score[pick]
             self._recall.append((s.seq_id, o.pos[pick].copy(), comp.append_phys))
@@ -336,6 +294,7 @@ class Evictor:
         """Indices into the sequence's pooled tokens worth recalling for the decode at position
         t_next, best first. ahead: the model executor's speculation (seq_id -> host positions,
         weights), or None for the synthetic attention."""
+        assert self.cpu is not None  # (recalls are the CPU pool's)
         o = self.cpu.get(s.seq_id)
         if o is None or not len(o):
             return None

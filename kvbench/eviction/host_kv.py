@@ -143,6 +143,7 @@ class HostKV:
             pk = self.pk.get(sid)
             if pk is None:
                 continue
+            assert self.dims is not None  # (chosen with the first partial keys)
             rows = torch.from_numpy(np.searchsorted(self.pk_pos[sid], only[i])).to(pk.device)
             kp = pk[:, rows]  # [L, n, Hkv, r]
             qi = q[:, i].view(kp.shape[0], kp.shape[2], -1, q.shape[-1])  # [L, Hkv, G, D]

@@ -8,7 +8,7 @@ from kvbench.memory.paged import RADIX_EVICTIONS, PagedKV
 from kvbench.memory.policies import CACHE_POLICIES, make_policy
 from kvbench.memory.slab import SlabKV
 
-LAYOUTS = {"paged": PagedKV, "slab": SlabKV}
+LAYOUTS: dict[str, type[PagedKV] | type[SlabKV]] = {"paged": PagedKV, "slab": SlabKV}
 
 
 def make_kv(layout: str, num_blocks: int, block_size: int, *, prefix_cache: bool = True,

@@ -17,7 +17,12 @@ copy-on-write): they are memoryviews of the compiled code's arrays, as cheap to 
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 # compiled.py's counter and row indices, restated for the Python side's reads (checked on import)
 USED, LIVE, EVICTIONS, NFREE, NCACHED, VIRTUAL = range(6)
@@ -71,11 +76,11 @@ class ArrayBlockPool:
         self._c = np.zeros(8, dtype=np.int64)
         self._c[cc.NFREE] = n
         self._c[cc.VIRTUAL] = num_blocks - physical  # free blocks never materialised
-        self._n = memoryview(self._c)  # the counters, as Python reads them (ints, list-fast)
+        self._n = self._c.data  # the counters, as Python reads them (ints, list-fast): a memoryview
         self._cached = s32[cc.CACHED]
-        self.refcnt = memoryview(s32[cc.REFCNT, :n])
-        self.fill = memoryview(s32[cc.FILL, :n])
-        self._free_mv = memoryview(s32[cc.FREE])
+        self.refcnt = s32[cc.REFCNT, :n].data
+        self.fill = s32[cc.FILL, :n].data
+        self._free_mv = s32[cc.FREE].data
         self.key = _Keys(self)
         # Tokens of registered blocks, to confirm hits. Rows are written on register only.
         self.tokens = np.zeros((n, block_size), dtype=np.int32) if enable_cache else None
@@ -83,7 +88,7 @@ class ArrayBlockPool:
         self._vkeys = np.empty(n, dtype=np.uint64)
         self._vparents = np.empty(n, dtype=np.uint64)
         self._vgone = np.empty(n, dtype=np.uint8)
-        self.clock = 0  # logical time for policies (lru reads none)
+        self.clock: float = 0  # logical time for policies (lru reads none)
         self.events: list | None = None  # KV events for a router's index, as BlockPool's
         self.spill = None  # write-back tiers, as BlockPool's
         self.kids = None  # leaves-only and node eviction are radix mode's (BlockPool)
@@ -245,7 +250,7 @@ class ArrayBlockPool:
                            np.asarray(tokens, dtype=np.int32), n_max, np.uint64(parent_key), out)
         return out[:n].tolist()
 
-    def touch(self, blocks: list[int], next_uses=None) -> None:
+    def touch(self, blocks: Sequence[int], next_uses=None) -> None:
         """A hit: lru orders by release only."""
 
     # -- checks -----------------------------------------------------------------------------

@@ -24,10 +24,17 @@ block for alloc, incref, decref and register.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import numpy as np
 
 from kvbench.memory.policies import make_policy
 from kvbench.memory.policy_base import NEVER, CachePolicy, PoolView
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from kvbench.memory.radix import RadixNodes
 
 
 class BlockPool:
@@ -71,8 +78,9 @@ class BlockPool:
         self.num_used = 0
         self.tokens_live = 0  # sum of fill over used blocks (a shared block counted once)
         self.evictions = 0  # cached blocks evicted (reclaimed for new content, or freed with their node)
-        self.clock = 0  # logical time for policies (request index or step)
-        self.on_evict = None  # called with each cached block reclaimed (the radix tree forgets it)
+        self.clock: float = 0  # logical time for policies (request index or step)
+        # called with each cached block reclaimed (the radix tree forgets it)
+        self.on_evict: Callable[[int], None] | None = None
         # KV events for a router's index (engine.routing.KVIndex), when a list: (True, keys stored) and
         # (False, keys evicted), in the order they happen; the engine drains it after each step.
         self.events: list | None = None
@@ -84,7 +92,7 @@ class BlockPool:
         self.kid_of: list[int] = []  # the block a child is counted against, or -1
         self.held: list[bool] = []
         self.num_held = 0
-        self.nodes = None  # node eviction: the RadixNodes policy (None until enable_node_eviction)
+        self.nodes: RadixNodes | None = None  # node eviction: the RadixNodes policy (None until enable_node_eviction)
 
     def enable_leaf_eviction(self) -> None:
         n = self.physical
@@ -159,7 +167,7 @@ class BlockPool:
                 for b in victims[k:]:
                     if on_evict is not None:
                         on_evict(b)
-                    del index[key[b]]
+                    del index[key[b]]  # type: ignore[arg-type]  # a cached block has its key
                     key[b] = None
                     fill[b] = 0
                 free.extend(victims[k:])
@@ -178,7 +186,7 @@ class BlockPool:
                         on_evict(b)
                     if self.kids is not None:
                         self._leaf_gone(b)
-                    del index[key[b]]
+                    del index[key[b]]  # type: ignore[arg-type]  # a cached block has its key
                     key[b] = None
                     fill[b] = 0
                     refcnt[b] = 1
@@ -190,10 +198,10 @@ class BlockPool:
     def _keys_leaving(self, victims: list[int]) -> list[int]:
         """The keys that leave the cache when ``victims`` are evicted in this order: each with the
         last of its blocks."""
-        key = self.key
+        key = cast("list[int]", self.key)  # victims are cached: every one has its key
         if not self.dups:
             return [key[b] for b in victims]
-        left = {}
+        left: dict[int, int] = {}
         out = []
         for b in victims:
             k = key[b]
@@ -207,7 +215,7 @@ class BlockPool:
     def _unindex(self, b: int) -> None:
         """Forget cached block ``b`` under its key: the key's next block in caching order takes it
         over, or the key leaves the index (vLLM: BlockHashToBlockMap.pop)."""
-        k = self.key[b]
+        k: int = self.key[b]  # type: ignore[assignment]  # a cached block has its key
         d = self.dups.get(k) if self.dups else None
         if d is None:
             del self.index[k]
@@ -223,8 +231,10 @@ class BlockPool:
         if p < 0:
             return
         self.kid_of[b] = -1
-        self.kids[p] -= 1
-        if not self.kids[p] and self.held[p]:
+        kids = self.kids
+        assert kids is not None  # (leaves-only eviction's)
+        kids[p] -= 1
+        if not kids[p] and self.held[p]:
             self.held[p] = False
             self.num_held -= 1
             self.policy.unhold(p)
@@ -308,7 +318,9 @@ class BlockPool:
         """Leaves-only: a new cached child holds its parent back when the sequence that registers
         it holds the cached parent itself (not a private copy of the same content)."""
         if parent_block >= 0 and self.key[parent_block] == parent_key:
-            self.kids[parent_block] += 1
+            kids = self.kids
+            assert kids is not None  # (leaves-only eviction's)
+            kids[parent_block] += 1
             self.kid_of[b] = parent_block
 
     def register_run(self, blocks: list[int], keys: list[int], parent_key: int, tokens: np.ndarray,
@@ -326,10 +338,9 @@ class BlockPool:
         if self.kids is None and self.nodes is None:  # hash mode: no tree to keep
             return self._register_flat(blocks, keys, parent_key, tokens, next_uses)
         rows = []
-        again = []  # rows whose key another block caches: this copy stays private
-        kids, nodes = self.kids, self.nodes
-        tree = kids is not None or nodes is not None  # radix: parent links to keep
-        links = [] if nodes is not None else None  # (block, counted parent) to link into nodes
+        again: list[int] = []  # rows whose key another block caches: this copy stays private
+        kids, nodes = self.kids, self.nodes  # radix: parent links to keep
+        links: list[tuple[int, int]] = []  # (block, counted parent) to link into nodes
         for i, b in enumerate(blocks):
             k = keys[i]
             if key_of[b] is None:
@@ -343,15 +354,14 @@ class BlockPool:
                 key_of[b] = k
                 parent_of[b] = parent_key
                 rows.append(i)
-                if tree:
-                    if kids is not None:
-                        self._count_kid(b, parent_block, parent_key)
-                    else:  # counted parent: the sequence holds that very cached block
-                        links.append((b, parent_block if parent_block >= 0 and key_of[parent_block] == parent_key
-                                      else -1))
+                if kids is not None:
+                    self._count_kid(b, parent_block, parent_key)
+                elif nodes is not None:  # counted parent: the sequence holds that very cached block
+                    links.append((b, parent_block if parent_block >= 0 and key_of[parent_block] == parent_key
+                                  else -1))
             parent_key = k
             parent_block = b
-        if links:
+        if nodes is not None and links:
             nodes.link_run(links, extend)
         self._indexed(blocks, keys, tokens, next_uses, rows, again)
         return rows
@@ -397,11 +407,13 @@ class BlockPool:
             self.events.append((True, [keys[i] for i in (rows if new is None else new)]))
         self.policy.on_insert_many([blocks[i] for i in rows] if len(rows) < len(blocks) else blocks, self.clock,
                                    None if next_uses is None else [int(next_uses[i]) for i in rows])
+        token_rows = self.tokens
+        assert token_rows is not None  # (registering is the prefix cache's)
         t = tokens.reshape(-1, self.block_size)
         if len(rows) == len(blocks):
-            self.tokens[blocks] = t
+            token_rows[blocks] = t
         else:
-            self.tokens[[blocks[i] for i in rows]] = t[rows]
+            token_rows[[blocks[i] for i in rows]] = t[rows]
 
     def match(self, keys: list[int], tokens: np.ndarray, n_max: int, parent_key: int) -> list[int]:
         """The blocks caching the longest run of ``keys[:n_max]``, confirmed against tokens.
@@ -422,12 +434,13 @@ class BlockPool:
         if hits:
             bs = self.block_size
             n = len(hits)
+            assert self.tokens is not None  # (enable_cache)
             same = (self.tokens[hits] == tokens[: n * bs].reshape(n, bs)).all(axis=1)
             if not same.all():
                 hits = hits[: int(np.argmin(same))]
         return hits
 
-    def touch(self, blocks: list[int], next_uses=None) -> None:
+    def touch(self, blocks: Sequence[int], next_uses=None) -> None:
         """Tell the policy these cached blocks were just used (hit)."""
         nus = None if next_uses is None else [int(nu) for nu in next_uses]
         self.policy.on_use_many(blocks, self.clock, nus)
@@ -445,8 +458,9 @@ class BlockPool:
                "num_cached": len(cached), "num_free": self.num_blocks - len(used) - len(cached)}
         by_key: dict[int, list[int]] = {}  # every block of a key, the index finding the first cached
         for b in range(self.physical):
-            if self.key[b] is not None:
-                by_key.setdefault(self.key[b], []).append(b)
+            k = self.key[b]
+            if k is not None:
+                by_key.setdefault(k, []).append(b)
         assert set(by_key) == set(self.index), "the index is not the keyed blocks"
         for k, blocks in by_key.items():
             order = list(self.dups[k]) if k in self.dups else [self.index[k]]

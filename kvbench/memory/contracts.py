@@ -4,8 +4,9 @@ KV layout (``KVManager``: PagedKV, SlabKV), what a paged layout asks of its bloc
 per-sequence state the scheduler holds; ``Compaction``; ``KVStats``).
 
 A capability is a declared member, never probed: a layout that cannot shrink a sequence says so
-(``can_compact``), and the evictor refuses it. tests/test_contracts.py holds every implementation to
-its Protocol, and mypy checks the callers (a CI step of its own).
+(``can_compact``), and the evictor refuses it. mypy (a CI step of its own) holds every implementation
+to its Protocol -- make_kv returns a KVManager, PagedKV's pool is a BlockPoolAPI -- and the callers
+to the members declared here.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class SeqKV:
     open_block: int = -1  # node eviction: the tail of the node this sequence's decode steps extend
     dropped: int = 0  # computed tokens evicted from the slots (token eviction)
     compacted: bool = False  # slots no longer hold positions 0..num_kv-1: never register again
-    tier_match: Any = None  # the last lookup's hits in the tiers behind the pool (tiers.TierMatch)
+    tier_match: TierMatch | None = None  # the last lookup's hits in the tiers behind the pool
 
 
 @dataclass(slots=True)
@@ -185,6 +186,7 @@ class BlockPoolAPI(Protocol):
     fill: Any
     key: Any  # per block: its prefix key, or None
     tokens: np.ndarray | None
+    tokens_live: int  # sum of fill over used blocks; PagedKV.commit_all adds what it writes in place
 
     @property
     def num_used(self) -> int: ...
@@ -197,9 +199,6 @@ class BlockPoolAPI(Protocol):
 
     @property
     def num_available(self) -> int: ...
-
-    @property
-    def tokens_live(self) -> int: ...
 
     @property
     def evictions(self) -> int: ...
@@ -225,7 +224,7 @@ class BlockPoolAPI(Protocol):
 
     def match(self, keys: Any, tokens: np.ndarray, n_max: int, parent_key: int) -> list[int]: ...
 
-    def touch(self, blocks: list[int], next_uses: Any = None) -> None: ...
+    def touch(self, blocks: Sequence[int], next_uses: Any = None) -> None: ...
 
     def dup_chains(self) -> dict[int, list[int]]: ...
 

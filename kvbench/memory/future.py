@@ -20,13 +20,14 @@ def next_uses_from_keys(keys_per_request: Sequence[list[int]], lookups: Sequence
     """``keys_per_request[i]``: request i's block keys; ``lookups[i]``: how many leading ones it looks
     up. Returns, per request, the next request index using each of its blocks (NEVER if none)."""
     last: dict[int, int] = {}
-    out: list[np.ndarray] = [None] * len(keys_per_request)  # type: ignore[list-item]
+    out: list[np.ndarray] = []  # last request first, reversed at the end
     for i in range(len(keys_per_request) - 1, -1, -1):
         ks = keys_per_request[i]
         get = last.get
-        out[i] = np.fromiter((get(k, NEVER) for k in ks), dtype=np.int64, count=len(ks))
+        out.append(np.fromiter((get(k, NEVER) for k in ks), dtype=np.int64, count=len(ks)))
         for k in ks[: lookups[i]]:
             last[k] = i
+    out.reverse()
     return out
 
 

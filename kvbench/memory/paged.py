@@ -22,6 +22,9 @@ prefix of its tokens.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 import xxhash
 
@@ -32,6 +35,9 @@ from kvbench.memory.policy_base import NEVER
 from kvbench.memory.radix import PARTIAL_SALT, RadixChildren
 from kvbench.trace.keys import lookup_blocks
 from kvbench.trace.tokens import ROOT_KEY, block_keys
+
+if TYPE_CHECKING:
+    from kvbench.memory.tiers import TierMatch, Tiers
 
 RADIX_EVICTIONS = ("node", "block")  # --radix-eviction
 
@@ -63,36 +69,39 @@ class PagedKV:
             raise ValueError(f"node eviction orders nodes by recency (SGLang's lru); cache policy "
                              f"{cache_policy!r} needs block eviction")
         self.pool: BlockPoolAPI
+        self.tree: BlockPool | None = None  # radix mode: the pool itself, as the BlockPool that keeps the tree
         if (self.compiled_pool if compiled is None else compiled) and not radix and cache_policy == "lru":
             self.pool = ArrayBlockPool(num_blocks, block_size, enable_cache=prefix_cache, physical=physical)
         else:
             # hash mode under lru is vLLM's BlockPool: a key recomputed while cached is cached twice
-            self.pool = BlockPool(num_blocks, block_size, enable_cache=prefix_cache, policy=cache_policy,
-                                  physical=physical, duplicate_keys=not radix and cache_policy == "lru")
+            self.pool = pool = BlockPool(num_blocks, block_size, enable_cache=prefix_cache, policy=cache_policy,
+                                         physical=physical, duplicate_keys=not radix and cache_policy == "lru")
+            if radix:
+                self.tree = pool
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.prefix_cache = prefix_cache
         self.radix_partial = radix and radix_partial
         self.radix = RadixChildren() if self.radix_partial else None  # children by first token
-        if self.radix is not None:
-            self.pool.on_evict = self.radix.remove
-        if radix:
+        if self.tree is not None:  # radix
+            if self.radix is not None:
+                self.tree.on_evict = self.radix.remove
             if radix_eviction == "node":  # SGLang evicts whole leaf nodes of its tree
-                self.pool.enable_node_eviction()
+                self.tree.enable_node_eviction()
             else:  # ... leaf blocks only
-                self.pool.enable_leaf_eviction()
+                self.tree.enable_leaf_eviction()
         self._pinned: list[int] = []  # sources of pending partial-hit copies, held until handed over
         self.partial_hit_tokens = 0  # radix: tokens served by copying a partly matching block
         self.copies: list[tuple[int, int]] = []  # copy-on-write copies not yet handed to an executor
         self.cow_copies = 0
         self.last_shortfall = 0  # after a failed allocate: the blocks it would have needed free
-        self.tiers = None  # kvbench.memory.tiers.Tiers behind the pool (attach_tiers)
-        self.last_loaded = None  # after a successful allocate: the TierMatch it loaded, or None
+        self.tiers: Tiers | None = None  # the tiers behind the pool (attach_tiers)
+        self.last_loaded: TierMatch | None = None  # after a successful allocate: the TierMatch it loaded, or None
 
-    def attach_tiers(self, tiers) -> None:
+    def attach_tiers(self, tiers: Tiers) -> None:
         """Put a chain of tiers (kvbench.memory.tiers.Tiers) behind the pool: lookups continue into
         it, computed blocks are stored write-through, or evicted ones write-back. Hash mode only."""
-        if not self.prefix_cache or self.radix_partial or self.pool.kids is not None or self.pool.nodes is not None:
+        if not self.prefix_cache or self.tree is not None:
             raise ValueError("prefix-cache tiers need the hash prefix cache (--prefix-mode hash)")
         if self.pool.num_used or self.pool.num_cached:
             raise ValueError("attach tiers to an empty pool")  # sequences' keys change type with them
@@ -155,9 +164,10 @@ class PagedKV:
             keys = s.keys = np.zeros(0, dtype=np.uint64) if self.keys_as_arrays else []
         have = len(keys)
         if have < n_blocks:
-            bs = self.block_size
-            total = len(s.tokens) // bs  # every block of known tokens at once: one call per sequence
-            more = block_keys(s.tokens[have * bs:total * bs], bs, total - have, int(keys[-1]) if have else ROOT_KEY)
+            bs, tokens = self.block_size, s.tokens
+            assert tokens is not None  # (keys are those of known tokens)
+            total = len(tokens) // bs  # every block of known tokens at once: one call per sequence
+            more = block_keys(tokens[have * bs:total * bs], bs, total - have, int(keys[-1]) if have else ROOT_KEY)
             if isinstance(keys, list):
                 keys.extend(more)
             else:
@@ -174,11 +184,13 @@ class PagedKV:
         bs = self.block_size
         n_max = min(lookup_blocks(num_tokens, bs), len(s.tokens) // bs)
         hits = self.pool.match(self._keys(s, n_max), s.tokens, n_max, ROOT_KEY) if n_max > 0 else []
-        if self.radix_partial:  # radix: extend the match into the next block, token by token
+        if self.radix is not None:  # radix: extend the match into the next block, token by token
             pos = len(hits) * bs
             want = s.tokens[pos:min(pos + bs, num_tokens - 1, len(s.tokens))]
             parent = s.keys[len(hits) - 1] if hits else ROOT_KEY
-            s.partial_block, s.partial_len = self.radix.best(parent, want, self.pool.tokens, self.pool.fill)
+            rows = self.pool.tokens
+            assert rows is not None  # (the prefix cache's)
+            s.partial_block, s.partial_len = self.radix.best(parent, want, rows, self.pool.fill)
         elif self.tiers and len(hits) < n_max:  # the continuation, in the tiers behind the pool
             s.tier_match = self.tiers.match(s.keys, len(hits), n_max, s.keys[len(hits) - 1] if hits else ROOT_KEY,
                                             bs, num_tokens)
@@ -205,7 +217,7 @@ class PagedKV:
         return (len(hits) + (len(m) if m else 0)) * self.block_size + s.partial_len
 
     # -- allocation --------------------------------------------------------------------------
-    def allocate(self, s: SeqKV, num_new: int, hits: list[int] = (), watermark: int = 0,
+    def allocate(self, s: SeqKV, num_new: int, hits: Sequence[int] = (), watermark: int = 0,
                  must_fit: int = 0, forks: int = 0) -> bool:
         """Make the table cover ``num_kv + len(hits)*block_size + num_new`` tokens and register in the
         prefix cache the blocks those tokens fill.
@@ -254,12 +266,13 @@ class PagedKV:
         if n_hit:
             assert not s.table and s.num_kv == 0, "hits are only taken by an empty table"
             p.incref_many(hits)
-            if p.nodes is not None:  # node eviction: the match ends here, and leaves a node
-                down = p.nodes.down  # wherever the next hit is not the node's next block (a run
+            nodes = self.tree.nodes if self.tree is not None else None
+            if nodes is not None:  # node eviction: the match ends here, and leaves a node
+                down = nodes.down  # wherever the next hit is not the node's next block (a run
                 for a, b in zip(hits, hits[1:]):  # registered after a private copy hangs apart)
                     if down[a] >= 0 and down[a] != b:
-                        p.nodes.split_after(a)
-                p.nodes.split_after(hits[-1])
+                        nodes.split_after(a)
+                nodes.split_after(hits[-1])
             p.touch(hits, None if s.next_use is None else s.next_use[:n_hit])
             s.table.extend(hits)
             s.num_kv = n_hit * bs
@@ -273,10 +286,12 @@ class PagedKV:
             self.copies.append((src, dst))
             self.cow_copies += 1
         if n_load:  # the tier slots read are pinned before any eviction this allocation makes
+            assert m is not None and self.tiers is not None  # (the lookup's hits in the tiers)
             self.tiers.pin(m, None if s.next_use is None else s.next_use[n_hit:n_hit + n_load])
         if part:  # pin the source until the copy is handed to the executor (take_copies)
-            p.incref(s.partial_block)
-            p.split_after(s.partial_block)  # node eviction: held alone, its node is itself (radix only)
+            assert self.tree is not None  # (a partial hit is radix mode's)
+            self.tree.incref(s.partial_block)
+            self.tree.split_after(s.partial_block)  # node eviction: held alone, its node is itself
             self._pinned.append(s.partial_block)
         if need:
             p.alloc_into(s.table, need)
@@ -291,11 +306,13 @@ class PagedKV:
             loaded = s.table[n_hit:n_hit + n_load]
             for b in loaded:
                 p.add_fill(b, bs)
+            assert m is not None and self.tiers is not None
             self.tiers.loads(m, loaded)
             s.num_kv += n_load * bs
             self._register(s, n_hit + n_load, through=False)
             self.last_loaded = m
         if m is not None:
+            assert self.tiers is not None
             self.tiers.declined_tokens += m.declined * bs
         s.tier_match = None
         end = s.num_kv + num_new
@@ -353,7 +370,8 @@ class PagedKV:
     def _register(self, s: SeqKV, full: int, decode: bool = False, through: bool = True) -> None:
         """Register blocks [num_registered, full); ``through``: they are computed (not loaded from a
         tier), so write-through tiers store the ones the pool indexes."""
-        bs, a = self.block_size, s.num_registered
+        bs, a, tokens = self.block_size, s.num_registered, s.tokens
+        assert tokens is not None  # (blocks are registered under their tokens' keys)
         keys = self._keys(s, full)
         nu = None
         if s.next_use is not None:  # blocks past the ones a later request looks up are never used
@@ -362,11 +380,11 @@ class PagedKV:
                 nu = np.concatenate([nu, np.full(full - a - len(nu), NEVER, dtype=np.int64)])
         parent = s.table[a - 1] if a else -1
         extend = False
-        if self.pool.nodes is not None:  # decode steps grow the node their first block started
+        if self.tree is not None and self.tree.nodes is not None:  # decode steps grow the node they began
             extend = decode and parent >= 0 and parent == s.open_block
             s.open_block = s.table[full - 1] if decode else -1
         fresh = self.pool.register_run(s.table[a:full], keys[a:full], keys[a - 1] if a else ROOT_KEY,
-                                       s.tokens[a * bs:full * bs], nu, parent, extend)
+                                       tokens[a * bs:full * bs], nu, parent, extend)
         s.num_registered = full
         tiers = self.tiers
         if tiers is not None and through and tiers.write_through:
@@ -378,7 +396,7 @@ class PagedKV:
                              None if nu is None else [nu[j - a] for j in new])
         if self.radix is not None:
             key_of, table, add = self.pool.key, s.table, self.radix.add
-            firsts = s.tokens[a * bs:full * bs:bs].tolist()
+            firsts = tokens[a * bs:full * bs:bs].tolist()
             for j in range(a, full):
                 b = table[j]
                 if key_of[b] == keys[j]:
@@ -387,20 +405,21 @@ class PagedKV:
     def _register_partial_tail(self, s: SeqKV) -> None:
         """Radix: leave a finished or preempted sequence's partial last block in the tree, when its
         tokens are known (prompt or named answer) and nobody else holds it."""
-        bs, p = self.block_size, self.pool
+        bs, p, radix, tokens = self.block_size, self.tree, self.radix, s.tokens
+        assert p is not None and radix is not None and tokens is not None  # (radix_partial, the tokens known)
         j, f = divmod(s.num_kv, bs)
-        if not f or j >= len(s.table) or j * bs + f > len(s.tokens):
+        if not f or j >= len(s.table) or j * bs + f > len(tokens):
             return
         b = s.table[j]
         if p.refcnt[b] != 1 or p.key[b] is not None:
             return
         parent = self._keys(s, j)[j - 1] if j else ROOT_KEY
-        toks = s.tokens[j * bs:j * bs + f]
+        toks = tokens[j * bs:j * bs + f]
         row = np.zeros(bs, dtype=np.int32)
         row[:f] = toks
         key = xxhash.xxh3_64_intdigest(toks.tobytes(), parent) ^ PARTIAL_SALT
         if p.register(b, key, parent, row, parent_block=s.table[j - 1] if j else -1, extend=True):
-            self.radix.add(b, parent, toks[0])
+            radix.add(b, parent, toks[0])
 
     def free(self, s: SeqKV) -> None:
         """Drop the sequence's references, tail first so its last blocks are evicted first."""
@@ -418,7 +437,7 @@ class PagedKV:
     def _check_unpinned(self) -> None:
         """A pinned partial-hit source is referenced without its parent; dropping references before
         ``take_copies`` could leave that parent held but unreachable (leaves-only eviction)."""
-        if self._pinned and (self.pool.kids is not None or self.pool.nodes is not None):
+        if self._pinned and self.tree is not None:  # (radix mode: leaves-only or node eviction)
             raise RuntimeError("take_copies() must follow a partial-hit allocation before free or compact")
 
     def fork(self, s: SeqKV, child: SeqKV) -> None:
@@ -454,7 +473,10 @@ class PagedKV:
         when those new blocks are not available.
         """
         self._check_unpinned()
-        p, bs = self.pool, self.block_size
+        p, bs, tree = self.pool, self.block_size, self.tree
+        # radix mode: per block, its counted parent (leaves-only: kid_of; node eviction: up), or -1
+        counted = (None if tree is None else tree.kid_of if tree.kids is not None else
+                   tree.nodes.up if tree.nodes is not None else None)
         old_n = s.num_kv
         keep = np.asarray(keep, dtype=np.int64)
         n = len(keep) + append
@@ -470,8 +492,7 @@ class PagedKV:
             elif self._frozen(table[k]):
                 lo, f = k * bs, fill[table[k]]
                 stay[k] = (lo + f <= n and (f == bs or lo + f == n) and bool(kept[lo:lo + f].all()))
-                par = (p.kid_of[table[k]] if p.kids is not None else
-                       p.nodes.up[table[k]] if p.nodes is not None else -1)
+                par = counted[table[k]] if counted is not None else -1
                 if stay[k] and par >= 0 and not (k and stay[k - 1] and table[k - 1] == par):
                     stay[k] = False  # leaves-only: a cached block is never held without its parent
         n_new = int(nb - stay.sum())
@@ -497,11 +518,11 @@ class PagedKV:
                 p.tokens_live += want - fill[b]
                 fill[b] = want
         s.table = new_table
-        if p.nodes is not None:  # a kept block whose node continues into released ones: split there
-            for b in released:
-                up = p.nodes.up[b]
+        if tree is not None and tree.nodes is not None:  # a kept block whose node continues into released
+            for b in released:  # ones: split there
+                up = tree.nodes.up[b]
                 if up >= 0 and up in kept_blocks and p.key[b] is not None:
-                    p.split_after(up)
+                    tree.split_after(up)
         p.release_all(released[::-1])
         s.dropped += old_n - n
         s.num_kv = n

@@ -1,50 +1,10 @@
-"""Cache policies: which cached-but-unused block to reclaim first (``--cache-policy``).
+"""Cache policies: which cached-but-unused block to reclaim first (``--cache-policy``), and their
+registry (``CACHE_POLICIES``, ``make_policy``, ``needs_future``).
 
-A policy holds the *evictable* set: blocks whose refcount is 0 but whose KV is still cached under a
-prefix key. The block pool tells it when a block is registered, used, released (refcount -> 0),
-reused (refcount 0 -> 1) and forgotten; the policy answers ``pop()`` with the victim.
-
-- lru: least recently released first. An OrderedDict is a doubly linked list in C, so release,
-  reuse and pop are O(1). Within one request blocks are released tail first, so a sequence's last
-  blocks go before its shared prefix (vLLM's order).
-- fifo: the block registered longest ago first.
-- lfu: fewest uses first, ties by least recent use.
-- belady: the block whose next use lies furthest in the future (never used again = infinitely far),
-  the offline optimum; the caller passes each block's next use (a request index) when it uses it.
-
-fifo, lfu and belady are bucket queues of OrderedDicts, since their priorities are small ints (a
-count, a request index; fifo needs only one bucket): insert, release, reuse and pop cost O(1)
-dict operations in C, which matters when nearly every block is inserted and then evicted. Ties in
-priority go to the block released longest ago (lru's order): for belady, blocks that the same
-future request needs are then given up tail first, and no decision depends on which physical block
-id holds a prefix, so a caller may number blocks as it likes (kvbench.whatif.curve numbers them by prefix
-key); fifo and lfu never tie. tests/test_policies.py holds every policy to this rule, evaluated by
-brute force. The same classes serve the replay engine and ``kvbench trace whatif``. The ``*_many``
-forms do what the one-block calls do, block by block in order, with the per-call overhead paid once.
-
-Radix mode with ``--radix-eviction node`` (the default) replaces the policy by
-kvbench.memory.radix.RadixNodes, SGLang's node-granular LRU. With ``--radix-eviction block`` it
-evicts leaves only (kvbench.memory.block_pool): a released block that a cached block
-continues is ``hold``-ed — released for ordering, not evictable — and ``unhold``-en when its last
-cached child is evicted. lru and the touch-ordered queues (fifo, lfu) give it the place its release
-(or touch) gave it — lru keeps held blocks in its queue and skips them; belady re-queues it at its
-unhold, so among blocks of the same next use it goes last rather than by release.
-
-Policies from cache research, and two that use the structure of LLM prompts (issue 22); each
-class's docstring states its rule and where it comes from. ``capacity`` is the cache's size in blocks
-(the pool's, or the what-if's budget), and the CacheView a policy is bound to (``bind``) tells it a
-block's prefix key (its content, which outlives the physical block: ARC's and S3-FIFO's ghosts) and
-the cached block holding its parent key (chain depth, continuations):
-
-- lru2: LRU-K with K = 2 (O'Neil et al., SIGMOD '93), the second-most-recent use;
-- arc: ARC (Megiddo & Modha, FAST '03), recency and frequency lists sized by ghost hits;
-- s3fifo: S3-FIFO (Yang et al., SOSP '23), a small probationary FIFO, a main FIFO, a ghost FIFO;
-- prefix: the deepest block first, ties by recency;
-- learned (kvbench.memory.learned): the lowest predicted chance of reuse within W seconds.
-
-lru2, prefix and learned key a block when it becomes evictable and keep a heap (O(log n)); arc and
-s3fifo are O(1) dict operations per block, amortised. tests/test_policies.py holds each to a
-brute-force restatement of its rule.
+Each is a kvbench.memory.policy_base.CachePolicy over the pool's evictable set (refcount 0, still
+indexed); the same classes serve the replay and ``kvbench trace whatif``. Ties go to the block released
+longest ago, never to a block id. Each class's docstring states its rule and source; the policies, their
+costs and the radix modes: docs/architecture.md, "Layer 2, memory" ("Cache policies").
 """
 from __future__ import annotations
 
@@ -80,10 +40,10 @@ class LRUPolicy(CachePolicy):
         self._held.discard(block)
         del self._q[block]
 
-    def on_insert(self, block: int, now: int, next_use: int = NEVER) -> None:
+    def on_insert(self, block: int, now: float, next_use: int = NEVER) -> None:
         pass  # lru orders by release only; the block pool skips this call on its hot path
 
-    def on_use(self, block: int, now: int, next_use: int = NEVER) -> None:
+    def on_use(self, block: int, now: float, next_use: int = NEVER) -> None:
         pass
 
     def release(self, block: int) -> None:
@@ -116,7 +76,7 @@ class LRUPolicy(CachePolicy):
         return len(self._q) - len(self._held)
 
 
-_consume = deque(maxlen=0).extend  # runs a map for its side effects, in C
+_consume = deque[object](maxlen=0).extend  # runs a map for its side effects, in C
 _BITS = 40  # park sequence numbers and block ids each fit in 40 bits
 _LOW = (1 << _BITS) - 1
 
@@ -217,18 +177,18 @@ class _TouchOrder(CachePolicy):
 class FIFOPolicy(_TouchOrder):
     name = "fifo"
 
-    def on_insert_many(self, blocks, now: int, next_uses=None) -> None:
+    def on_insert_many(self, blocks, now: float, next_uses=None) -> None:
         self._queue(blocks, 0)
 
 
 class LFUPolicy(_TouchOrder):
     name = "lfu"
 
-    def on_insert_many(self, blocks, now: int, next_uses=None) -> None:
+    def on_insert_many(self, blocks, now: float, next_uses=None) -> None:
         _consume(map(self._key.__setitem__, blocks, repeat(1)))
         self._queue(blocks, 1)
 
-    def on_use_many(self, blocks, now: int, next_uses=None) -> None:
+    def on_use_many(self, blocks, now: float, next_uses=None) -> None:
         buckets, key, low = self._buckets, self._key, self._min
         for b in blocks:
             c = key[b]
@@ -267,12 +227,12 @@ class BeladyPolicy(CachePolicy):
         self._buckets: dict[int, OrderedDict[int, None]] = {}
         self._keys: list[int] = []
 
-    def on_insert_many(self, blocks, now: int, next_uses=None) -> None:
+    def on_insert_many(self, blocks, now: float, next_uses=None) -> None:
         _consume(map(self._next.__setitem__, blocks, repeat(NEVER) if next_uses is None else next_uses))
 
     on_use_many = on_insert_many
 
-    def on_recompute_many(self, blocks, now: int, next_uses=None) -> None:
+    def on_recompute_many(self, blocks, now: float, next_uses=None) -> None:
         buckets, nxt = self._buckets, self._next
         waiting = [b for b in blocks if b in buckets.get(nxt[b], ())]
         self.reuse_many(waiting)  # out of the bucket of the old next use ...
@@ -632,7 +592,9 @@ def make_policy(name: str, num_blocks: int, capacity: int | None = None) -> Cach
     (default ``num_blocks``, the pool's)."""
     base, arg = split_policy(check_policy(name))
     cls = CACHE_POLICIES[base]
-    return cls(num_blocks, capacity) if arg is None else cls(num_blocks, capacity, arg)
+    if arg is None:
+        return cls(num_blocks, capacity)
+    return cls(num_blocks, capacity, arg)  # type: ignore[call-arg]  # a takes_arg policy's constructor takes ARG
 
 
 CACHE_POLICIES["learned"] = LearnedPolicy

@@ -49,7 +49,11 @@ class CachePolicy:
 
     name = "base"
     needs_future = False  # it ranks blocks by their next use, which the caller computes from the trace
-    takes_arg = False  # ``name:ARG`` (learned:FILE)
+    takes_arg = False  # ``name:ARG`` (learned:FILE): the constructor's third argument, read by check_arg
+
+    @staticmethod
+    def check_arg(arg: str) -> None:
+        """ValueError in one line unless ``arg`` suits the policy (one that ``takes_arg``)."""
 
     def __init__(self, num_blocks: int, capacity: int | None = None):
         self.num_blocks = num_blocks
@@ -60,11 +64,11 @@ class CachePolicy:
         """Read block keys and parents through ``view`` (BlockPool: PoolView)."""
         self.view = view
 
-    def on_insert(self, block: int, now: int, next_use: int = NEVER) -> None:
+    def on_insert(self, block: int, now: float, next_use: int = NEVER) -> None:
         """A block was registered in the cache (it is in use)."""
         self.on_insert_many((block,), now, (next_use,))
 
-    def on_use(self, block: int, now: int, next_use: int = NEVER) -> None:
+    def on_use(self, block: int, now: float, next_use: int = NEVER) -> None:
         """A cached block was hit (it is in use)."""
         self.on_use_many((block,), now, (next_use,))
 
@@ -93,13 +97,13 @@ class CachePolicy:
         """A held block is taken again (hit)."""
 
     # -- batch forms: the one-block call applied to every block, in order ----------------------
-    def on_insert_many(self, blocks, now: int, next_uses=None) -> None:
+    def on_insert_many(self, blocks, now: float, next_uses=None) -> None:
         """``next_uses[i]`` belongs to ``blocks[i]``; None means NEVER for all."""
 
-    def on_use_many(self, blocks, now: int, next_uses=None) -> None:
+    def on_use_many(self, blocks, now: float, next_uses=None) -> None:
         pass
 
-    def on_recompute_many(self, blocks, now: int, next_uses=None) -> None:
+    def on_recompute_many(self, blocks, now: float, next_uses=None) -> None:
         """Cached blocks that a request computed again because a miss came before them: not a use
         (no other policy counts it), but their next use moved on, and belady must know it or it keeps
         them for a use that has passed."""

@@ -31,7 +31,7 @@ PARTIAL_SALT = 0x7061727469616C00  # "partial"
 class RadixChildren:
     """(parent key, first token) -> cached blocks, for the partial step of a radix match."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._kids: dict[tuple[int, int], set[int]] = {}
         self._slot: dict[int, tuple[int, int]] = {}  # block -> its (parent key, first token)
 
@@ -261,7 +261,7 @@ class RadixNodes(CachePolicy):
         the pool indexes."""
         refcnt, up, down, is_head = self.refcnt, self.up, self.down, self.is_head
         ix = set(indexed)
-        kids = {}
+        kids: dict[int, int] = {}
         for b in range(self.num_blocks):
             if b not in ix:
                 assert up[b] == -1 and down[b] == -1 and not is_head[b], f"forgotten block {b} keeps tree state"

@@ -10,10 +10,15 @@ merged on release: O(number of holes) per reservation, once per sequence, never 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvbench.memory.contracts import Compaction, KVEvent, KVStats, SeqKV
+
+if TYPE_CHECKING:
+    from kvbench.memory.tiers import TierMatch, Tiers
 
 
 class SlabKV:
@@ -23,8 +28,8 @@ class SlabKV:
     prefix_cache = False
     can_compact = False  # a reservation never shrinks: evicting tokens would free nothing
     watermark_frac = 0.0  # a reservation never grows: no room to keep for growth
-    tiers = None  # no prefix cache, so no tiers behind it
-    last_loaded = None
+    tiers: Tiers | None = None  # no prefix cache, so no tiers behind it
+    last_loaded: TierMatch | None = None
     keys_as_arrays = False
     cache_evictions = 0  # nothing is cached
     partial_hit_tokens = 0
@@ -83,7 +88,7 @@ class SlabKV:
             lens[i] += lens[i + 1]
             del starts[i + 1], lens[i + 1]
 
-    def allocate(self, s: SeqKV, num_new: int, hits: list[int] = (), watermark: int = 0,
+    def allocate(self, s: SeqKV, num_new: int, hits: Sequence[int] = (), watermark: int = 0,
                  must_fit: int = 0, forks: int = 0) -> bool:
         """Reserve the sequence's slab, and one for each of the ``forks`` samples it will fork, on
         first call (a slab always holds the whole sequence, so ``must_fit`` holds by construction);
@@ -94,7 +99,7 @@ class SlabKV:
             self.last_shortfall = want + watermark
             if want > self.num_blocks - self.blocks_reserved - watermark:
                 return False
-            bases = []
+            bases: list[int] = []
             for _ in range(1 + forks):
                 base = self._take(n)
                 if base < 0:  # enough free blocks, but no hole big enough: wait for a release

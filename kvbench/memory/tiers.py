@@ -1,43 +1,16 @@
 """Prefix-cache tiers behind the GPU pool: host DRAM (``cpu``) and local NVMe (``disk``), as vLLM's
 KV offloading connector, LMCache, SGLang's HiCache and Mooncake Store put them behind the GPU.
 
-A tier holds whole blocks of KV under their prefix keys (the chained keys of kvbench.trace.tokens), in
-slots ``[0, capacity)`` ordered by a cache policy of kvbench.memory.policies (the pool's classes; lru
-by default). Nothing runs in a tier: every stored block is evictable except while a load reads it
-(the tier's *external-store* semantics: the budget holds only cached blocks).
-
-How blocks move (``Tiers``, one chain per replica; ``PagedKV`` calls it):
-- **lookup** walks the chain: after the GPU pool's hits, each next block of the prompt is a hit of the
-  fastest tier holding it (cpu before disk), up to the first block no tier holds (``match``). The
-  found blocks are loaded into fresh GPU blocks at admission and count as computed, as LMCache's and
-  vLLM's connectors load them before the request's prefill. A loaded block stays in its tier
-  (inclusive tiers, HiCache's host copy) and counts as a use there.
-- **write-through** (``--offload write-through``, the default of vLLM's and LMCache's offloading):
-  every block a sequence computes is stored in every tier when the GPU pool registers it; its bytes
-  move after the step's forward wrote them (``post`` ops), overlapping compute.
-- **write-back** (HiCache's write_back): a block the GPU pool evicts is stored in the first tier, a
-  block the first tier evicts in the next; what the last evicts is dropped. The copy is made before
-  the GPU block is reused (``pre`` ops, on the step's critical path).
-- **--load-policy auto** loads a run of tier hits only when moving it is faster than recomputing its
-  tokens (``recompute_s(start, n, rest)``: what the executor's own cost model says prefilling those n
-  tokens adds to prefilling the ``rest`` of the prompt after them); ``always`` loads whatever is found.
-  Of the candidate prefixes of the run (ending where the tier changes, or at its end) auto takes the one
-  that saves the most time; the rest is recomputed and counted (``declined_tokens``).
-
-The data moves as ops ``(src_tier, src_index, dst_tier, dst_index)`` ("gpu" indexes are pool blocks,
-others tier slots), in the order they were issued: a write-back that makes room in the cpu tier demotes
-its victim to disk before the GPU block lands in the victim's slot, and a slot being loaded is pinned
-(not evictable) until its op is handed to the executor (``take_ops``), so no op overwrites data another
-op of the same step still reads. The executor (sim: bytes over the tier's bandwidth; model: real
-copies) performs ``pre`` ops before the forward and ``post`` ops after it.
-
-A tier trusts a key with its parent key (the chain), not the block's tokens as the GPU pool does: the
-keys are 64-bit hashes of the block's tokens chained with its parent's, so a wrong hit needs a 64-bit
-collision of both. O(1) dict and policy operations per block.
+A ``Tier`` holds whole blocks under their chained prefix keys, ordered by a kvbench.memory.policies
+class; ``Tiers`` is one chain per replica, called by PagedKV: lookup along the chain (``match``),
+write-through or write-back stores, ``--load-policy``, and the transfer ops handed to the executor
+(``take_ops``). The rules: docs/architecture.md, "Layer 2, memory" ("Prefix-cache tiers").
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from kvbench.memory.policies import LRUPolicy, make_policy
 from kvbench.memory.policy_base import NEVER, CacheView
@@ -92,7 +65,7 @@ class Tier:
         self.parent: list[int] = [0] * n
         self._next = 0  # slots never used yet: [_next, n)
         self.pins: dict[int, int] = {}  # slot -> loads of this step reading it
-        self.clock = 0
+        self.clock: float = 0
         # counters
         self.stored_blocks = 0
         self.loaded_blocks = 0
@@ -142,10 +115,10 @@ class Tier:
         slots = list(range(self._next, self._next + free))
         self._next += free
         if rest:
-            key_of = self.key
+            held = cast("list[int]", self.key)  # victims are stored slots: each holds its key
             victims = policy.pop_many(rest)
             for v in victims:
-                del slot_of[key_of[v]]
+                del slot_of[held[v]]
             self.evicted_blocks += rest
             slots += victims
         key_of, parent_of = self.key, self.parent
@@ -175,7 +148,7 @@ class Tier:
         elif len(self.policy):
             s = self.policy.pop()
             vkey, vparent = self.key[s], self.parent[s]
-            del self.slot_of[vkey]
+            del self.slot_of[vkey]  # type: ignore[arg-type]  # a stored slot holds its key
             self.evicted_blocks += 1
         else:
             self.dropped_stores += 1
@@ -215,11 +188,11 @@ class Tiers:
         self.auto = load_policy == "auto"
         self.block_bytes = block_bytes
         # seconds to prefill n tokens after `start` cached ones (the executor's): auto's yardstick
-        self.recompute_s = None
+        self.recompute_s: Callable[[int, int, int], float] | None = None
         self.pre: list[tuple] = []  # ops before the forward, in issue order
         self.post: list[tuple] = []  # write-through stores after the forward
         self.declined_tokens = 0  # auto: tier hits recomputed because loading was slower
-        self.clock = 0
+        self.clock: float = 0
 
     def __bool__(self) -> bool:
         return bool(self.tiers)
@@ -266,6 +239,8 @@ class Tiers:
     def _worth(self, m: TierMatch, start_tokens: int, bs: int, prompt_tokens: int) -> int:
         """How many of the run's blocks to load: of the prefixes ending where the tier changes or at
         the run's end, the one that saves the most (recompute minus load) seconds; 0 if none saves."""
+        recompute_s = self.recompute_s
+        assert recompute_s is not None  # (_cut weighs a run only then)
         best, best_gain = 0, 0.0
         load = 0.0
         n = len(m)
@@ -273,7 +248,7 @@ class Tiers:
             load += self.block_bytes / self.tiers[m.tiers[j]].bandwidth
             if j + 1 == n or m.tiers[j + 1] != m.tiers[j]:
                 k = (j + 1) * bs
-                gain = self.recompute_s(start_tokens, k, max(0, prompt_tokens - start_tokens - k)) - load
+                gain = recompute_s(start_tokens, k, max(0, prompt_tokens - start_tokens - k)) - load
                 if gain > best_gain:
                     best, best_gain = j + 1, gain
         return best
@@ -321,6 +296,7 @@ class Tiers:
             if s >= 0:
                 if vkey is not None and i + 1 < len(self.tiers):
                     # the victim leaves for the next tier before the new block takes its slot
+                    assert vparent is not None  # (a victim has both)
                     self._write_back(i + 1, t.name, s, vkey, vparent)
                 self.pre.append((src, index, t.name, s))
             return

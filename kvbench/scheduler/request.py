@@ -4,7 +4,7 @@ generate its samples (Sequence: a SeqKV with its scheduling state), as vLLM v1's
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -47,7 +47,7 @@ class Sequence(SeqKV):
     fork after its first token (n - 1) until it has forked."""
 
     seq_id: int = 0
-    rs: RequestState | None = None
+    rs: RequestState = field(kw_only=True)  # every sequence serves a request
     sample: int = 0  # which of the request's n samples (kvbench.trace.tokens: its token stream)
     seats: int = 1
     num_tokens: int = 0

@@ -32,12 +32,18 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvbench.scheduler.batch import StepBatch, StepResult
 from kvbench.scheduler.request import RequestState, Sequence
 from kvbench.trace.keys import sequence_tokens, sequence_tokens_of
+from kvbench.trace.tokens import TokenStreams
+
+if TYPE_CHECKING:
+    from kvbench.eviction.evictor import Evictor, NoEviction
+    from kvbench.memory.contracts import KVManager
 
 ADMISSIONS = ("full-prompt", "first-chunk")
 
@@ -63,19 +69,19 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv, cfg: SchedulerConfig, *, needs_tokens: bool = False, streams=None,
-                 evictor=None):
+    def __init__(self, kv: KVManager, cfg: SchedulerConfig, *, needs_tokens: bool = False,
+                 streams: TokenStreams | None = None, evictor: Evictor | NoEviction | None = None):
         from kvbench.eviction.evictor import NoEviction
 
         if cfg.admission not in ADMISSIONS:
             raise ValueError(f"unknown admission {cfg.admission!r} (choose from {', '.join(ADMISSIONS)})")
         self.kv = kv
-        self.evictor = evictor if evictor is not None else NoEviction()
+        self.evictor: Evictor | NoEviction = evictor if evictor is not None else NoEviction()
         self.steps = 0
         self.cfg = cfg
         self.full_prompt = cfg.admission == "full-prompt"
         self.needs_tokens = needs_tokens
-        self.streams = streams
+        self.streams = streams if streams is not None else TokenStreams()  # the same tokens: streams are by name
         self.waiting: deque[Sequence] = deque()
         self.waiting_tokens = 0  # Σ num_tokens over waiting (a router's load figure, O(1) to read)
         self.running: list[Sequence] = []
@@ -97,7 +103,7 @@ class Scheduler:
         self.resumed_loaded_tokens = 0  # resumed requests' tokens loaded from the tiers
 
     # -- queues -----------------------------------------------------------------------------
-    def new_seq(self, rs: RequestState, tokens: np.ndarray | None, next_use=None,
+    def new_seq(self, rs: RequestState, tokens: np.ndarray | None, next_use: np.ndarray | None = None,
                 keys: list[int] | None = None, reserve: int = 0) -> Sequence:
         self._next_id += 1
         return Sequence(tokens=tokens, next_use=next_use, keys=keys, reserve=reserve,
@@ -172,6 +178,7 @@ class Scheduler:
             if loaded is not None and s.resumed:
                 self.resumed_loaded_tokens += len(loaded) * kv.block_size
             elif loaded is not None:  # first admission: hits served by the tiers, per tier
+                assert kv.tiers is not None  # (what loaded them)
                 names, bs, th = kv.tiers.names, kv.block_size, self.tier_hit_tokens
                 for i in loaded.tiers:
                     th[names[i]] += bs
@@ -275,6 +282,7 @@ class Scheduler:
 
     def _token_ids(self, s: Sequence, start: int, n: int) -> np.ndarray:
         prompt = s.rs.prompt
+        assert prompt is not None  # built with the sequence's tokens (_build), which needs_tokens takes
         if start + n <= len(prompt):
             return prompt[start:start + n]
         gen = np.asarray(s.out_tokens, dtype=np.int32)
@@ -354,7 +362,10 @@ class Scheduler:
         shared = (req.prompt_len + 1) // bs  # blocks holding only the prompt and the shared first token
         for k in range(1, req.n):
             self._next_id += 1
-            tokens = None if parent.tokens is None else sequence_tokens(req, rs.prompt, self.streams, k)
+            tokens = None
+            if parent.tokens is not None:
+                assert rs.prompt is not None  # built with the parent's tokens (_build)
+                tokens = sequence_tokens(req, rs.prompt, self.streams, k)
             child = Sequence(tokens=tokens,
                              next_use=None if parent.next_use is None else parent.next_use[:shared],
                              keys=None if parent.keys is None else parent.keys[:shared],
