@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import pandas as pd
+import pyarrow.parquet as pq
 
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.replay import Replay
@@ -57,8 +57,9 @@ def main() -> None:
         if prof:
             prof.disable()
         t_run, c_run = time.perf_counter() - t1, time.process_time() - c1
-        steps = pd.read_parquet(os.path.join(tmp, "run", "steps.parquet"))
-        seq_steps = int(steps["decode_seqs"].sum())
+        rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before reading the results back
+        seq_steps = int(pq.read_table(os.path.join(tmp, "run", "steps.parquet"), columns=["decode_seqs"])
+                        .column("decode_seqs").to_numpy().sum())
     print(f"{'trace':<28} {Path(a.trace).name}")
     print(f"{'requests / completed':<28} {s['requests']:,} / {s['completed']:,}")
     print(f"{'output tokens':<28} {s['output_tokens']:,}")
@@ -72,7 +73,7 @@ def main() -> None:
     print(f"{'prefix hit / ideal':<28} {s['prefix_hit_rate']:.4f} / {s['ideal_hit_rate']:.4f}")
     print(f"{'engine time (s)':<28} {s['duration_s']:.1f}")
     print(f"{'pool (blocks)':<28} {s['num_blocks']:,}")
-    print(f"{'peak RSS (MB)':<28} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f}")
+    print(f"{'peak RSS (MB)':<28} {rss_mb:,.0f}")
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 

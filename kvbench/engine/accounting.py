@@ -1,11 +1,17 @@
 """What a replay records and sums up: one row per step and per request (steps.parquet,
 requests.parquet) as they happen, the replicas' time integrals and peaks, and summary.json at the end
-(spec §3 and §4: every metric's definition is here, and docs/metrics.md says it in words)."""
+(spec §3 and §4: every metric's definition is here, and docs/metrics.md says it in words).
+
+Nothing here grows with the trace: the latency distributions are read back from requests.parquet once
+it is closed (the rows the run wrote, in the order it wrote them), and the inter-token gaps are counted
+per distinct value -- exactly while there are fewer than ITL_EXACT of them, to the microsecond past
+that (a sim's gaps are its step durations: a million-request run has millions)."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
+import pyarrow.parquet as pq
 
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.records import (
@@ -17,10 +23,13 @@ from kvbench.engine.records import (
 )
 from kvbench.engine.replica import Replica, Totals
 from kvbench.engine.routing import Router, jain, max_over_mean
-from kvbench.memory.tiers import TIER_NAMES, op_bytes
+from kvbench.memory.tiers import TIER_NAMES, Tiers, op_bytes
 from kvbench.scheduler import RequestState
 from kvbench.scheduler.batch import StepBatch, StepResult
 from kvbench.scheduler.scheduler import StepPlan
+
+ITL_EXACT = 1 << 18  # distinct gaps counted exactly; past it, gaps are counted to the microsecond
+LATENCY_COLUMNS = ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "itl_ms_max")
 
 
 class Accounts:
@@ -31,8 +40,8 @@ class Accounts:
         self.cfg, self.replicas, self.router = cfg, replicas, router
         self.num_blocks, self.block_bytes = num_blocks, block_bytes
         self.num_requests, self.truncated, self.slab_reserve_tokens = num_requests, truncated, slab_reserve_tokens
-        self.lat: list[tuple[float, ...]] = []  # ttft, tpot, e2e, queue, longest gap (ms) of finished requests
         self.prompt_tokens_done = 0
+        self.itl_binned: dict[int, int] = {}  # gap (whole microseconds) -> count, once the exact counts grew too many
         self.predicted: dict[RequestState, int] = {}  # the blocks a router expected each request to hit
         self.routing = [0, 0, 0]  # router: blocks predicted to hit, blocks hit, |difference| summed
 
@@ -75,6 +84,16 @@ class Accounts:
             st.peak_slots = slots
         if live > st.peak_live:
             st.peak_live = live
+        if (rep.steps & 4095) == 0 and len(sched.itl_gaps) > ITL_EXACT:
+            self._bin_gaps(sched.itl_gaps)
+
+    def _bin_gaps(self, gaps: dict[float, int]) -> None:
+        """Move a scheduler's exact gap counts into the microsecond bins."""
+        binned = self.itl_binned
+        for g, n in gaps.items():
+            us = round(g * 1e6)
+            binned[us] = binned.get(us, 0) + n
+        gaps.clear()
 
     def request(self, writer: RunWriter, rs: RequestState, rep: Replica | None) -> None:
         """A finished or rejected request: its row of requests.parquet, and the latencies summed later."""
@@ -93,9 +112,8 @@ class Accounts:
                              queue, rs.preemptions, rs.recomputed_tokens, rs.evicted_tokens,
                              rs.recalled_tokens, rs.loaded_tokens, rs.reject_reason, itl_max))
         if done:
-            self.lat.append((ttft, tpot, e2e, queue, itl_max))
+            assert rep is not None  # a completed request ran on a replica
             self.prompt_tokens_done += r.prompt_len
-            rep.lat.append((ttft, tpot, e2e, queue))
             rep.st.completed += 1
             rep.st.output_tokens += rs.output_tokens
             expected = self.predicted.pop(rs, None)
@@ -105,24 +123,27 @@ class Accounts:
                 self.routing[1] += hit
                 self.routing[2] += abs(expected - hit)
 
-    def summary(self, st: Totals, ideal, duration_s: float, steps: int, complete: bool, wall_s: float) -> dict:
-        """summary.json (spec §3, §4) from the cluster's totals ``st`` and every replica's."""
+    def summary(self, st: Totals, ideal, duration_s: float, steps: int, complete: bool, wall_s: float,
+                requests_parquet: str) -> dict:
+        """summary.json (spec §3, §4) from the cluster's totals ``st``, every replica's, and the
+        completed requests' rows of ``requests_parquet`` (closed)."""
         reps = self.replicas
+        lat, replica_of = self._latencies(requests_parquet)
         tot = Totals(peak=0)  # the replicas' step figures: time integrals summed, peaks the largest
         for r in reps:
             for name in ("busy_s", "slots_t", "live_t", "running_t", "util_t", "pcie_s"):
                 setattr(tot, name, getattr(tot, name) + getattr(r.st, name))
             tot.peak, tot.peak_slots = max(tot.peak, r.st.peak), max(tot.peak_slots, r.st.peak_slots)
             tot.peak_live = max(tot.peak_live, r.st.peak_live)
-        lat = np.array(self.lat, dtype=np.float64).reshape(-1, 5)
-        s = {"complete": complete, "requests": self.num_requests, "completed": st.completed,
+        s: dict = {"complete": complete, "requests": self.num_requests, "completed": st.completed,
              "rejected": st.rejected, "truncated": self.truncated, "duration_s": duration_s,
              "output_tok_per_s": st.output_tokens / duration_s if duration_s > 0 else 0.0,
              "total_tok_per_s": (st.output_tokens + self.prompt_tokens_done) / duration_s if duration_s > 0 else 0.0,
              "req_per_s": st.completed / duration_s if duration_s > 0 else 0.0}
         for k, name in enumerate(("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms")):
             s.update(distribution(name, lat[:, k]))
-        s.update(itl_summary([r.sched.itl_gaps for r in reps]))
+        s.update(itl_summary([r.sched.itl_gaps for r in reps]
+                             + ([{us / 1e6: n for us, n in self.itl_binned.items()}] if self.itl_binned else [])))
         s.update(goodput(dict(zip(("ttft", "tpot", "e2e", "itl"), lat[:, [0, 1, 2, 4]].T)),
                          parse_slo(self.cfg.slo), duration_s))
 
@@ -154,8 +175,19 @@ class Accounts:
             "wall_s": wall_s,
         })
         if len(reps) > 1:
-            s.update(self._cluster(duration_s))
+            s.update(self._cluster(duration_s, lat, replica_of))
         return s
+
+    @staticmethod
+    def _latencies(requests_parquet: str) -> tuple[np.ndarray, np.ndarray]:
+        """(float64 [completed, 5]: LATENCY_COLUMNS in ms, int64 [completed]: replica) of the
+        completed requests, in the order they were written."""
+        cols = pq.read_table(requests_parquet, columns=[*LATENCY_COLUMNS, "replica", "rejected"])
+        done = np.asarray(cols.column("rejected").is_null())
+        lat = np.column_stack([cols.column(c).to_numpy(zero_copy_only=False) for c in LATENCY_COLUMNS])
+        replica = cols.column("replica").to_numpy(zero_copy_only=False)
+        return (np.asarray(lat[done], dtype=np.float64).reshape(-1, len(LATENCY_COLUMNS)),
+                np.asarray(replica[done], dtype=np.int64))
 
     def _tiers(self, query_tokens: int) -> dict:
         """Per-tier hits and traffic (spec §3): hit_rate_gpu + hit_rate_cpu + hit_rate_disk =
@@ -167,7 +199,7 @@ class Accounts:
                       for name in TIER_NAMES}
         q = query_tokens
         gpu = sum(r.sched.hit_tokens for r in reps) - sum(hits.values())
-        out = {"hit_rate_gpu": gpu / q if q else 0.0}
+        out: dict[str, float | None] = {"hit_rate_gpu": gpu / q if q else 0.0}
         for name in TIER_NAMES:
             on = name in present
             out[f"hit_rate_{name}"] = (hits[name] / q if q else 0.0) if on else None
@@ -179,18 +211,18 @@ class Accounts:
             on = name in present
             out[f"bytes_loaded_{name}"] = tier_bytes[name][0] if on else None
             out[f"bytes_stored_{name}"] = tier_bytes[name][1] if on else None
-            out[f"{name}_evictions"] = (sum(t.evicted_blocks for r in reps for t in r.kv.tiers.tiers if t.name == name)
+            out[f"{name}_evictions"] = (sum(t.evicted_blocks for r in reps for t in _tiers_of(r).tiers if t.name == name)
                                         if on else None)
-        out["tier_declined_tokens"] = (sum(r.kv.tiers.declined_tokens for r in reps) if present else None)
+        out["tier_declined_tokens"] = (sum(_tiers_of(r).declined_tokens for r in reps) if present else None)
         out["resumed_loaded_tokens"] = sum(r.sched.resumed_loaded_tokens for r in reps) if present else None
         return out
 
-    def _cluster(self, duration_s: float) -> dict:
+    def _cluster(self, duration_s: float, lat_all: np.ndarray, replica_of: np.ndarray) -> dict:
         """Balance and the router's prediction (spec §3), and each replica's own figures."""
         reps = self.replicas
         per = []
         for r in reps:
-            lat = np.array(r.lat, dtype=np.float64).reshape(-1, 4)
+            lat = lat_all[replica_of == r.index]
             q = r.sched.query_tokens
             row = {"replica": r.index, "requests": r.routed, "completed": r.st.completed,
                    "prefix_hit_rate": r.sched.hit_tokens / q if q else 0.0,
@@ -215,13 +247,19 @@ class Accounts:
                 "per_replica": per}
 
 
+def _tiers_of(rep: Replica) -> Tiers:
+    """The tiers behind a replica's pool: only asked of a run that has them."""
+    assert rep.kv.tiers is not None
+    return rep.kv.tiers
+
+
 def merge_evictors(evictors: list) -> dict:
     """The replicas' token-eviction figures as one: counts summed, peaks the largest, the attention
     mass kept averaged over every measurement of every replica."""
     summaries = [e.summary() for e in evictors]
     if len(summaries) == 1:
         return summaries[0]
-    out = {}
+    out: dict[str, float | None] = {}
     for key in summaries[0]:
         vals = [s[key] for s in summaries if s.get(key) is not None]
         if not vals:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 from kvbench.trace.format import Request
 
@@ -24,33 +26,53 @@ from kvbench.trace.format import Request
 def answer_dependencies(requests: Sequence[Request]) -> dict[int, int]:
     """position -> position of the request whose answer it re-sends (the last one before it, in trace
     order, whose ``output`` names a stream its prompt quotes). Requests that quote none are absent."""
-    writer: dict[str, int] = {}  # output stream name -> position of its latest writer so far
+    order = sorted(range(len(requests)), key=lambda i: requests[i].index)
+    return dependencies_in_trace_order((pos, requests[pos]) for pos in order)
+
+
+def dependencies_in_trace_order(positioned: Iterable[tuple[int, Request]]) -> dict[int, int]:
+    """answer_dependencies over (arrival position, request) pairs given in trace order (a trace
+    read as a stream: kvbench.trace.stream). Holds the answers' names and the dependencies."""
+    writer: dict[str, tuple[int, int]] = {}  # output stream name -> (trace rank, position) of its latest writer
     deps: dict[int, int] = {}
-    for pos in sorted(range(len(requests)), key=lambda i: requests[i].index):
-        r = requests[pos]
+    for rank, (pos, r) in enumerate(positioned):
         quoted = [writer[s.name] for s in r.prompt if s.kind == "shared" and s.name in writer]
         if quoted:
-            deps[pos] = max(quoted, key=lambda p: requests[p].index)
+            deps[pos] = max(quoted)[1]
         if r.output is not None:
-            writer[r.output] = pos
+            writer[r.output] = (rank, pos)
     return deps
 
 
 class Issuer:
     """Issues ``requests`` (positions 0..n-1, in arrival order) under the rules above. The caller asks
     ``next_time`` when the next request can go, takes it with ``issue``, and reports every finish
-    (or rejection) with ``finished``."""
+    (or rejection) with ``finished``. ``of_times`` issues a trace read as a stream: only the
+    arrival times and the dependencies are held."""
 
     def __init__(self, requests: Sequence[Request], time_scale: float = 1.0,
                  max_concurrency: int | None = None, dependent_turns: bool = False):
-        self.requests = requests
+        self._init([r.t for r in requests], answer_dependencies(requests) if dependent_turns else {},
+                   time_scale, max_concurrency)
+
+    @classmethod
+    def of_times(cls, times: Sequence[float] | np.ndarray, deps: dict[int, int], time_scale: float = 1.0,
+                 max_concurrency: int | None = None) -> Issuer:
+        """``times``: trace times in arrival order; ``deps``: dependencies_in_trace_order's."""
+        issuer = cls.__new__(cls)
+        issuer._init(times, deps, time_scale, max_concurrency)
+        return issuer
+
+    def _init(self, times: Sequence[float] | np.ndarray, deps: dict[int, int], time_scale: float,
+              max_concurrency: int | None) -> None:
+        self.times = times
+        self.n = len(times)
         self.time_scale = time_scale
         self.cap = max_concurrency
-        self.deps = answer_dependencies(requests) if dependent_turns else {}
+        self.deps = deps
         self._dependents: dict[int, list[int]] = {}  # position -> dependents not yet ready
         for pos, dep in self.deps.items():
             self._dependents.setdefault(dep, []).append(pos)
-        self.finish_s: dict[int, float] = {}
         self.in_flight = 0
         self.issued = 0
         self._next_plain = 0  # the next position in arrival order that is not a dependent
@@ -60,14 +82,14 @@ class Issuer:
         self._last_s = -math.inf  # the line is first come first served: no issue before an earlier one
 
     def done(self) -> bool:
-        return self.issued == len(self.requests)
+        return self.issued == self.n
 
     def _arrival(self, pos: int) -> float:
-        return self.requests[pos].t * self.time_scale
+        return float(self.times[pos]) * self.time_scale
 
     def _head(self) -> tuple[float, int] | None:
         """(ready time, position) of the first ready request in line, or None."""
-        n = len(self.requests)
+        n = self.n
         while self._next_plain < n and self._next_plain in self.deps:
             self._next_plain += 1  # a dependent joins the line through _ready once its answer is in
         plain = (self._arrival(self._next_plain), self._next_plain) if self._next_plain < n else None
@@ -92,7 +114,9 @@ class Issuer:
         at = self.next_time()
         if at is None:
             raise RuntimeError("no request can be issued now")
-        _, pos = self._head()
+        head = self._head()
+        assert head is not None  # next_time() was not None
+        pos = head[1]
         if self._ready and self._ready[0][1] == pos:
             heapq.heappop(self._ready)
         else:
@@ -107,7 +131,6 @@ class Issuer:
     def finished(self, pos: int, at: float) -> None:
         """Request ``pos`` finished (or was rejected) at ``at``: its slot frees, its dependents get ready."""
         self.in_flight -= 1
-        self.finish_s[pos] = at
         if self.cap is not None:
             heapq.heappush(self._free, at)
         for dep in self._dependents.pop(pos, ()):

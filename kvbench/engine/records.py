@@ -157,15 +157,25 @@ class RunWriter:
             self.steps = Table(os.path.join(run_dir, "steps.parquet"), STEP_SCHEMA, 8192)
         except OSError as e:
             raise InputError(f"cannot write the run ({e.strerror or e})", file=run_dir, field="--out") from None
+        self.requests_path = os.path.join(run_dir, "requests.parquet")
+        self.tables_closed = False
         self.closed = False
+
+    def close_tables(self) -> None:
+        """Close the parquet files (their rows readable from now on); ``close`` does it if not done."""
+        if not self.tables_closed:
+            self.tables_closed = True
+            try:
+                self.requests.close()
+            finally:
+                self.steps.close()
 
     def close(self, summary: dict) -> None:
         if self.closed:
             return
         self.closed = True
         try:
-            self.requests.close()
-            self.steps.close()
+            self.close_tables()
         finally:
             self.config["finished_at"] = now_iso()
             write_json(os.path.join(self.dir, "config.json"), self.config)
@@ -240,7 +250,7 @@ def distribution(prefix: str, values) -> dict:
     """mean/p50/p90/p99 of finite values, as ``{prefix}_{stat}`` keys (None when there are none)."""
     a = np.asarray(values, dtype=np.float64)
     a = a[np.isfinite(a)]
-    out = {}
+    out: dict[str, float | None] = {}
     for name, q in PCTS:
         if not len(a):
             out[f"{prefix}_{name}"] = None

@@ -11,14 +11,17 @@ before any step that starts at or after it. One replica is exactly the single en
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+
+import numpy as np
 
 from kvbench.engine.accounting import Accounts
 from kvbench.engine.config import ReplayConfig
-from kvbench.engine.issuer import Issuer
+from kvbench.engine.issuer import Issuer, dependencies_in_trace_order
 from kvbench.engine.records import RunWriter, claim_run_dir, environment, holds_run
 from kvbench.engine.replica import Replica, Totals
 from kvbench.engine.routing import Router
@@ -26,9 +29,7 @@ from kvbench.engine.setup import (
     check_fits,
     check_model_memory,
     check_token_ids,
-    fit_overlong,
     pool_blocks,
-    slab_reserve_tokens,
 )
 from kvbench.errors import InputError, RunError
 from kvbench.eviction.evictor import make_evictor
@@ -41,14 +42,15 @@ from kvbench.memory.tiers import Tiers, TierSpec
 from kvbench.provenance import Invocation, file_sha256, setting_files
 from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig
 from kvbench.scheduler.batch import StepBatch
-from kvbench.trace.format import Request, load_trace
+from kvbench.trace.format import Request
 from kvbench.trace.ideal import (
     IdealCounter,
     RadixIdealCounter,
-    ideal_hits,
+    block_expiry,
     radix_ideal_hits,
 )
 from kvbench.trace.keys import PrefixKeys, lookup_blocks
+from kvbench.trace.stream import ListTrace, TraceIndex
 from kvbench.trace.tokens import TokenStreams
 
 
@@ -79,17 +81,19 @@ class Replay:
         self._force, self._unique, self._claimed = force, unique, False
         if not unique and not force and os.path.isdir(out_dir) and holds_run(out_dir):
             claim_run_dir(out_dir)  # refuses, naming --out: before the model is built
-        self.requests = requests if requests is not None else load_trace(trace_path, limit=cfg.limit)
-        # arrival order (stable: ties keep trace order)
-        self.requests = sorted(self.requests, key=lambda r: r.t)
-        self.model = get_model(cfg.model)
+        # the trace as a stream (kvbench.trace.stream): per request a few numbers until it is issued
+        self.trace: TraceIndex | ListTrace = (ListTrace(requests) if requests is not None
+                                              else TraceIndex(trace_path, limit=cfg.limit))
+        self.num_requests = len(self.trace)
+        assert self.cfg.model is not None  # validate() names the executor's default model
+        self.model = get_model(self.cfg.model)
         self.max_len = cfg.max_model_len or self.model.max_model_len
-        self.requests, self.truncated = fit_overlong(self.requests, self.max_len, cfg.overlong)
+        self._shape_requests()
         self.slab_reserve_tokens = self._slab_reserve_tokens()
         self.streams = TokenStreams()
         check_model_memory(cfg, self.model)
         if cfg.executor == "model" and not self.model.is_moe:  # (the executor refuses a mixture of experts)
-            check_token_ids(self.requests, self.model.vocab_size, self.trace_path)
+            check_token_ids(list(self.trace.in_trace_order()), self.model.vocab_size, self.trace_path)
         executor = make_executor(cfg, self.model)
         self.num_blocks = pool_blocks(cfg, executor, self.model)  # per replica
         self._block_bytes = executor.kv_bytes_per_token() * cfg.block_size
@@ -107,16 +111,14 @@ class Replay:
             for rep in self.replicas:  # the replicas publish KV events for the router's index
                 rep.kv.enable_events()
         self.accounts = Accounts(cfg, self.replicas, self.router, num_blocks=self.num_blocks,
-                                 block_bytes=self._block_bytes, num_requests=len(self.requests),
+                                 block_bytes=self._block_bytes, num_requests=self.num_requests,
                                  truncated=self.truncated, slab_reserve_tokens=self.slab_reserve_tokens)
         self.finished: list[RequestState] | None = None  # set to [] to keep finished requests
         # set to [] to keep every step's plan: ([(request id, sample, tokens)], [preempted request ids])
         self.step_log: list | None = None
         # called after every step with (replica, start s, end s, batch, [(request id, sample) that emitted a token])
         self.step_hook: Callable[[int, float, float, StepBatch, list[tuple[str, int]]], None] | None = None
-        for r in self.requests:  # a request that cannot run is refused before the run, naming its line
-            if self._reject_reason(r) is None:
-                self._check_fits(r)
+        self._check_all_fit()
 
     def claim(self) -> str:
         """Create the run directory (``run`` does it first if nobody has): after every check, so a
@@ -179,21 +181,74 @@ class Replay:
     def _run_blocks(self) -> int:
         """Every block of every admitted request (each sample's prompt and output, a copied partial
         block and a spare each): no pool or tier of this run ever holds more."""
-        bs = self.cfg.block_size
-        return sum(r.n * (-(-(r.prompt_len + r.output_len) // bs) + 2)
-                   for r in self.requests if self._reject_reason(r) is None)
+        bs, ok = self.cfg.block_size, self._admitted
+        return int((self.trace.n[ok] * (-(-(self.trace.prompt_len[ok] + self._output_len[ok]) // bs) + 2)).sum())
 
     # -- checks before the run ----------------------------------------------------------------
+    def _shape_requests(self) -> None:
+        """The requests as this run's settings shape them, per arrival position: ``--overlong
+        truncate`` cuts an output to max_model_len when the prompt fits (setup.fit_overlong's rule;
+        ``self.truncated`` counts them), and a request still longer than max_model_len is refused."""
+        plen, olen = self.trace.prompt_len, self.trace.output_len
+        cut = (plen < self.max_len) & (plen + olen > self.max_len) if self.cfg.overlong == "truncate" else \
+            np.zeros(len(plen), dtype=bool)
+        self._cut = cut
+        self._output_len = np.where(cut, self.max_len - plen, olen)
+        self.truncated = int(cut.sum())
+        self._admitted = plen + self._output_len <= self.max_len
+
+    def _request(self, pos: int) -> Request:
+        """The request at arrival position ``pos``, read from the trace and shaped as _shape_requests."""
+        return self._shaped(pos, self.trace.request(pos))
+
+    def _shaped(self, pos: int, r: Request) -> Request:
+        if self._cut[pos]:
+            r = dataclasses.replace(r, output_len=int(self._output_len[pos]))
+        return r
+
+    def _ideal_in_trace_order(self):
+        """The block ideal by a pass of its own over the admitted requests in trace order, letting
+        go of keys no later request can hit (IdealCounter, block_expiry)."""
+        counter, keys_of, names, bs = IdealCounter(self.cfg.block_size), self._keys_of, self.trace.names, self.cfg.block_size
+        for rank, (pos, r) in enumerate(self.trace.positioned()):
+            if self._admitted[pos]:
+                r = self._shaped(pos, r)
+                keys, prompt_len, pieces = keys_of.with_pieces(r)
+                counter.add(keys, prompt_len, keys_of.shareable_blocks(r), block_expiry(pieces, len(keys), bs, names),
+                            at=rank)
+        return counter.result()
+
     def _reject_reason(self, r: Request) -> str | None:
         if r.prompt_len + r.output_len > self.max_len:
             return "max_model_len"
         return None
 
+    def _check_all_fit(self) -> None:
+        """A request that cannot run is refused before the run, naming its line (setup.check_fits, on
+        the first such request in arrival order, found over the arrays)."""
+        cfg, bs = self.cfg, self.cfg.block_size
+        plen, olen, n = self.trace.prompt_len, self._output_len, self.trace.n
+        if cfg.layout == "slab":
+            reserve = self.slab_reserve_tokens if cfg.slab_reserve == "max" else plen + olen
+            need = n * -(-reserve // bs)
+        else:
+            need = -(-(plen + olen) // bs) + (n - 1) * (-(-olen // bs))
+        bad = np.flatnonzero(self._admitted & ((n > cfg.max_num_seqs) | (need > self.num_blocks)))
+        if len(bad):
+            self._check_fits(self._request(int(bad[0])))
+
     def _check_fits(self, r: Request) -> None:
         check_fits(r, self.cfg, self.num_blocks, self.slab_reserve_tokens, self.trace_path)
 
     def _slab_reserve_tokens(self) -> int:
-        return slab_reserve_tokens(self.requests, self.cfg, self.max_len)
+        """setup.slab_reserve_tokens over the arrays: --max-model-len, else the longest admitted
+        request rounded up to a block."""
+        if self.cfg.max_model_len is not None:
+            return self.cfg.max_model_len
+        bs = self.cfg.block_size
+        total = self.trace.prompt_len + self._output_len
+        longest = int(total[self._admitted].max()) if self._admitted.any() else bs
+        return -(-longest // bs) * bs
 
     def _reserve(self, r: Request) -> int:
         return self.slab_reserve_tokens if self.cfg.slab_reserve == "max" else r.prompt_len + r.output_len
@@ -201,38 +256,45 @@ class Replay:
     # -- the loop -----------------------------------------------------------------------------
     def run(self, on_progress: Callable[[Progress], None] | None = None) -> dict:
         cfg, kv, ex = self.cfg, self.kv, self.executor
-        reqs = self.requests
+        trace = self.trace
         replicas = self.replicas
         bs = cfg.block_size
         use_tokens = kv.prefix_cache or ex.needs_tokens
         tiers = cfg.tier_sizes()
         belady = needs_future(cfg.cache_policy) or any(needs_future(getattr(cfg, f"{t}_cache_policy")) for t in tiers)
-        future = next_uses(reqs, bs, self.streams) if kv.prefix_cache and belady else None
+        # Belady's policy reads each block's next use: the whole trace's keys, in memory
+        future = (next_uses([self._request(p) for p in range(len(trace))], bs, self.streams)
+                  if kv.prefix_cache and belady else None)
         # The ideal hit rate counts requests in trace order; arrival order is the same unless the
         # trace is unsorted, or dependent turns wait for answers, and then it gets a pass of its own.
-        in_order = not cfg.dependent_turns and all(reqs[i].index < reqs[i + 1].index for i in range(len(reqs) - 1))
-        issuer = Issuer(reqs, cfg.time_scale, cfg.max_concurrency, cfg.dependent_turns)
+        in_order = not cfg.dependent_turns and trace.sorted
+        deps = dependencies_in_trace_order(trace.positioned()) if cfg.dependent_turns else {}
+        issuer = Issuer.of_times(trace.t, deps, cfg.time_scale, cfg.max_concurrency)
         self._issuer = issuer
         self._keys_of = PrefixKeys(bs, self.streams)
-        self._keys_of.count_once(r for r in reqs if self._reject_reason(r) is None)
-        # Radix runs use a token-granular ideal (spec §4): a radix tree can hit inside a block.
-        admitted = sorted((r for r in reqs if self._reject_reason(r) is None), key=lambda r: r.index)
+        self._keys_of.once = trace.names.once  # shared streams one request uses (PrefixKeys.count_once)
+        # Radix runs use a token-granular ideal (spec §4): a radix tree can hit inside a block; it
+        # holds the admitted requests' keys (radix_ideal_hits), the block ideal only the live ones.
+        ideal = None
+        self._ideal: IdealCounter | RadixIdealCounter | None
         if cfg.prefix_mode == "radix":
+            admitted = [self._shaped(p, r) for p, r in trace.positioned() if self._admitted[p]]
             self._ideal = RadixIdealCounter(bs, admitted, self.streams) if in_order else None
             ideal = None if in_order else radix_ideal_hits(admitted, bs, self.streams)
         else:
             self._ideal = IdealCounter(bs) if in_order else None
-            ideal = None if in_order else ideal_hits(admitted, bs, self.streams)
+            if not in_order:
+                ideal = self._ideal_in_trace_order()
         self.claim()
         writer = RunWriter(self.out_dir, self._config_json())
         self._writer = writer
         st = Totals()  # the cluster's: requests and tokens (steps are counted per replica)
-        prog = Progress(len(reqs))
+        prog = Progress(len(trace))
         complete = False
-        clock = reqs[0].t * cfg.time_scale if reqs else 0.0
+        clock = float(trace.t[0]) * cfg.time_scale if len(trace) else 0.0
         t0_s = clock
-        for rep in replicas:
-            rep.clock = clock
+        for each in replicas:
+            each.clock = clock
         index = self.router.index
         loads_seen = len(replicas) > 1 and self.router.name != "round-robin"
         step = 0
@@ -240,14 +302,14 @@ class Replay:
         try:
             while True:
                 # the replica whose next step starts first (one replica: that one, whenever it has work)
-                rep = None
+                rep: Replica | None = None
                 for r in replicas:
                     if r.sched.has_work() and (rep is None or r.clock < rep.clock):
                         rep = r
                 issue_s = issuer.next_time()
                 if issue_s is not None and (rep is None or issue_s <= rep.clock):
                     pos, issue_s = issuer.issue()  # arrivals up to the step's start first
-                    self._arrive(reqs[pos], pos, future, use_tokens, writer, st, issue_s)
+                    self._arrive(self._request(pos), pos, future, use_tokens, writer, st, issue_s)
                     continue
                 if rep is None:
                     if not issuer.done():
@@ -296,8 +358,12 @@ class Replay:
             complete = True
         finally:
             end = max(r.clock for r in replicas)
-            summary = self.accounts.summary(st, ideal or self._ideal.result(), end - t0_s, step, complete,
-                                    time.perf_counter() - wall0)
+            writer.close_tables()  # the summary's distributions are read back from requests.parquet
+            if ideal is None:
+                assert self._ideal is not None  # one of the two is made above
+                ideal = self._ideal.result()
+            summary = self.accounts.summary(st, ideal, end - t0_s, step, complete,
+                                            time.perf_counter() - wall0, writer.requests_path)
             writer.close(summary)
         if on_progress is not None:
             prog.requests_done, prog.clock_s, prog.output_tokens = st.completed + st.rejected, end - t0_s, st.output_tokens
@@ -314,8 +380,9 @@ class Replay:
             self._issuer.finished(index, arrival)
             return
         keys, prompt_len, pieces = self._keys_of.with_pieces(r)
-        if self._ideal is not None:  # the ceiling of the requests this run admits
-            self._ideal.add(keys, prompt_len, self._keys_of.shareable_blocks(r))
+        if self._ideal is not None:  # the ceiling of the requests this run admits (in order: rank = position)
+            self._ideal.add(keys, prompt_len, self._keys_of.shareable_blocks(r),
+                            block_expiry(pieces, len(keys), self.cfg.block_size, self.trace.names), at=index)
         replicas = self.replicas
         if len(replicas) == 1:
             rep, expected = replicas[0], None
@@ -347,7 +414,7 @@ class Replay:
                 "slab_reserve_tokens": self.slab_reserve_tokens if self.cfg.layout == "slab" else None,
                 "num_blocks": self.num_blocks, "model_spec": self.model.to_dict(),
                 "trace": {"path": self.trace_label, "sha256": file_sha256(self.trace_path),
-                          "requests": len(self.requests)},
+                          "requests": self.num_requests},
                 "files": setting_files(self.cfg.to_dict()),
                 "environment": environment(self.executor.device_name),
                 **self.invocation.record()}

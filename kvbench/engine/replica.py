@@ -23,7 +23,6 @@ class Replica:
     clock: float = 0.0
     steps: int = 0
     routed: int = 0
-    lat: list[tuple[float, float, float, float]] = field(default_factory=list)  # ttft, tpot, e2e, queue (ms)
     snap: tuple[int, int, int] | None = None  # its load as its current step started (what a router sees then)
     since: list[int] = field(default_factory=lambda: [0, 0])  # [requests, blocks] routed to it since
 

@@ -49,6 +49,7 @@ def check_model_memory(cfg: ReplayConfig, model) -> None:
 
     dev = resolve_device(cfg.device)
     dtype = "fp32" if default_dtype(dev) == torch.float32 else "bf16"
+    avail: int | None
     if dev.type == "cuda":
         avail, _ = torch.cuda.mem_get_info(dev)
         where = f"the {avail / 1e9:.1f} GB free on {torch.cuda.get_device_name(dev)}"
@@ -78,7 +79,7 @@ def check_token_ids(requests: list[Request], vocab_size: int, trace_path: str) -
                          f"least {TOKEN_HI:,}", field="--model")
     for r in requests:
         for j, seg in enumerate(r.prompt):
-            if seg.kind == "tokens" and max(seg.tokens) >= vocab_size:
+            if seg.kind == "tokens" and seg.tokens and max(seg.tokens) >= vocab_size:
                 raise InputError(f"token id {max(seg.tokens)} is outside the model's vocabulary of {vocab_size:,}",
                                  file=trace_path, line=r.line, field=f"prompt[{j}].tokens")
 

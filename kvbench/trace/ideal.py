@@ -12,6 +12,7 @@ whole blocks stop, the most tokens of the next block that some earlier sequence 
 """
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -45,32 +46,80 @@ class IdealCounter:
     It keeps the keys a later request could hit. Keys from a request's first block holding a token of
     its own (``unique`` segment; ``shareable`` in ``add``) on can never hit: they are counted, not
     kept, so the memory grows with the shared content of a trace, not with its length (a trace of 10^6
-    requests with unique prompts would otherwise hold ~10^8 keys)."""
+    requests with unique prompts would otherwise hold ~10^8 keys). Fed ``expires`` (block_expiry), it
+    also lets go of a key once no later request can hit it -- the last request naming the piece its
+    block ends in has been counted -- so the memory is the shared content still to be used: a day of
+    conversations holds its open conversations' keys, not the day's."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.seen: set[int] = set()
+        self.kept_blocks = 0  # distinct blocks ever kept (some since let go)
         self.private_blocks = 0  # distinct blocks never kept (they cannot hit)
         self.hit_tokens = 0
         self.prompt_tokens = 0
+        self._expiring: dict[int, list[np.ndarray]] = {}  # last use -> keys kept until it has been counted
+        self._expiries: list[int] = []  # a heap of _expiring's keys
 
-    def add(self, keys: np.ndarray, prompt_len: int, shareable: int | None = None) -> int:
+    def add(self, keys: np.ndarray, prompt_len: int, shareable: int | None = None,
+            expires: np.ndarray | None = None, at: int = 0) -> int:
         """Look a request up, then cache it; returns its hit tokens. ``shareable``: how many leading
-        blocks another request could share (PrefixKeys.shareable_blocks); None: all."""
-        m = _seen_prefix(keys, self.seen)
+        blocks another request could share (PrefixKeys.shareable_blocks); None: all. ``expires``: per
+        block, the trace position of the last request that can hit it; ``at``: this request's (keys
+        whose last user came before it are let go first)."""
+        if self._expiries and self._expiries[0] < at:
+            self._let_go(at)
+        seen = self.seen
+        m = _seen_prefix(keys, seen)
         h = min(m, lookup_blocks(prompt_len, self.block_size)) * self.block_size
         self.hit_tokens += h
         self.prompt_tokens += prompt_len
         # keys[:m] are in the set already (see _seen_prefix), so only the rest can be new.
-        if shareable is None or shareable >= len(keys):
-            self.seen.update(keys[m:].tolist())
-        else:
-            self.seen.update(keys[m:shareable].tolist())
-            self.private_blocks += len(keys) - max(m, shareable)
+        end = len(keys) if shareable is None or shareable >= len(keys) else shareable
+        if end < len(keys):
+            self.private_blocks += len(keys) - max(m, end)
+        if m < end:
+            before = len(seen)
+            seen.update(keys[m:end].tolist())
+            self.kept_blocks += len(seen) - before
+            if expires is not None:
+                self._expire(keys[m:end], expires[m:end])
         return h
 
+    def _expire(self, keys: np.ndarray, expires: np.ndarray) -> None:
+        for e in np.unique(expires).tolist():
+            if e == NEVER:
+                continue
+            bucket = self._expiring.get(e)
+            if bucket is None:
+                bucket = self._expiring[e] = []
+                heapq.heappush(self._expiries, e)
+            bucket.append(keys[expires == e] if len(keys) > 1 else keys)
+
+    def _let_go(self, at: int) -> None:
+        heap, seen = self._expiries, self.seen
+        while heap and heap[0] < at:
+            for ks in self._expiring.pop(heapq.heappop(heap)):
+                seen.difference_update(ks.tolist())
+
     def result(self) -> IdealHits:
-        return IdealHits(self.hit_tokens, self.prompt_tokens, len(self.seen) + self.private_blocks)
+        return IdealHits(self.hit_tokens, self.prompt_tokens, self.kept_blocks + self.private_blocks)
+
+
+NEVER = np.iinfo(np.int64).max  # a block_expiry that never comes: literal tokens may recur anywhere
+
+
+def block_expiry(pieces, n_blocks: int, block_size: int, names) -> np.ndarray:
+    """int64 [n_blocks]: per whole block of a request's cached sequence (PrefixKeys.with_pieces's
+    ``pieces``), the trace position of the last request that can hit it: that of the last request
+    naming the piece its last token lies in (``names``: kvbench.trace.stream.SharedNames), since a
+    later prompt can only reproduce the block's chained key with that piece's tokens; NEVER for
+    literal tokens, -1 for a piece no other request names."""
+    ends = np.cumsum(pieces.lengths)
+    last_token = np.arange(1, n_blocks + 1, dtype=np.int64) * block_size - 1
+    piece = np.searchsorted(ends, last_token, side="right")
+    last = np.where(pieces.literal_at >= 0, NEVER, names.last_uses(pieces.seeds))
+    return last[piece]
 
 
 def dense_block_ids(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -115,7 +164,9 @@ def _seen_prefix(keys: np.ndarray, seen: set[int]) -> int:
     """Length of the longest prefix of ``keys`` already in ``seen``, by binary search.
 
     Valid because ``seen`` is prefix-closed: a chained key covers every block before it, and every
-    sequence caches all its leading whole blocks, so if key i was seen then keys 0..i were too.
+    sequence caches all its leading whole blocks, so if key i was seen then keys 0..i were too. Keys
+    let go (IdealCounter's expiry) keep it so for every request still to come: a request that shares
+    key i names every piece of blocks 0..i, so none of their keys has expired yet.
     """
     lo, hi = 0, len(keys)
     if hi == 0 or int(keys[0]) not in seen:
@@ -255,7 +306,8 @@ class RadixIdealCounter:
         self._distinct = done.distinct_blocks
         self.count = self.hit_tokens = self.prompt_tokens = 0
 
-    def add(self, keys: np.ndarray, prompt_len: int, shareable: int | None = None) -> int:
+    def add(self, keys: np.ndarray, prompt_len: int, shareable: int | None = None,
+            expires: np.ndarray | None = None, at: int = 0) -> int:
         """The next request was admitted (its block keys are not needed); returns its hit tokens."""
         h, n = self._hits[self.count]
         if n != prompt_len:

@@ -8,7 +8,7 @@ are computed during decode and cached too, so a later request that re-sends the 
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -109,7 +109,8 @@ class PrefixKeys:
             raise ValueError("memo_entries must be a power of 2, >= 2")
         self.block_size = block_size
         self.streams = streams or TokenStreams()
-        self.once: frozenset[str] = frozenset()  # shared streams only one request uses (see count_once)
+        # shared streams only one request uses (count_once; or stream.OnceNames, which asks by name)
+        self.once: Container[str] = frozenset()
         self._memo_key = np.zeros(2 * memo_entries, dtype=np.uint64)  # (parent, stream seed) per slot
         self._memo_len = np.full(memo_entries, -1, dtype=np.int64)  # segment length; -1: empty slot
         self._memo_at = np.zeros(memo_entries, dtype=np.int64)  # where its keys start in the pool
@@ -195,7 +196,7 @@ def cached_pieces(req: Request, streams: TokenStreams):
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
 
 
-def _flatten(requests: Sequence[Request], streams: TokenStreams, once: frozenset) -> FlatPieces:
+def _flatten(requests: Sequence[Request], streams: TokenStreams, once: Container[str]) -> FlatPieces:
     """The requests' cached sequences as flat arrays of pieces for compiled.trace_keys (see there):
     a shared, unique or answer stream is (seed, length); literal tokens are (their place in
     ``literals``, length). ``memoise``: a named stream other requests use too."""
