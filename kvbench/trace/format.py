@@ -127,6 +127,17 @@ def _show(v) -> str:
 
 def parse_segment(obj, where: dict, k: int, text_len=None) -> Segment:
     """Validate one prompt segment. ``text_len(str) -> int`` measures text segments."""
+    if type(obj) is dict:  # the common shapes, accepted only as the checks below would accept them
+        n = len(obj)
+        if n == 2 and "shared" in obj and "len" in obj:
+            name, length = obj["shared"], obj["len"]
+            if (type(name) is str and 0 < len(name) <= MAX_NAME_CHARS and name.isascii()
+                    and type(length) is int and 1 <= length <= MAX_REQUEST_TOKENS):
+                return Segment("shared", length, name=name)
+        elif n == 1 and "unique" in obj:
+            length = obj["unique"]
+            if type(length) is int and 1 <= length <= MAX_REQUEST_TOKENS:
+                return Segment("unique", length)
     fld = f"prompt[{k}]"
     if not isinstance(obj, dict):
         raise InputError("a segment must be an object", **where, field=fld)
