@@ -132,3 +132,23 @@ def test_duplicate_key_rule_as_vllm_0_34(tmp_path):
     assert golden["cached_tokens"] == {"E": 0, "A": 0, "B": 16, "C": 0, "F": 16}
     rp, _ = replay_like_vllm(golden, tmp_path)
     assert {rs.req.id: rs.cached_tokens for rs in rp.finished} == golden["cached_tokens"]
+
+
+def test_the_live_servers_eviction_order(tmp_path):
+    """The duplicate-key rule against a running vLLM (0.32 CPU, benchmarks/live/repro_eviction_order.py,
+    recorded in tests/data/live/vllm-0.32-repro-evict.json): the five requests at block 32 on 64 blocks
+    (63 usable), one after another; the server cached E 0, A 0, B 32, C 0, F 32 tokens, and so does
+    kvbench."""
+    recorded = json.loads((DATA / "live" / "vllm-0.32-repro-evict.json").read_text())
+    served = {row["step"]: row["cached_tokens"] for row in recorded if "cached_tokens" in row}
+    e, a, c = list(range(1000, 1064)), list(range(2000, 2064)), list(range(3000, 4884))
+    rows = [("E", e), ("A", a), ("B", a), ("C", c), ("F", e + list(range(5000, 5032)))]
+    trace = tmp_path / "repro.jsonl"
+    trace.write_text("".join(json.dumps({"id": rid, "t": 10 * i, "output_len": 2, "prompt": [{"tokens": toks}]}) + "\n"
+                             for i, (rid, toks) in enumerate(rows)))
+    assert [served[r] for r, _ in rows] == [0, 0, 32, 0, 32]
+    cfg = ReplayConfig(executor="sim", model="llama-3-8b", num_blocks=63, block_size=32)
+    rp = Replay(str(trace), cfg, str(tmp_path / "run"))
+    rp.finished = []
+    rp.run()
+    assert {rs.req.id: rs.cached_tokens for rs in rp.finished} == served
