@@ -72,7 +72,14 @@ def test_the_spans_are_the_replays_steps(run_dir):
     steps.emitted[(rid, 0)] = [0, 1, 3]
     rec.requests = rec.requests[rec.requests["id"] == rid].assign(arrival_s=0.0)
     X, y, held, decode = fit_server.span_rows(rec, steps)
-    assert X.tolist() == [[1, 10, 0, 0], [3, 4, 3, 18]] and decode.tolist() == [False, True]
+    plen = int(rec.requests["prompt_tokens"].iloc[0])
+    # the time to first token also carries the front end's (1, prompt tokens); a decode span does not
+    assert X.tolist() == [[1, 10, 0, 0, 1, plen], [3, 4, 3, 18, 0, 0]] and decode.tolist() == [False, True]
+    # first token at the second step: with no front end its wait spans steps 0-1; with a front end of
+    # 0.15 s the engine saw it at 0.15, and only step 1 is its own
+    steps.emitted[(rid, 0)] = [1, 3]
+    assert fit_server.span_rows(rec, steps)[0].tolist()[0] == [2, 10, 1, 5, 1, plen]
+    assert fit_server.span_rows(rec, steps, (0.15, 0.0))[0].tolist()[0] == [1, 0, 1, 5, 1, plen]
 
 
 def test_the_report_sets_a_prediction_beside_its_measurement(run_dir, tmp_path):

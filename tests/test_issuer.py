@@ -148,3 +148,40 @@ def test_slo_and_concurrency_are_options_with_one_line_errors(tmp_path, capsys):
           "--out", str(tmp_path / "ok"), "--json"])
     s = json.loads(capsys.readouterr().out)
     assert s["slo_attainment"] == 1.0 and s["peak_running"] <= 2
+
+
+def test_a_server_front_end_serves_one_request_at_a_time():
+    from kvbench.engine.issuer import FrontEnd
+
+    fe = FrontEnd(0.010, 0.001)
+    assert not FrontEnd() and fe
+    assert fe.admit(0.0, 100) == pytest.approx(0.110)  # 10 ms + 100 tokens x 1 ms
+    assert fe.admit(0.05, 10) == pytest.approx(0.130)  # behind the first
+    assert fe.admit(1.0, 0) == pytest.approx(1.010)  # the front end was free again
+
+
+def test_a_fitted_front_end_delays_the_engine_not_the_clock_ttft_counts_from(tmp_path):
+    """A calibration with a front end of 40 ms + 0.1 ms per prompt token: each request reaches the
+    scheduler that much later, one after another, and TTFT (from the issue) grows by it."""
+    def clock(front: bool) -> str:
+        coef = {"matmul_flops": None, "attn_flops": None, "mem_bw": None, "kv_bw": None, "step_overhead_s": 0.002,
+                "prefill_token_s": 1e-5, "decode_seq_s": 1e-4, **({"request_s": 0.04, "request_token_s": 1e-4}
+                                                                  if front else {})}
+        path = tmp_path / f"clock-{front}.json"
+        path.write_text(json.dumps({"kvbench_calibration": 3, "coefficients": coef}))
+        return str(path)
+
+    trace = tmp_path / "two.jsonl"
+    trace.write_text("".join(json.dumps({"id": f"r{i}", "t": 0.0, "output_len": 3, "prompt": [{"unique": 100}]}) + "\n"
+                             for i in range(2)))
+    rows = {}
+    for front in (False, True):
+        replay(str(trace), ReplayConfig(executor="sim", model="tiny", calibration=clock(front)), str(tmp_path / f"run-{front}"))
+        rows[front] = pd.read_parquet(tmp_path / f"run-{front}" / "requests.parquet").set_index("id")
+    plain, fronted = rows[False], rows[True]
+    assert (fronted["arrival_s"] == plain["arrival_s"]).all()  # issued at the same times
+    # without: both prefilled in one step, 2 ms + 200 x 0.01 ms; with: r0 reaches the engine at 50 ms
+    # and is prefilled alone (2 ms + 1 ms), r1 at 100 ms, behind r0 in the front end
+    assert plain["ttft_ms"].tolist() == pytest.approx([4.0, 4.0])
+    assert fronted.loc["r0", "ttft_ms"] == pytest.approx(53.0)
+    assert 100 < fronted.loc["r1", "ttft_ms"] < 110

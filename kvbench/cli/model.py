@@ -146,6 +146,8 @@ def _calibrate_from_run(run_dir: str, out: str, as_json: bool) -> None:
     click.echo(f"step = {c['step_overhead_s'] * 1e3:.3f} ms + {c['prefill_token_s'] * 1e3:.4f} ms per prefill token "
                f"+ {c['decode_seq_s'] * 1e3:.4f} ms per decoding sequence + {c['context_token_s'] * 1e6:.4f} us "
                f"per key read")
+    click.echo(f"front end = {c['request_s'] * 1e3:.3f} ms + {c['request_token_s'] * 1e6:.3f} us per prompt token, "
+               "one request at a time, before the engine sees it")
     for part in ("train", "heldout"):
         e = fit[part]
         if e["median_abs_rel_err"] is not None:

@@ -6,6 +6,10 @@ each issued when the client issued it, under the server's settings; the step tim
 
     step = overhead + prefill_tokens x a + decoding_sequences x b + context_tokens x c
 
+and, before the engine sees a request, the server's front end (its API process) takes
+request + prompt_tokens x d, one request at a time (engine.issuer.FrontEnd): a time to first token
+is that front end, then the steps until its first token.
+
 Single gaps are noisy (a server's API process can hold a token back and send two at once), so the
 fit takes spans: a request's time to first token is the steps from its issue to its first token, and
 its decode the steps from its first token to its last, each a sum of the step formula over the steps
@@ -28,13 +32,14 @@ import pandas as pd
 
 from kvbench import __version__
 from kvbench.engine.config import ReplayConfig
+from kvbench.engine.issuer import FrontEnd
 from kvbench.engine.server import ServerSettings
 from kvbench.errors import InputError
 from kvbench.provenance import file_sha256, now_iso
 from kvbench.scheduler.batch import StepBatch
 from kvbench.trace.format import load_trace
 
-TERMS = ("step_overhead_s", "prefill_token_s", "decode_seq_s", "context_token_s")
+TERMS = ("step_overhead_s", "prefill_token_s", "decode_seq_s", "context_token_s", "request_s", "request_token_s")
 HELD_OUT = 1 / 3  # share of requests (by a hash of their id) left out of the fit
 ROUNDS = 6  # replays on the fitted clock: the rebuilt steps settle in three or four
 DAMPING = 0.5  # of the last clock kept in the next: a fit that moved the replay's queueing too far overshoots
@@ -132,11 +137,13 @@ def held_out(request_id: str) -> bool:
     return h / 0xFFFFFFFF < HELD_OUT
 
 
-def span_rows(rec: LiveRecord, steps: Steps) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(X [spans, 4]: the sum over the span's steps of (1, prefill tokens, decoding sequences, keys
-    read); y [spans]: the span as the client measured it, seconds; held [spans]: from a held-out
-    request; decode [spans]: a decode span, else a time to first token). Two spans per request:
-    issue to first token, first token to last."""
+def span_rows(rec: LiveRecord, steps: Steps, front: tuple[float, float] = (0.0, 0.0)
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(X [spans, 6]: the sum over the span's steps of (1, prefill tokens, decoding sequences, keys
+    read), then the front end's (1, prompt tokens) for a time to first token; y [spans]: the span as
+    the client measured it, seconds, less any wait for the front end (``front``: its current terms);
+    held [spans]: from a held-out request; decode [spans]: a decode span, else a time to first
+    token). Two spans per request: issue to first token, first token to last."""
     work = np.array(steps.work, dtype=np.float64).reshape(-1, 3)
     cum = np.zeros((len(work) + 1, 4))
     cum[1:, 0] = np.arange(1, len(work) + 1)
@@ -145,21 +152,25 @@ def span_rows(rec: LiveRecord, steps: Steps) -> tuple[np.ndarray, np.ndarray, np
     X, y, held, decode = [], [], [], []
     first = rec.chunks.sort_values("t_s").groupby("id")["t_s"]
     t_first, t_last = first.first(), first.last()
-    for row in rec.requests.itertuples():
+    fe = FrontEnd(*front)
+    for row in rec.requests.sort_values("arrival_s", kind="stable").itertuples():
+        seen = fe.admit(row.arrival_s, row.prompt_tokens)  # when the replay's engine saw it
+        own = front[0] + front[1] * row.prompt_tokens
         emitted = steps.emitted.get((row.id, 0))
         if not emitted or row.id not in t_first.index:
             continue
         out = held_out(row.id)
-        a = int(np.searchsorted(ends, row.arrival_s, side="right"))  # the first step ending after the issue
+        a = int(np.searchsorted(ends, seen, side="right"))  # the first step ending after the engine saw it
         e0, e1 = emitted[0], emitted[-1]
-        for lo, hi, span, kind in ((a, e0 + 1, t_first[row.id] - row.arrival_s, False),
+        waited = seen - row.arrival_s - own  # behind other requests in the front end
+        for lo, hi, span, kind in ((a, e0 + 1, t_first[row.id] - row.arrival_s - waited, False),
                                    (e0 + 1, e1 + 1, t_last[row.id] - t_first[row.id], True)):
             if hi > lo and span > 0:
-                X.append(cum[hi] - cum[lo])
+                X.append(np.concatenate([cum[hi] - cum[lo], [0.0, 0.0] if kind else [1.0, row.prompt_tokens]]))
                 y.append(span)
                 held.append(out)
                 decode.append(kind)
-    return (np.array(X, dtype=np.float64).reshape(-1, 4), np.array(y), np.array(held, dtype=bool),
+    return (np.array(X, dtype=np.float64).reshape(-1, len(TERMS)), np.array(y), np.array(held, dtype=bool),
             np.array(decode, dtype=bool))
 
 
@@ -198,7 +209,7 @@ def initial(rec: LiveRecord) -> np.ndarray:
     gaps = np.concatenate([np.diff(g["t_s"].to_numpy()) for _, g in rec.chunks.sort_values("t_s").groupby(
         ["id", "sample"])] or [np.array([0.01])])
     gaps = gaps[gaps > 0]
-    return np.array([float(np.median(gaps)) if len(gaps) else 0.01, 0.0, 0.0, 0.0])
+    return np.array([float(np.median(gaps)) if len(gaps) else 0.01, 0.0, 0.0, 0.0, 0.0, 0.0])
 
 
 def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS) -> dict:
@@ -218,7 +229,8 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
         for k in range(rounds):
             clock_file(coef, clock)
             cfg = replay_config(rec, clock)
-            X, y, held, decode = span_rows(rec, rebuild_steps(trace, cfg, os.path.join(tmp, f"replay-{k}")))
+            X, y, held, decode = span_rows(rec, rebuild_steps(trace, cfg, os.path.join(tmp, f"replay-{k}")),
+                                           (float(coef[4]), float(coef[5])))
             # decode spans, and the times to first token that waited for no queue in the replay: a
             # queued one's steps depend on the clock being fitted more than on the request
             use = decode | (X[:, 0] <= UNQUEUED_STEPS)
@@ -238,7 +250,8 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
            "coefficients": {"matmul_flops": None, "attn_flops": None, "mem_bw": None, "kv_bw": None,
                             **{t: float(v) for t, v in zip(TERMS, coef)}},
            "fit": {"kind": "live-run", "run": os.path.abspath(run_dir), "made_at": now_iso(),
-                   "model": "step = overhead + prefill tokens x a + decoding sequences x b + keys read x c",
+                   "model": "step = overhead + prefill tokens x a + decoding sequences x b + keys read x c; "
+                            "front end = request + prompt tokens x d, one request at a time",
                    "held_out_share": HELD_OUT, "rounds": history, "train": history[-1]["train"],
                    "heldout": history[-1]["heldout"], "replay_check": check,
                    "server": server, "endpoint": rec.config.get("endpoint"),

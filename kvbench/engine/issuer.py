@@ -44,6 +44,25 @@ def dependencies_in_trace_order(positioned: Iterable[tuple[int, Request]]) -> di
     return deps
 
 
+class FrontEnd:
+    """A server's front end between the client and the engine: each request takes ``request_s`` +
+    ``token_s`` x its prompt tokens there, one request at a time in issue order (vLLM's API process
+    parses and hands over one request after another), and reaches the scheduler when it leaves.
+    TTFT still counts from the issue."""
+
+    def __init__(self, request_s: float = 0.0, token_s: float = 0.0):
+        self.request_s, self.token_s = request_s, token_s
+        self.free_s = -math.inf  # when the front end is next free
+
+    def __bool__(self) -> bool:
+        return self.request_s > 0 or self.token_s > 0
+
+    def admit(self, issue_s: float, prompt_len: int) -> float:
+        """When a request issued at ``issue_s`` reaches the engine."""
+        self.free_s = max(issue_s, self.free_s) + self.request_s + self.token_s * prompt_len
+        return self.free_s
+
+
 class Issuer:
     """Issues ``requests`` (positions 0..n-1, in arrival order) under the rules above. The caller asks
     ``next_time`` when the next request can go, takes it with ``issue``, and reports every finish

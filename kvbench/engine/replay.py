@@ -12,6 +12,7 @@ before any step that starts at or after it. One replica is exactly the single en
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import os
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ import numpy as np
 
 from kvbench.engine.accounting import Accounts
 from kvbench.engine.config import ReplayConfig
-from kvbench.engine.issuer import Issuer, dependencies_in_trace_order
+from kvbench.engine.issuer import FrontEnd, Issuer, dependencies_in_trace_order
 from kvbench.engine.records import RunWriter, claim_run_dir, environment, holds_run
 from kvbench.engine.replica import Replica, Totals
 from kvbench.engine.routing import Router
@@ -295,6 +296,8 @@ class Replay:
         t0_s = clock
         for each in replicas:
             each.clock = clock
+        front = FrontEnd(*ex.front_end)  # a server's front end, when the clock was fitted to one
+        passing: list[tuple[float, int, int, float, Request]] = []  # (reaches the engine, _, position, issued, request)
         index = self.router.index
         loads_seen = len(replicas) > 1 and self.router.name != "round-robin"
         step = 0
@@ -307,9 +310,17 @@ class Replay:
                     if r.sched.has_work() and (rep is None or r.clock < rep.clock):
                         rep = r
                 issue_s = issuer.next_time()
+                if passing and (issue_s is None or passing[0][0] < issue_s) and (rep is None or passing[0][0] <= rep.clock):
+                    seen_s, _, pos, issue_s, req = heapq.heappop(passing)  # through the server's front end
+                    self._arrive(req, pos, future, use_tokens, writer, st, issue_s, seen_s)
+                    continue
                 if issue_s is not None and (rep is None or issue_s <= rep.clock):
                     pos, issue_s = issuer.issue()  # arrivals up to the step's start first
-                    self._arrive(self._request(pos), pos, future, use_tokens, writer, st, issue_s)
+                    req = self._request(pos)
+                    if front and self._reject_reason(req) is None:
+                        heapq.heappush(passing, (front.admit(issue_s, req.prompt_len), pos, pos, issue_s, req))
+                    else:
+                        self._arrive(req, pos, future, use_tokens, writer, st, issue_s)
                     continue
                 if rep is None:
                     if not issuer.done():
@@ -370,8 +381,13 @@ class Replay:
             on_progress(prog)
         return summary
 
-    def _arrive(self, r: Request, index: int, future, use_tokens: bool, writer, st, arrival: float) -> None:
+    def _arrive(self, r: Request, index: int, future, use_tokens: bool, writer, st, arrival: float,
+                seen_s: float | None = None) -> None:
+        """Request ``r`` (arrival position ``index``), issued at ``arrival``, reaches the engine at
+        ``seen_s`` (after a server's front end; None: at once). Latencies count from ``arrival``."""
         rs = RequestState(req=r, arrival_s=arrival, prompt=None, position=index)
+        if seen_s is not None:
+            arrival = seen_s
         reason = self._reject_reason(r)
         if reason is not None:
             rs.reject_reason = reason

@@ -21,6 +21,9 @@ class Executor(Protocol):
     # InfiniGen's look-ahead: scores the pooled tokens against the coming decode's queries (the model
     # executor's); None where there is no model to ask (the sim)
     speculate: Callable[[list[tuple[int, int, int, np.ndarray]]], dict[int, np.ndarray]] | None
+    # a server's front end, before the engine sees a request (engine.issuer.FrontEnd): seconds per
+    # request and per prompt token; (0, 0) where requests reach the scheduler as they are issued
+    front_end: tuple[float, float]
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V for one token over all layers (what one pool slot costs)."""

@@ -123,13 +123,18 @@ class CostModel:
     prefill_token_s: float = 0.0
     decode_seq_s: float = 0.0
     context_token_s: float = 0.0
+    # A server's front end (its API process: parsing, hashing, handing the request to the engine), paid
+    # by each request before the scheduler sees it, one request at a time (live fits; 0 on a preset).
+    request_s: float = 0.0
+    request_token_s: float = 0.0
 
     FITTED = ("matmul_flops", "attn_flops", "mem_bw", "kv_bw", "step_overhead_s")  # by kvbench calibrate
     RATES = ("matmul_flops", "attn_flops", "mem_bw", "kv_bw")  # may be infinite (a file's null)
     OVERHEADS = ("step_overhead_s", "layer_overhead_s", "seq_overhead_s")
     LINEAR = ("prefill_token_s", "decode_seq_s", "context_token_s")
+    FRONT_END = ("request_s", "request_token_s")
     TIMING = RATES + OVERHEADS + LINEAR  # what times a step (a calibration file's own terms)
-    MAY_BE_ZERO = OVERHEADS + LINEAR + ("allreduce_latency_s",)
+    MAY_BE_ZERO = OVERHEADS + LINEAR + FRONT_END + ("allreduce_latency_s",)
 
     @classmethod
     def from_gpu(cls, gpu: GPUSpec, weight_dtype: str = "bf16") -> "CostModel":
@@ -370,7 +375,7 @@ def cost_from_calibration(c: dict, path: str, base: CostModel) -> CostModel:
         raise InputError("must be an object", file=path, field="model_spec")
     out = CostModel(**base.to_dict())
     if version is not None:
-        for name in CostModel.OVERHEADS + CostModel.LINEAR:
+        for name in CostModel.OVERHEADS + CostModel.LINEAR + CostModel.FRONT_END:
             setattr(out, name, 0.0)
     if version == 1:  # one rate and one bandwidth for every operation
         coef = {**coef, "attn_flops": coef.get("matmul_flops", base.attn_flops),
@@ -436,6 +441,11 @@ class SimExecutor:
         self.device_name = f"sim:{gpu.name}" + (f"x{tp}" if tp > 1 else "") + (" (eager)" if eager else "")
         if self.free_per_gpu <= 0:
             raise InputError(self._does_not_fit(), field="--tp")
+
+    @property
+    def front_end(self) -> tuple[float, float]:
+        """Seconds a request spends in the server's front end: per request, per prompt token."""
+        return self.cost.request_s, self.cost.request_token_s
 
     def _does_not_fit(self) -> str:
         g, need = self.gpu, self.weights_per_gpu + self.activations_per_gpu
