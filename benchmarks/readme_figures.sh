@@ -4,7 +4,8 @@
 #   bash benchmarks/readme_figures.sh            # ~6 minutes on 2 cores (the Mooncake routing table: +10)
 #   ROUTING=0 bash benchmarks/readme_figures.sh  # without the whole-Mooncake routing table
 # Runs go to runs/readme (git ignores runs/). Other README tables have their own scripts:
-# benchmarks/bench_replay.py, bench_whatif.py, bench_ideal.py, bench_block_pool.py, kernel_resources.py.
+# benchmarks/bench_replay.py, bench_whatif.py, bench_ideal.py, bench_block_pool.py, kernel_resources.py,
+# sim_decode_table.py, published_check.py; the tiers table is README's own sweep command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=runs/readme
@@ -66,5 +67,5 @@ EOF
 
 if [ "${ROUTING:-1}" != 0 ]; then
   echo "## routing: whole Mooncake conversation trace, 4 replicas"
-  python benchmarks/bench_routing.py --replicas 4
+  python benchmarks/bench_routing.py --replicas 4 --routers least-loaded,kv-aware,kv-aware:16,round-robin,prefix:64,prefix
 fi

@@ -2,8 +2,8 @@
 bash blocks, `for` loops expanded) are run on the shipped traces with a --limit in a scratch folder,
 and every sweep and every report of several runs must hold configurations that differ (an example
 whose rows all agree teaches nothing). The sim's commands run here in about a minute; those on the
-converted Mooncake trace are marked slow. A real forward (--executor model), a calibration, Ray and
-GPU commands are left to their own tests."""
+converted Mooncake trace are marked slow. A real forward (--executor model), a calibration, Ray, GPU and live-server
+commands are left to their own tests."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,7 @@ from kvbench.report.words import performs_alike
 REPO = Path(__file__).resolve().parents[1]
 LIMIT = "30"
 SKIP = ("--executor model", "--backend", "calibrate", "selfcheck", "--calibration", "pip ", "fit-policy",
-        "learned:")
+        "learned:", "--endpoint", "--like-server", "runs/live")  # a live server: tests/test_live.py
 RUNS = ("replay", "sweep", "report")
 
 
