@@ -526,7 +526,8 @@ def test_settings_from_a_running_server_and_ctrl_c_keeps_every_finished_row(tmp_
                                  "--max-concurrency", "1", "--out", str(out)], cwd=tmp_path, env=env,
                                 stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60
-        while fake.finished < 2 and time.monotonic() < deadline:
+        # one request at a time: the third POST comes after the client recorded the first two
+        while fake.posts < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)

@@ -135,11 +135,12 @@ class Accounts:
                 setattr(tot, name, getattr(tot, name) + getattr(r.st, name))
             tot.peak, tot.peak_slots = max(tot.peak, r.st.peak), max(tot.peak_slots, r.st.peak_slots)
             tot.peak_live = max(tot.peak_live, r.st.peak_live)
-        s: dict = {"complete": complete, "requests": self.num_requests, "completed": st.completed,
+        completed = st.completed if complete else len(lat)  # cut short: the rows written
+        s: dict = {"complete": complete, "requests": self.num_requests, "completed": completed,
              "rejected": st.rejected, "truncated": self.truncated, "duration_s": duration_s,
              "output_tok_per_s": st.output_tokens / duration_s if duration_s > 0 else 0.0,
              "total_tok_per_s": (st.output_tokens + self.prompt_tokens_done) / duration_s if duration_s > 0 else 0.0,
-             "req_per_s": st.completed / duration_s if duration_s > 0 else 0.0}
+             "req_per_s": completed / duration_s if duration_s > 0 else 0.0}
         for k, name in enumerate(("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms")):
             s.update(distribution(name, lat[:, k]))
         s.update(itl_summary([r.sched.itl_gaps for r in reps]

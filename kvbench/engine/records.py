@@ -10,7 +10,11 @@ import importlib.metadata
 import math
 import os
 import platform
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pyarrow as pa
@@ -46,8 +50,29 @@ TOKEN_SCHEMA = pa.schema([("id", pa.string()), ("sample", pa.int64()), ("t_s", p
 PCTS = (("mean", None), ("p50", 50), ("p90", 90), ("p99", 99))
 
 
+@contextmanager
+def interrupt_held() -> Iterator[None]:
+    """Ctrl-C (SIGINT) held back for the block and raised after it: a row group is written and its
+    buffer cleared together, so an interrupted run's rows are in the file once, neither lost nor
+    twice. Only the main thread can hold it; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if caught:
+        if callable(old):
+            old(signal.SIGINT, None)
+        elif old == signal.SIG_DFL:
+            raise KeyboardInterrupt
+
+
 class Table:
-    """Column buffers flushed to a parquet file in row groups."""
+    """Column buffers flushed to a parquet file in row groups; ``written``: the rows in the file."""
 
     def __init__(self, path: str, schema: pa.Schema, flush_rows: int):
         self.schema = schema
@@ -55,6 +80,7 @@ class Table:
         self.writer = pq.ParquetWriter(path, schema, compression="zstd")
         self.flush_rows = flush_rows
         self.rows = 0
+        self.written = 0
 
     def add(self, row: tuple) -> None:
         for col, v in zip(self.cols.values(), row):
@@ -64,11 +90,17 @@ class Table:
             self.flush()
 
     def flush(self) -> None:
-        if self.rows:
-            self.writer.write_table(pa.table(self.cols, schema=self.schema))
+        # a row that Ctrl-C cut short in ``add`` (some columns appended) is left out
+        n = min(len(col) for col in self.cols.values())
+        if n:
             for col in self.cols.values():
-                col.clear()
-            self.rows = 0
+                del col[n:]
+            with interrupt_held():
+                self.writer.write_table(pa.table(self.cols, schema=self.schema))
+                for col in self.cols.values():
+                    col.clear()
+                self.rows = 0
+                self.written += n
 
     def close(self) -> None:
         self.flush()
