@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -51,3 +52,44 @@ def test_interrupt_held_restores_the_handler_and_raises_after_the_block():
             os.kill(os.getpid(), signal.SIGINT)
             done.append(1)  # the block runs to its end
     assert done == [1] and signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.parametrize("table", ["steps", "requests"])
+def test_an_interrupted_runs_summary_counts_the_rows_it_wrote(tmp_path, monkeypatch, table):
+    """Ctrl-C just after a row group of ``table`` is written (two replicas, small row groups): every
+    count in summary.json, the replicas' too, is that of the rows in the files."""
+    import json
+
+    import pandas as pd
+
+    from kvbench.engine import records
+    from kvbench.engine.config import ReplayConfig
+    from kvbench.engine.replay import replay
+
+    init = records.Table.__init__
+
+    def small_groups(self, path, schema, flush_rows):
+        init(self, path, schema, 16)
+        if os.path.basename(path) == f"{table}.parquet":
+            write, n = self.writer.write_table, [0]
+
+            def write_then_ctrl_c(t):
+                write(t)
+                n[0] += 1
+                if n[0] == 3:
+                    os.kill(os.getpid(), signal.SIGINT)
+            self.writer.write_table = write_then_ctrl_c
+
+    monkeypatch.setattr(records.Table, "__init__", small_groups)
+    out = tmp_path / "cut"
+    with pytest.raises(KeyboardInterrupt):
+        replay(str(Path(__file__).resolve().parents[1] / "traces" / "chat.jsonl"), ReplayConfig(model="tiny", limit=120, time_scale=0.05, replicas=2), str(out))
+    s = json.loads((out / "summary.json").read_text())
+    req, steps = pd.read_parquet(out / "requests.parquet"), pd.read_parquet(out / "steps.parquet")
+    done = req[req["rejected"].isna()]
+    assert s["complete"] is False and s["steps"] == len(steps) > 0
+    assert s["completed"] == len(done) and s["output_tokens"] == int(done["output_tokens"].sum())
+    assert s["rejected"] == int(req["rejected"].notna().sum())
+    for r in s["per_replica"]:
+        assert r["steps"] == int((steps["replica"] == r["replica"]).sum())
+        assert r["completed"] == int((done["replica"] == r["replica"]).sum())

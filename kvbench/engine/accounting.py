@@ -8,7 +8,9 @@ per distinct value -- exactly while there are fewer than ITL_EXACT of them, to t
 that (a sim's gaps are its step durations: a million-request run has millions)."""
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -129,18 +131,22 @@ class Accounts:
         completed requests' rows of ``requests_parquet`` (closed)."""
         reps = self.replicas
         lat, replica_of = self._latencies(requests_parquet)
+        written = None
+        if not complete:  # cut short: every count is that of the rows written, not of the counters
+            written = self._written(requests_parquet, len(reps))
+            st = dataclasses.replace(st, completed=len(lat), rejected=written["rejected"],
+                                     output_tokens=int(written["output_tokens"].sum()))
         tot = Totals(peak=0)  # the replicas' step figures: time integrals summed, peaks the largest
         for r in reps:
             for name in ("busy_s", "slots_t", "live_t", "running_t", "util_t", "pcie_s"):
                 setattr(tot, name, getattr(tot, name) + getattr(r.st, name))
             tot.peak, tot.peak_slots = max(tot.peak, r.st.peak), max(tot.peak_slots, r.st.peak_slots)
             tot.peak_live = max(tot.peak_live, r.st.peak_live)
-        completed = st.completed if complete else len(lat)  # cut short: the rows written
-        s: dict = {"complete": complete, "requests": self.num_requests, "completed": completed,
+        s: dict = {"complete": complete, "requests": self.num_requests, "completed": st.completed,
              "rejected": st.rejected, "truncated": self.truncated, "duration_s": duration_s,
              "output_tok_per_s": st.output_tokens / duration_s if duration_s > 0 else 0.0,
              "total_tok_per_s": (st.output_tokens + self.prompt_tokens_done) / duration_s if duration_s > 0 else 0.0,
-             "req_per_s": completed / duration_s if duration_s > 0 else 0.0}
+             "req_per_s": st.completed / duration_s if duration_s > 0 else 0.0}
         for k, name in enumerate(("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms")):
             s.update(distribution(name, lat[:, k]))
         s.update(itl_summary([r.sched.itl_gaps for r in reps]
@@ -176,7 +182,7 @@ class Accounts:
             "wall_s": wall_s,
         })
         if len(reps) > 1:
-            s.update(self._cluster(duration_s, lat, replica_of))
+            s.update(self._cluster(duration_s, lat, replica_of, written))
         return s
 
     @staticmethod
@@ -189,6 +195,19 @@ class Accounts:
         replica = cols.column("replica").to_numpy(zero_copy_only=False)
         return (np.asarray(lat[done], dtype=np.float64).reshape(-1, len(LATENCY_COLUMNS)),
                 np.asarray(replica[done], dtype=np.int64))
+
+    @staticmethod
+    def _written(requests_parquet: str, replicas: int) -> dict:
+        """A cut-short run's counts from the rows it wrote: rejected requests, and per replica the
+        completed requests' output tokens and the steps (steps.parquet beside ``requests_parquet``)."""
+        req = pq.read_table(requests_parquet, columns=["replica", "output_tokens", "rejected"])
+        done = np.asarray(req.column("rejected").is_null())
+        rep = np.asarray(req.column("replica").to_numpy(zero_copy_only=False))[done].astype(np.int64)
+        out = np.asarray(req.column("output_tokens").to_numpy(zero_copy_only=False))[done].astype(np.int64)
+        steps = pq.read_table(os.path.join(os.path.dirname(requests_parquet), "steps.parquet"), columns=["replica"])
+        return {"rejected": int((~done).sum()),
+                "output_tokens": np.bincount(rep, weights=out, minlength=replicas).astype(np.int64),
+                "steps": np.bincount(steps.column("replica").to_numpy().astype(np.int64), minlength=replicas)}
 
     def _tiers(self, query_tokens: int) -> dict:
         """Per-tier hits and traffic (spec §3): hit_rate_gpu + hit_rate_cpu + hit_rate_disk =
@@ -218,19 +237,23 @@ class Accounts:
         out["resumed_loaded_tokens"] = sum(r.sched.resumed_loaded_tokens for r in reps) if present else None
         return out
 
-    def _cluster(self, duration_s: float, lat_all: np.ndarray, replica_of: np.ndarray) -> dict:
-        """Balance and the router's prediction (spec §3), and each replica's own figures."""
+    def _cluster(self, duration_s: float, lat_all: np.ndarray, replica_of: np.ndarray,
+                 written: dict | None = None) -> dict:
+        """Balance and the router's prediction (spec §3), and each replica's own figures (``written``:
+        a cut-short run's counts from its rows, ``_written``)."""
         reps = self.replicas
         per = []
         for r in reps:
             lat = lat_all[replica_of == r.index]
             q = r.sched.query_tokens
-            row = {"replica": r.index, "requests": r.routed, "completed": r.st.completed,
+            completed, steps, out = (r.st.completed, r.steps, r.st.output_tokens) if written is None else (
+                len(lat), int(written["steps"][r.index]), int(written["output_tokens"][r.index]))
+            row = {"replica": r.index, "requests": r.routed, "completed": completed,
                    "prefix_hit_rate": r.sched.hit_tokens / q if q else 0.0,
-                   "busy_s": r.st.busy_s, "steps": r.steps,
+                   "busy_s": r.st.busy_s, "steps": steps,
                    "mean_running": r.st.running_t / r.st.busy_s if r.st.busy_s else 0.0,
                    "peak_running": r.st.peak, "preemptions": r.sched.preemptions,
-                   "output_tok_per_s": r.st.output_tokens / duration_s if duration_s > 0 else 0.0}
+                   "output_tok_per_s": out / duration_s if duration_s > 0 else 0.0}
             for k, name in enumerate(("ttft_ms", "tpot_ms", "e2e_ms")):
                 d = distribution(name, lat[:, k])
                 row.update({f"{name}_p50": d[f"{name}_p50"], f"{name}_p99": d[f"{name}_p99"]})

@@ -58,6 +58,9 @@ def interrupt_held() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    if signal.getsignal(signal.SIGINT) is None:  # a handler not installed from Python: leave it be
+        yield
+        return
     caught: list[int] = []
     old = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
     try:
@@ -90,8 +93,9 @@ class Table:
             self.flush()
 
     def flush(self) -> None:
-        # a row that Ctrl-C cut short in ``add`` (some columns appended) is left out
-        n = min(len(col) for col in self.cols.values())
+        # ``rows`` counts a row once all its columns are appended: one that Ctrl-C cut short in
+        # ``add`` is left out (a row of the wrong width still fails in pa.table)
+        n = self.rows
         if n:
             for col in self.cols.values():
                 del col[n:]

@@ -12,9 +12,9 @@ before any step that starts at or after it. One replica is exactly the single en
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -296,8 +296,11 @@ class Replay:
         t0_s = clock
         for each in replicas:
             each.clock = clock
-        front = FrontEnd(*ex.front_end)  # a server's front end, when the clock was fitted to one
-        passing: list[tuple[float, int, int, float, Request]] = []  # (reaches the engine, _, position, issued, request)
+        # A server's front end, when the clock was fitted to one (calibrate --from-run): one for the
+        # cluster, as one API server in front of --replicas engines. A request refused as too long is
+        # refused at issue, without it. Requests leave it in issue order, so a deque keeps them.
+        front = FrontEnd(*ex.front_end)
+        passing: deque[tuple[float, int, float, Request]] = deque()  # (reaches the engine, position, issued, request)
         index = self.router.index
         loads_seen = len(replicas) > 1 and self.router.name != "round-robin"
         step = 0
@@ -311,14 +314,14 @@ class Replay:
                         rep = r
                 issue_s = issuer.next_time()
                 if passing and (issue_s is None or passing[0][0] < issue_s) and (rep is None or passing[0][0] <= rep.clock):
-                    seen_s, _, pos, issue_s, req = heapq.heappop(passing)  # through the server's front end
+                    seen_s, pos, issue_s, req = passing.popleft()  # through the server's front end
                     self._arrive(req, pos, future, use_tokens, writer, st, issue_s, seen_s)
                     continue
                 if issue_s is not None and (rep is None or issue_s <= rep.clock):
                     pos, issue_s = issuer.issue()  # arrivals up to the step's start first
                     req = self._request(pos)
                     if front and self._reject_reason(req) is None:
-                        heapq.heappush(passing, (front.admit(issue_s, req.prompt_len), pos, pos, issue_s, req))
+                        passing.append((front.admit(issue_s, req.prompt_len), pos, issue_s, req))
                     else:
                         self._arrive(req, pos, future, use_tokens, writer, st, issue_s)
                     continue
