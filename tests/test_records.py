@@ -93,3 +93,32 @@ def test_an_interrupted_runs_summary_counts_the_rows_it_wrote(tmp_path, monkeypa
     for r in s["per_replica"]:
         assert r["steps"] == int((steps["replica"] == r["replica"]).sum())
         assert r["completed"] == int((done["replica"] == r["replica"]).sum())
+
+
+def test_a_second_ctrl_c_while_the_summary_is_written_still_leaves_the_summary(tmp_path, monkeypatch):
+    """The first Ctrl-C stops the replay; a second one, while the run closes, waits until summary.json
+    is written (a sweep's worker may get two: the terminal's and the parent's)."""
+    import json
+
+    from kvbench.engine import accounting
+    from kvbench.engine.config import ReplayConfig
+    from kvbench.engine.replay import Replay
+
+    summary = accounting.Accounts.summary
+
+    def ctrl_c_twice(self, *a, **kw):
+        os.kill(os.getpid(), signal.SIGINT)  # the second, while the summary is being made
+        return summary(self, *a, **kw)
+
+    monkeypatch.setattr(accounting.Accounts, "summary", ctrl_c_twice)
+    out = tmp_path / "cut"
+    rp = Replay(str(Path(__file__).resolve().parents[1] / "traces" / "chat.jsonl"),
+                ReplayConfig(model="tiny", limit=40), str(out))
+
+    def first_ctrl_c(p):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        rp.run(on_progress=first_ctrl_c)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["complete"] is False and "steps" in s

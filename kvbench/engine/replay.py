@@ -23,7 +23,7 @@ import numpy as np
 from kvbench.engine.accounting import Accounts
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.issuer import FrontEnd, Issuer, dependencies_in_trace_order
-from kvbench.engine.records import RunWriter, claim_run_dir, environment, holds_run
+from kvbench.engine.records import RunWriter, claim_run_dir, environment, holds_run, interrupt_held
 from kvbench.engine.replica import Replica, Totals
 from kvbench.engine.routing import Router
 from kvbench.engine.setup import (
@@ -371,16 +371,17 @@ class Replay:
                     on_progress(prog)
             complete = True
         finally:
-            end = max(r.clock for r in replicas)
-            writer.close_tables()  # the summary's distributions are read back from requests.parquet
-            if ideal is None:
-                assert self._ideal is not None  # one of the two is made above
-                ideal = self._ideal.result()
-            if not complete:  # cut short: the counts are those of the rows written
-                step = writer.steps.written
-            summary = self.accounts.summary(st, ideal, end - t0_s, step, complete,
-                                            time.perf_counter() - wall0, writer.requests_path)
-            writer.close(summary)
+            with interrupt_held():  # a second Ctrl-C waits until summary.json is written
+                end = max(r.clock for r in replicas)
+                writer.close_tables()  # the summary's distributions are read back from requests.parquet
+                if ideal is None:
+                    assert self._ideal is not None  # one of the two is made above
+                    ideal = self._ideal.result()
+                if not complete:  # cut short: the counts are those of the rows written
+                    step = writer.steps.written
+                summary = self.accounts.summary(st, ideal, end - t0_s, step, complete,
+                                                time.perf_counter() - wall0, writer.requests_path)
+                writer.close(summary)
         if on_progress is not None:
             prog.requests_done, prog.clock_s, prog.output_tokens = st.completed + st.rejected, end - t0_s, st.output_tokens
             on_progress(prog)
