@@ -3,11 +3,14 @@
 #
 #   benchmarks/live_check.sh [--repeats N] [--quick] [--out DIR] [--port PORT]
 #
-#   1. calibration, on a trace the comparison does not use: a 256-block server, a live replay of
-#      traces/rag.jsonl, `kvbench calibrate --from-run` -> DIR/cal.json. (CALIBRATION=mixed instead
-#      replays a generated trace of random tokens, lengths spread +-90% around 800 and 150, bursty
-#      arrivals at 4/s, on a 16,384-block server: more batch sizes, but no prefix hits, so the front
-#      end's per-token cost and prefill's cannot be told apart; benchmarks/live/RESULTS.md, run 3.)
+#   1. calibration, on a trace the comparison does not use: a live replay of a generated profiling
+#      trace on a 16,384-block server, then `kvbench calibrate --from-run` -> DIR/cal.json. The trace
+#      (CALIBRATION=shared, the default): 150 requests of random tokens, each prompt one shared 512-token
+#      prefix then 60-1,140 tokens of its own, outputs 15-285 tokens, bursty Poisson arrivals at 4/s, so
+#      batch sizes, prompt lengths and the cached share of a prompt all vary (the fit needs the last to
+#      tell the front end's per-token cost from prefill's). CALIBRATION=mixed: the same without the
+#      prefix; CALIBRATION=rag: traces/rag.jsonl at x0.3 on a 256-block server (runs 1 and 2 of
+#      benchmarks/live/RESULTS.md; mixed is run 3, shared run 4).
 #   2. the comparison, traces/chat.jsonl at arrivals x0.25 (block 32, 128 seqs, 2048 batched tokens,
 #      max-model-len 4096), for two pools, large (16,384 blocks) and small (256): a server, N live
 #      replays each from a cold prefix cache (POST /reset_prefix_cache), then the sim like the server
@@ -23,7 +26,7 @@
 # made by benchmarks/live/setup_vllm_cpu.sh; KVBENCH [.venv/bin/kvbench]; PYTHON [.venv/bin/python];
 # SERVER_CPUS [1] and CLIENT_CPUS [0], the CPUs the server and the live client are pinned to;
 # KV_BYTES_PER_TOKEN [1024], the tiny model's KV bytes per token in bf16 (sizes VLLM_CPU_KVCACHE_SPACE);
-# CALIBRATION [rag], the calibration workload: rag or mixed (generated).
+# CALIBRATION [shared], the calibration workload: shared or mixed (generated), or rag.
 #
 # Every server it started is stopped when it ends, on an error or on Ctrl-C. Each phase's start, end and
 # load average go to DIR/phases.tsv, which the table prints beside the figures.
@@ -62,7 +65,7 @@ BATCHED=2048
 MAX_LEN=4096
 POOLS=("large 16384" "small 256")
 
-CALIBRATION="${CALIBRATION:-rag}"
+CALIBRATION="${CALIBRATION:-shared}"
 TRACE=traces/chat.jsonl
 SCALE=0.25
 if (( QUICK )); then
@@ -71,9 +74,9 @@ else
     REPEATS="${REPEATS:-3}"; CAL_REQUESTS=150; LIMIT=()
 fi
 case "$CALIBRATION" in
-    mixed) CAL_BLOCKS=16384; CAL_SCALE=1; CAL_LIMIT=() ;;  # the trace is generated into DIR below
+    mixed|shared) CAL_BLOCKS=16384; CAL_SCALE=1; CAL_LIMIT=() ;;  # the trace is generated into DIR below
     rag) CAL_BLOCKS=256; CAL_TRACE=traces/rag.jsonl; CAL_SCALE=0.3; CAL_LIMIT=(--limit "$(( CAL_REQUESTS > 120 ? 120 : CAL_REQUESTS ))") ;;
-    *) echo "CALIBRATION must be mixed or rag, not $CALIBRATION" >&2; exit 2 ;;
+    *) echo "CALIBRATION must be rag, mixed or shared, not $CALIBRATION" >&2; exit 2 ;;
 esac
 # what the live client and the sim are both given: the same requests, arrivals and turns; a request
 # longer than max-model-len has its output cut, as vLLM's server does (one whose prompt does not fit
@@ -84,9 +87,10 @@ CAL_WORKLOAD=(--model tiny --time-scale "$CAL_SCALE" --overlong truncate --depen
 OUT="${OUT:-runs/live-check-$(date +%Y%m%d-%H%M%S)}"
 [ -e "$OUT" ] && { echo "$OUT exists: give a new --out" >&2; exit 2; }
 mkdir -p "$OUT"
-if [ "$CALIBRATION" = mixed ]; then
+if [ "$CALIBRATION" != rag ]; then
     CAL_TRACE="$OUT/cal-trace.jsonl"
-    "$KVBENCH" trace gen random --requests "$CAL_REQUESTS" --input-len 800 --output-len 150 --range-ratio 0.9 \
+    if [ "$CALIBRATION" = shared ]; then LENS=(--prefix-len 512 --input-len 600); else LENS=(--input-len 800); fi
+    "$KVBENCH" trace gen random --requests "$CAL_REQUESTS" "${LENS[@]}" --output-len 150 --range-ratio 0.9 \
         --rate 4 --burstiness 0.3 --seed 7 -o "$CAL_TRACE" >/dev/null
 fi
 URL="http://127.0.0.1:$PORT"
