@@ -31,7 +31,6 @@ def test_ctrl_c_during_a_row_groups_write_leaves_it_in_the_file_once(tmp_path, m
     monkeypatch.setattr(t.writer, "write_table", write)
     t.close()  # what the replay's finally does: the buffer is flushed, nothing twice
     assert pq.read_table(path).column("i").to_pylist() == [0, 1, 2, 3]
-    assert t.written == 4
 
 
 def test_a_row_cut_short_is_left_out(tmp_path):
@@ -41,7 +40,6 @@ def test_a_row_cut_short_is_left_out(tmp_path):
     t.cols["i"].append(1)  # Ctrl-C between two columns of the next row
     t.close()
     assert pq.read_table(path).to_pylist() == [{"i": 0, "x": 0.0}]
-    assert t.written == 1
 
 
 def test_interrupt_held_restores_the_handler_and_raises_after_the_block():

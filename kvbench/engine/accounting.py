@@ -130,12 +130,12 @@ class Accounts:
         """summary.json (spec §3, §4) from the cluster's totals ``st``, every replica's, and the
         completed requests' rows of ``requests_parquet`` (closed)."""
         reps = self.replicas
-        lat, replica_of = self._latencies(requests_parquet)
+        lat, replica_of, out_tokens, rejected = self._rows(requests_parquet)
         written = None
         if not complete:  # cut short: every count is that of the rows written, not of the counters
-            written = self._written(requests_parquet, len(reps))
-            st = dataclasses.replace(st, completed=len(lat), rejected=written["rejected"],
-                                     output_tokens=int(written["output_tokens"].sum()))
+            written = self._written(requests_parquet, replica_of, out_tokens, len(reps))
+            steps = int(written["steps"].sum())
+            st = dataclasses.replace(st, completed=len(lat), rejected=rejected, output_tokens=int(out_tokens.sum()))
         tot = Totals(peak=0)  # the replicas' step figures: time integrals summed, peaks the largest
         for r in reps:
             for name in ("busy_s", "slots_t", "live_t", "running_t", "util_t", "pcie_s"):
@@ -186,27 +186,25 @@ class Accounts:
         return s
 
     @staticmethod
-    def _latencies(requests_parquet: str) -> tuple[np.ndarray, np.ndarray]:
-        """(float64 [completed, 5]: LATENCY_COLUMNS in ms, int64 [completed]: replica) of the
-        completed requests, in the order they were written."""
-        cols = pq.read_table(requests_parquet, columns=[*LATENCY_COLUMNS, "replica", "rejected"])
+    def _rows(requests_parquet: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(float64 [completed, 5]: LATENCY_COLUMNS in ms, int64 [completed]: replica, int64
+        [completed]: output tokens) of the completed requests, in the order they were written, and
+        the number of rejected rows."""
+        cols = pq.read_table(requests_parquet, columns=[*LATENCY_COLUMNS, "replica", "output_tokens", "rejected"])
         done = np.asarray(cols.column("rejected").is_null())
         lat = np.column_stack([cols.column(c).to_numpy(zero_copy_only=False) for c in LATENCY_COLUMNS])
-        replica = cols.column("replica").to_numpy(zero_copy_only=False)
-        return (np.asarray(lat[done], dtype=np.float64).reshape(-1, len(LATENCY_COLUMNS)),
-                np.asarray(replica[done], dtype=np.int64))
+
+        def ints(name: str) -> np.ndarray:
+            return np.asarray(cols.column(name).to_numpy(zero_copy_only=False)[done], dtype=np.int64)
+        return (np.asarray(lat[done], dtype=np.float64).reshape(-1, len(LATENCY_COLUMNS)), ints("replica"),
+                ints("output_tokens"), int(len(done) - done.sum()))
 
     @staticmethod
-    def _written(requests_parquet: str, replicas: int) -> dict:
-        """A cut-short run's counts from the rows it wrote: rejected requests, and per replica the
-        completed requests' output tokens and the steps (steps.parquet beside ``requests_parquet``)."""
-        req = pq.read_table(requests_parquet, columns=["replica", "output_tokens", "rejected"])
-        done = np.asarray(req.column("rejected").is_null())
-        rep = np.asarray(req.column("replica").to_numpy(zero_copy_only=False))[done].astype(np.int64)
-        out = np.asarray(req.column("output_tokens").to_numpy(zero_copy_only=False))[done].astype(np.int64)
+    def _written(requests_parquet: str, replica_of: np.ndarray, out_tokens: np.ndarray, replicas: int) -> dict:
+        """A cut-short run's per-replica counts from the rows it wrote: the completed requests' output
+        tokens, and the steps (steps.parquet beside ``requests_parquet``)."""
         steps = pq.read_table(os.path.join(os.path.dirname(requests_parquet), "steps.parquet"), columns=["replica"])
-        return {"rejected": int((~done).sum()),
-                "output_tokens": np.bincount(rep, weights=out, minlength=replicas).astype(np.int64),
+        return {"output_tokens": np.bincount(replica_of, weights=out_tokens, minlength=replicas).astype(np.int64),
                 "steps": np.bincount(steps.column("replica").to_numpy().astype(np.int64), minlength=replicas)}
 
     def _tiers(self, query_tokens: int) -> dict:

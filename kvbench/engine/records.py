@@ -75,7 +75,7 @@ def interrupt_held() -> Iterator[None]:
 
 
 class Table:
-    """Column buffers flushed to a parquet file in row groups; ``written``: the rows in the file."""
+    """Column buffers flushed to a parquet file in row groups."""
 
     def __init__(self, path: str, schema: pa.Schema, flush_rows: int):
         self.schema = schema
@@ -83,7 +83,6 @@ class Table:
         self.writer = pq.ParquetWriter(path, schema, compression="zstd")
         self.flush_rows = flush_rows
         self.rows = 0
-        self.written = 0
 
     def add(self, row: tuple) -> None:
         for col, v in zip(self.cols.values(), row):
@@ -104,7 +103,6 @@ class Table:
                 for col in self.cols.values():
                     col.clear()
                 self.rows = 0
-                self.written += n
 
     def close(self) -> None:
         self.flush()

@@ -377,8 +377,6 @@ class Replay:
                 if ideal is None:
                     assert self._ideal is not None  # one of the two is made above
                     ideal = self._ideal.result()
-                if not complete:  # cut short: the counts are those of the rows written
-                    step = writer.steps.written
                 summary = self.accounts.summary(st, ideal, end - t0_s, step, complete,
                                                 time.perf_counter() - wall0, writer.requests_path)
                 writer.close(summary)
