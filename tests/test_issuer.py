@@ -185,3 +185,21 @@ def test_a_fitted_front_end_delays_the_engine_not_the_clock_ttft_counts_from(tmp
     assert plain["ttft_ms"].tolist() == pytest.approx([4.0, 4.0])
     assert fronted.loc["r0", "ttft_ms"] == pytest.approx(53.0)
     assert 100 < fronted.loc["r1", "ttft_ms"] < 110
+
+
+def test_a_request_refused_as_too_long_still_takes_its_turn_in_the_front_end(tmp_path):
+    """vLLM's API process refuses a prompt longer than max-model-len after reading it: r0 (300 tokens,
+    over 200) holds the front end for 40 + 30 ms, so r1 reaches the engine at 70 + 50 ms, as
+    calibrate --from-run's spans (fit_server.span_rows) assume."""
+    coef = {"matmul_flops": None, "attn_flops": None, "mem_bw": None, "kv_bw": None, "step_overhead_s": 0.002,
+            "prefill_token_s": 1e-5, "decode_seq_s": 1e-4, "request_s": 0.04, "request_token_s": 1e-4}
+    clock = tmp_path / "clock.json"
+    clock.write_text(json.dumps({"kvbench_calibration": 3, "coefficients": coef}))
+    trace = tmp_path / "two.jsonl"
+    trace.write_text("".join(json.dumps({"id": f"r{i}", "t": 0.0, "output_len": 3, "prompt": [{"unique": n}]}) + "\n"
+                             for i, n in enumerate((300, 100))))
+    replay(str(trace), ReplayConfig(executor="sim", model="tiny", calibration=str(clock), max_model_len=200),
+           str(tmp_path / "run"))
+    rows = pd.read_parquet(tmp_path / "run" / "requests.parquet").set_index("id")
+    assert rows["rejected"].notna().tolist() == [True, False]
+    assert rows.loc["r1", "ttft_ms"] == pytest.approx(123.0)  # 120 ms in the front end, then 2 + 1 ms

@@ -155,14 +155,13 @@ def span_rows(rec: LiveRecord, steps: Steps, front: tuple[float, float] = (0.0, 
     fe = FrontEnd(*front)
     for row in rec.requests.sort_values("arrival_s", kind="stable").itertuples():
         seen = fe.admit(row.arrival_s, row.prompt_tokens)  # when the replay's engine saw it
-        own = front[0] + front[1] * row.prompt_tokens
         emitted = steps.emitted.get((row.id, 0))
         if not emitted or row.id not in t_first.index:
             continue
         out = held_out(row.id)
         a = int(np.searchsorted(ends, seen, side="right"))  # the first step ending after the engine saw it
         e0, e1 = emitted[0], emitted[-1]
-        waited = seen - row.arrival_s - own  # behind other requests in the front end
+        waited = seen - row.arrival_s - fe.service_s(row.prompt_tokens)  # behind others in the front end
         for lo, hi, span, kind in ((a, e0 + 1, t_first[row.id] - row.arrival_s - waited, False),
                                    (e0 + 1, e1 + 1, t_last[row.id] - t_first[row.id], True)):
             if hi > lo and span > 0:

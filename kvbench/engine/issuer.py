@@ -47,8 +47,8 @@ def dependencies_in_trace_order(positioned: Iterable[tuple[int, Request]]) -> di
 class FrontEnd:
     """A server's front end between the client and the engine: each request takes ``request_s`` +
     ``token_s`` x its prompt tokens there, one request at a time in issue order (vLLM's API process
-    parses and hands over one request after another), and reaches the scheduler when it leaves.
-    TTFT still counts from the issue."""
+    parses and hands over one request after another), and reaches the scheduler when it leaves; a
+    request too long for the server is refused there, after its turn. TTFT counts from the issue."""
 
     def __init__(self, request_s: float = 0.0, token_s: float = 0.0):
         self.request_s, self.token_s = request_s, token_s
@@ -57,9 +57,13 @@ class FrontEnd:
     def __bool__(self) -> bool:
         return self.request_s > 0 or self.token_s > 0
 
+    def service_s(self, prompt_len: int) -> float:
+        """The front end's own time on a request of ``prompt_len`` tokens (no wait)."""
+        return self.request_s + self.token_s * prompt_len
+
     def admit(self, issue_s: float, prompt_len: int) -> float:
-        """When a request issued at ``issue_s`` reaches the engine."""
-        self.free_s = max(issue_s, self.free_s) + self.request_s + self.token_s * prompt_len
+        """When a request issued at ``issue_s`` reaches the engine (or is refused there)."""
+        self.free_s = max(issue_s, self.free_s) + self.service_s(prompt_len)
         return self.free_s
 
 

@@ -297,8 +297,9 @@ class Replay:
         for each in replicas:
             each.clock = clock
         # A server's front end, when the clock was fitted to one (calibrate --from-run): one for the
-        # cluster, as one API server in front of --replicas engines. A request refused as too long is
-        # refused at issue, without it. Requests leave it in issue order, so a deque keeps them.
+        # cluster, as one API server in front of --replicas engines; every request passes it, one
+        # refused as too long included (vLLM's API process refuses it). Requests leave it in issue
+        # order, so a deque keeps them.
         front = FrontEnd(*ex.front_end)
         passing: deque[tuple[float, int, float, Request]] = deque()  # (reaches the engine, position, issued, request)
         index = self.router.index
@@ -320,7 +321,7 @@ class Replay:
                 if issue_s is not None and (rep is None or issue_s <= rep.clock):
                     pos, issue_s = issuer.issue()  # arrivals up to the step's start first
                     req = self._request(pos)
-                    if front and self._reject_reason(req) is None:
+                    if front:
                         passing.append((front.admit(issue_s, req.prompt_len), pos, issue_s, req))
                     else:
                         self._arrive(req, pos, future, use_tokens, writer, st, issue_s)
