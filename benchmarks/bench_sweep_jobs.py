@@ -1,5 +1,5 @@
 """How `kvbench sweep -j N` scales: the same grid swept with 1 worker and with N, each into a fresh
-folder, in a fresh process; wall time, the speed-up over -j 1, its share of the ideal N x, and the
+folder, in a fresh process; wall time, the speed-up over the same round's -j 1, its share of the ideal N x, and the
 largest process's peak RSS (one worker's, or the parent's).
 
     python benchmarks/bench_sweep_jobs.py [--jobs 1,2] [--trace mooncake.jsonl] [--limit 4000]
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -79,8 +80,8 @@ def main() -> None:
     jobs = [int(j) for j in a.jobs.split(",")]
     print(f"grid: {a.grid}{'  --limit ' + str(a.limit) if a.limit else ''}; {os.cpu_count()} CPUs", flush=True)
     print(f"{'-j':>4} {'wall s':>8} {'speed-up':>9} {'of ideal':>9} {'peak RSS MB':>12}", flush=True)
-    base: float | None = None
     for rep in range(a.repeats):
+        base: float | None = None  # this round's -j 1 (the rounds alternate, so each has its own)
         for j in jobs:
             out = os.path.join(work, f"sweep-j{j}-{rep}")
             t0 = time.perf_counter()
@@ -89,10 +90,11 @@ def main() -> None:
                                  check=True, capture_output=True, text=True)
             wall = time.perf_counter() - t0
             rss = float(res.stdout.strip().splitlines()[-1])
-            if j == 1 and base is None:
+            if j == 1:
                 base = wall
             speed = base / wall if base else float("nan")
             print(f"{j:>4} {wall:>8.1f} {speed:>8.2f}x {speed / j:>8.0%} {rss:>12,.0f}", flush=True)
+    shutil.rmtree(work)  # the converted trace and every sweep's runs
 
 
 if __name__ == "__main__":
