@@ -203,3 +203,71 @@ def test_a_request_refused_as_too_long_still_takes_its_turn_in_the_front_end(tmp
     rows = pd.read_parquet(tmp_path / "run" / "requests.parquet").set_index("id")
     assert rows["rejected"].notna().tolist() == [True, False]
     assert rows.loc["r1", "ttft_ms"] == pytest.approx(123.0)  # 120 ms in the front end, then 2 + 1 ms
+
+
+def test_max_requests_and_max_seconds_stop_issuing_and_the_issued_run_out():
+    reqs = [_req(i, float(i)) for i in range(6)]  # one a second
+    issuer = Issuer(reqs, max_requests=4)
+    assert _drive(issuer, 10.0) == [0.0, 1.0, 2.0, 3.0] and issuer.done() and issuer.stopped
+    # --max-seconds counts from the first request's time, scaled: 2.5 s at scale 0.5 allows t <= 5
+    reqs = [_req(i, 10.0 + i) for i in range(8)]
+    assert _drive(Issuer(reqs, time_scale=0.5, max_seconds=2.5), 10.0) == [5.0, 5.5, 6.0, 6.5, 7.0, 7.5]
+    # a closed loop's issue time is what counts: 3 slots, 1 s each; the 3 due at 2 s are past 1.5 s
+    reqs = [_req(i, 0.0) for i in range(9)]
+    assert _drive(Issuer(reqs, max_concurrency=3, max_seconds=1.5), 1.0) == [0, 0, 0, 1, 1, 1]
+    # a live run's wall clock may already be past the limit when a request falls due
+    late = Issuer([_req(i, float(i)) for i in range(3)], max_seconds=1.0)
+    assert late.next_time(now=1.2) is None and late.done()
+    # no limit reached: not stopped
+    whole = Issuer(reqs, max_requests=9)
+    _drive(whole, 1.0)
+    assert whole.done() and not whole.stopped
+
+
+def test_the_sim_stops_issuing_as_a_live_run_does(tmp_path):
+    """--max-requests on a sorted trace is --limit (same rows, same figures); --max-seconds issues the
+    requests due within S s of the first; the summary counts the requests issued."""
+    trace = REPO / "traces" / "mooncake_slice.jsonl"
+    cut = replay(str(trace), ReplayConfig(max_requests=60), str(tmp_path / "cut"))
+    lim = replay(str(trace), ReplayConfig(limit=60), str(tmp_path / "lim"))
+    assert (cut["requests"], cut["not_issued"], lim["not_issued"]) == (60, 140, 0)
+    for k in ("completed", "prefix_hit_rate", "ideal_hit_rate", "ttft_ms_p50", "tpot_ms_p90", "steps", "duration_s"):
+        assert cut[k] == lim[k], k
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "cut" / "requests.parquet"),
+                                  pd.read_parquet(tmp_path / "lim" / "requests.parquet"))
+    times = np.array([r.t for r in load_trace(CHAT)])
+    s = replay(str(CHAT), ReplayConfig(max_seconds=30.0), str(tmp_path / "s"))
+    due = int((times <= times[0] + 30.0).sum())
+    assert s["requests"] == s["completed"] == due and s["not_issued"] == len(times) - due and 0 < due < len(times)
+    rows = pd.read_parquet(tmp_path / "s" / "requests.parquet")
+    assert len(rows) == due and rows["arrival_s"].max() <= times[0] + 30.0
+
+
+def test_a_cut_run_with_dependent_turns_counts_the_ideal_of_the_requests_issued(tmp_path):
+    """Dependent turns count the ideal in a pass of its own: with a limit, over the requests issued --
+    the same as the whole run of a trace holding only those."""
+    cfg = dict(dependent_turns=True, time_scale=0.05)
+    cut = replay(str(CHAT), ReplayConfig(**cfg, max_requests=70), str(tmp_path / "cut"))
+    issued = set(pd.read_parquet(tmp_path / "cut" / "requests.parquet")["id"])
+    sub = tmp_path / "sub.jsonl"
+    sub.write_text("".join(line for line in CHAT.read_text().splitlines(keepends=True)
+                           if json.loads(line)["id"] in issued))
+    whole = replay(str(sub), ReplayConfig(**cfg), str(tmp_path / "whole"))
+    assert len(issued) == 70 and cut["ideal_hit_rate"] == pytest.approx(whole["ideal_hit_rate"], rel=1e-12)
+    assert cut["ideal_hit_rate"] != replay(str(CHAT), ReplayConfig(**cfg), str(tmp_path / "all"))["ideal_hit_rate"]
+
+
+def test_belady_with_a_limit_the_run_decides_is_refused(tmp_path, capsys):
+    from kvbench.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["replay", str(CHAT), "--cache-policy", "belady", "--dependent-turns", "--max-seconds", "20",
+              "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--max-seconds" in err and len(err.strip().splitlines()) == 1
+    # otherwise the requests issued are the first ones: belady runs, in a pool tight enough to evict
+    main(["replay", str(CHAT), "--cache-policy", "belady", "--max-requests", "40", "--max-concurrency", "8",
+          "--num-blocks", "400", "--out", str(tmp_path / "ok"), "--json"])
+    lim = replay(str(CHAT), ReplayConfig(cache_policy="belady", limit=40, max_concurrency=8, num_blocks=400),
+                 str(tmp_path / "lim"))
+    assert json.loads(capsys.readouterr().out)["prefix_hit_rate"] == lim["prefix_hit_rate"]

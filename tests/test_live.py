@@ -458,8 +458,8 @@ def test_warmup_requests_are_left_out_and_the_limits_stop_issuing(tmp_path):
             for i in range(6)]
     trace = _trace(tmp_path, rows)
     with FakeServer(ttft_s=0.01, itl_s=0.01) as fake:
-        summary, run_dir = _run(trace, fake.url, tmp_path / "w", ReplayConfig(max_concurrency=1),
-                                warmup=2, max_requests=3)
+        summary, run_dir = _run(trace, fake.url, tmp_path / "w", ReplayConfig(max_concurrency=1, max_requests=3),
+                                warmup=2)
         assert len(fake.log) == 5  # 2 warm-up + 3
     got = pd.read_parquet(Path(run_dir) / "requests.parquet")
     assert got["id"].tolist() == ["r2", "r3", "r4"]
@@ -469,7 +469,7 @@ def test_warmup_requests_are_left_out_and_the_limits_stop_issuing(tmp_path):
     # open loop, one request every 0.1 s: --max-seconds 0.35 issues those of 0, 0.1, 0.2 and 0.3 s
     timed = _trace(tmp_path, [{**r, "t": 0.1 * i} for i, r in enumerate(rows)], "timed.jsonl")
     with FakeServer(ttft_s=0.01, itl_s=0.01) as fake:
-        summary, _ = _run(timed, fake.url, tmp_path / "s", ReplayConfig(), max_seconds=0.35)
+        summary, _ = _run(timed, fake.url, tmp_path / "s", ReplayConfig(max_seconds=0.35))
     assert (summary["requests"], summary["completed"], summary["not_issued"]) == (4, 4, 2)
 
 

@@ -80,6 +80,10 @@ REPLAY_OPTIONS: list[Opt] = [
     Opt("dependent_turns", "flag", "a request that re-sends a named answer is issued only once that answer has "
         "finished, as a chat client sends its next turn"),
     Opt("limit", Count(1, 2**31 - 1), "replay only the first N requests"),
+    Opt("max_requests", Count(1, 2**31 - 1), "stop issuing after N requests (in arrival order; those issued run "
+        "to the end), as vllm bench serve --num-prompts"),
+    Opt("max_seconds", Finite(min=0, min_open=True), "stop issuing requests S seconds after the first one "
+        "(the sim's clock, or a live run's wall clock); those issued run to the end"),
     Opt("seed", Count(0, 2**63 - 1), "seed for every random choice"),
     Opt("replicas", Count(1, C.MAX_REPLICAS), "engine instances, each its own pool, scheduler and executor, one clock"),
     Opt("router", click.Choice(C.ROUTERS), "which replica an arriving request goes to (with --replicas > 1)"),
@@ -275,9 +279,6 @@ Examples:
 @click.option("--header", "headers", multiple=True, metavar="'NAME: VALUE'", help="live: an HTTP header (repeatable)")
 @click.option("--warmup", type=Count(0, 10**6), default=0, show_default=True,
               help="live: requests sent first and left out of every statistic")
-@click.option("--max-seconds", type=Finite(min=0, min_open=True), default=None,
-              help="live: stop issuing requests after this many seconds")
-@click.option("--max-requests", type=Count(1, 2**31 - 1), default=None, help="live: stop after this many requests")
 @click.option("--request-timeout", type=Finite(min=0, min_open=True), default=600.0, show_default=True,
               help="live: seconds before a request is given up (recorded as an error)")
 @click.option("--retries", type=Count(0, 100), default=2, show_default=True,
@@ -291,7 +292,7 @@ Examples:
                    "a running server (its URL) or its start-up log, for a like-for-like prediction (options given "
                    "explicitly win); outputs that do not fit are cut as vLLM's server cuts them")
 def replay(trace, out, force, metadata, csv, as_json, endpoint, api, served_model, api_key, headers, warmup,
-           max_seconds, max_requests, request_timeout, retries, metrics_interval, remap_vocab, like_server, **opts):
+           request_timeout, retries, metrics_interval, remap_vocab, like_server, **opts):
     """Replay TRACE under one configuration and write a run directory (config.json, summary.json,
     requests.parquet, steps.parquet). With --endpoint, send it to a running server and measure that
     instead (the same run files; a /metrics timeline in place of steps.parquet)."""
@@ -300,12 +301,11 @@ def replay(trace, out, force, metadata, csv, as_json, endpoint, api, served_mode
     invocation = Invocation.from_argv(metadata)
     if endpoint is not None:
         summary, out = _replay_live(trace, out, force, as_json, invocation, opts, endpoint, api, served_model,
-                                    api_key, headers, warmup, max_seconds, max_requests, request_timeout,
+                                    api_key, headers, warmup, request_timeout,
                                     retries, metrics_interval, remap_vocab)
     else:
         live_only = {"--api": api != "completions", "--served-model": served_model is not None,
-                     "--header": bool(headers), "--warmup": warmup != 0, "--max-seconds": max_seconds is not None,
-                     "--max-requests": max_requests is not None, "--remap-vocab": remap_vocab}
+                     "--header": bool(headers), "--warmup": warmup != 0, "--remap-vocab": remap_vocab}
         for flag, given_ in live_only.items():
             if given_:
                 click.echo(f"kvbench: note: {flag} has no effect without --endpoint", err=True)
@@ -348,7 +348,7 @@ def _take_server_settings(opts: dict, where: str) -> None:
 
 
 def _replay_live(trace, out, force, as_json, invocation, opts, endpoint, api, served_model, api_key, headers,
-                 warmup, max_seconds, max_requests, request_timeout, retries, metrics_interval, remap_vocab):
+                 warmup, request_timeout, retries, metrics_interval, remap_vocab):
     """replay --endpoint: the same workload settings, sent to a server (kvbench.engine.live)."""
     from kvbench.cli.console import progress_bar
     from kvbench.engine.live import LiveOptions, LiveRun
@@ -364,9 +364,8 @@ def _replay_live(trace, out, force, as_json, invocation, opts, endpoint, api, se
             raise InputError(f"expected 'NAME: VALUE', got {h!r}", field="--header")
         parsed[name.strip()] = value.strip()
     live = LiveOptions(endpoint=endpoint, api=api, served_model=served_model, api_key=api_key, headers=parsed,
-                       warmup=warmup, max_seconds=max_seconds, max_requests=max_requests,
-                       request_timeout_s=request_timeout, retries=retries, metrics_interval_s=metrics_interval,
-                       remap_vocab=remap_vocab)
+                       warmup=warmup, request_timeout_s=request_timeout, retries=retries,
+                       metrics_interval_s=metrics_interval, remap_vocab=remap_vocab)
     run = LiveRun(trace, cfg, live, out or default_run_dir(trace), force=force, unique=out is None,
                   invocation=invocation)
     click.echo(f"kvbench: {run.describe()}", err=True)

@@ -42,6 +42,7 @@ class Accounts:
         self.cfg, self.replicas, self.router = cfg, replicas, router
         self.num_blocks, self.block_bytes = num_blocks, block_bytes
         self.num_requests, self.truncated, self.slab_reserve_tokens = num_requests, truncated, slab_reserve_tokens
+        self.not_issued = 0  # requests --max-requests / --max-seconds kept from being issued
         self.prompt_tokens_done = 0
         self.itl_binned: dict[int, int] = {}  # gap (whole microseconds) -> count, once the exact counts grew too many
         self.predicted: dict[RequestState, int] = {}  # the blocks a router expected each request to hit
@@ -143,7 +144,8 @@ class Accounts:
             tot.peak, tot.peak_slots = max(tot.peak, r.st.peak), max(tot.peak_slots, r.st.peak_slots)
             tot.peak_live = max(tot.peak_live, r.st.peak_live)
         s: dict = {"complete": complete, "requests": self.num_requests, "completed": st.completed,
-             "rejected": st.rejected, "truncated": self.truncated, "duration_s": duration_s,
+             "rejected": st.rejected, "truncated": self.truncated, "not_issued": self.not_issued,
+             "duration_s": duration_s,
              "output_tok_per_s": st.output_tokens / duration_s if duration_s > 0 else 0.0,
              "total_tok_per_s": (st.output_tokens + self.prompt_tokens_done) / duration_s if duration_s > 0 else 0.0,
              "req_per_s": st.completed / duration_s if duration_s > 0 else 0.0}

@@ -5,6 +5,7 @@ pick an implementation (layout, cache policy, eviction, executor) are registry n
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 from kvbench import eviction, executors, memory, scheduler
@@ -12,7 +13,7 @@ from kvbench.engine import routing
 from kvbench.engine.records import parse_slo
 from kvbench.engine.sizes import MAX_BLOCK_SIZE, parse_size
 from kvbench.errors import InputError
-from kvbench.memory.policies import check_policy
+from kvbench.memory.policies import check_policy, needs_future
 from kvbench.memory.tiers import DEFAULT_BW, LOAD_POLICIES, OFFLOADS
 from kvbench.trace.format import MAX_REQUEST_TOKENS
 
@@ -101,6 +102,8 @@ class ReplayConfig:
     dependent_turns: bool = False  # a turn that re-sends an answer waits for it (engine.issuer)
     slo: str | None = None  # 'ttft=200,tpot=50' (ms): goodput counts the requests that meet every one
     limit: int | None = None
+    max_requests: int | None = None  # stop issuing after this many requests (engine.issuer)
+    max_seconds: float | None = None  # stop issuing this many seconds after the first request (engine.issuer)
     seed: int = 0
     attention: str = "auto"  # model executor: triton kernels or torch reference
     replicas: int = 1  # engine instances, each its own pool, scheduler and executor (engine.routing)
@@ -157,6 +160,11 @@ class ReplayConfig:
         positive("max_model_len", self.max_model_len)
         positive("num_blocks", self.num_blocks, most=MAX_NUM_BLOCKS)
         positive("limit", self.limit, most=2**31 - 1)
+        positive("max_requests", self.max_requests, most=2**31 - 1)
+        if self.max_seconds is not None and (isinstance(self.max_seconds, bool)
+                                             or not isinstance(self.max_seconds, (int, float))
+                                             or not 0 < self.max_seconds < math.inf):
+            raise InputError(f"must be a number of seconds > 0, got {self.max_seconds!r}", field="--max-seconds")
         positive("max_concurrency", self.max_concurrency, most=MAX_CONCURRENCY)
         try:
             parse_slo(self.slo)
@@ -196,6 +204,7 @@ class ReplayConfig:
         if self.kv_mem is not None:
             parse_size(self.kv_mem)
         self._validate_tiers()
+        self._validate_limits()
         if self.eviction != "none" and not memory.LAYOUTS[self.layout].can_compact:
             raise InputError(f"token eviction ({self.eviction}) frees slots by packing a sequence's kept tokens, "
                              f"which the {self.layout} layout cannot do: use --layout paged, or --eviction none",
@@ -203,6 +212,17 @@ class ReplayConfig:
         if self.layout == "slab":  # a slab cannot share blocks: it has no prefix cache to turn on
             self.prefix_cache = False
         return self
+
+    def _validate_limits(self) -> None:
+        """belady reads the future of the requests a run issues: with --max-requests or --max-seconds
+        they are the first ones in arrival order (a bound known before the run) unless dependent turns
+        reorder them as the run goes."""
+        limit = "--max-seconds" if self.max_seconds is not None else "--max-requests" if self.max_requests else None
+        policies = (self.cache_policy, *(getattr(self, f"{t}_cache_policy") for t in self.tier_sizes()))
+        if (limit and self.dependent_turns and self.prefix_cache
+                and any(needs_future(p) for p in policies)):
+            raise InputError("belady reads the future of the requests issued, which --dependent-turns decides "
+                             "as the run goes: cut the trace with --limit instead", field=limit)
 
     def _validate_tiers(self) -> None:
         for name in ("cpu_bw", "disk_bw"):

@@ -11,6 +11,10 @@ users. Arrival, queue and TTFT count from the issue time.
 Dependent turns: a request whose prompt re-sends a named answer (a ``shared`` segment naming an earlier
 request's ``output``) depends on the last earlier request that wrote it, as a chat client sends turn
 k+1 only after turn k's answer has arrived. A rejected request finishes when it is issued.
+
+Limits (``--max-requests``, ``--max-seconds``, as ``vllm bench serve --num-prompts`` and GuideLLM's
+``--max-seconds``): issuing stops after ``max_requests`` requests, or at the first request that would
+go more than ``max_seconds`` after the first request's trace time; the requests issued run to the end.
 """
 from __future__ import annotations
 
@@ -74,24 +78,30 @@ class Issuer:
     arrival times and the dependencies are held."""
 
     def __init__(self, requests: Sequence[Request], time_scale: float = 1.0,
-                 max_concurrency: int | None = None, dependent_turns: bool = False):
+                 max_concurrency: int | None = None, dependent_turns: bool = False,
+                 max_requests: int | None = None, max_seconds: float | None = None):
         self._init([r.t for r in requests], answer_dependencies(requests) if dependent_turns else {},
-                   time_scale, max_concurrency)
+                   time_scale, max_concurrency, max_requests, max_seconds)
 
     @classmethod
     def of_times(cls, times: Sequence[float] | np.ndarray, deps: dict[int, int], time_scale: float = 1.0,
-                 max_concurrency: int | None = None) -> Issuer:
+                 max_concurrency: int | None = None, max_requests: int | None = None,
+                 max_seconds: float | None = None) -> Issuer:
         """``times``: trace times in arrival order; ``deps``: dependencies_in_trace_order's."""
         issuer = cls.__new__(cls)
-        issuer._init(times, deps, time_scale, max_concurrency)
+        issuer._init(times, deps, time_scale, max_concurrency, max_requests, max_seconds)
         return issuer
 
     def _init(self, times: Sequence[float] | np.ndarray, deps: dict[int, int], time_scale: float,
-              max_concurrency: int | None) -> None:
+              max_concurrency: int | None, max_requests: int | None, max_seconds: float | None) -> None:
         self.times = times
         self.n = len(times)
         self.time_scale = time_scale
         self.cap = max_concurrency
+        self.max_requests = max_requests
+        # the last issue time --max-seconds allows (issuer clock); issuing stops for good past it
+        self.until_s = self._arrival(0) + max_seconds if max_seconds is not None and self.n else math.inf
+        self.stopped = False  # a limit has stopped issuing
         self.deps = deps
         self._dependents: dict[int, list[int]] = {}  # position -> dependents not yet ready
         for pos, dep in self.deps.items():
@@ -105,7 +115,8 @@ class Issuer:
         self._last_s = -math.inf  # the line is first come first served: no issue before an earlier one
 
     def done(self) -> bool:
-        return self.issued == self.n
+        """No request is left to issue (every one issued, or a limit stopped issuing)."""
+        return self.issued == self.n or self.stopped
 
     def _arrival(self, pos: int) -> float:
         return float(self.times[pos]) * self.time_scale
@@ -121,16 +132,25 @@ class Issuer:
             return ready
         return plain
 
-    def next_time(self) -> float | None:
+    def next_time(self, now: float = -math.inf) -> float | None:
         """When the next request is issued unless something finishes first; None when none can go
-        before a finish (every slot busy, or the rest wait on answers) or none is left."""
+        before a finish (every slot busy, or the rest wait on answers), none is left, or a limit stops
+        issuing. ``now``: the clock already read (a live run's wall clock, which may be past the
+        time a request was due; the time limit holds against the later of the two)."""
+        if self.stopped or (self.max_requests is not None and self.issued >= self.max_requests):
+            self.stopped = self.issued < self.n
+            return None
         if self.cap is not None and not self._free:
             return None
         head = self._head()
         if head is None:
             return None
         slot = self._free[0] if self.cap is not None else -math.inf
-        return max(head[0], slot, self._last_s)
+        at = max(head[0], slot, self._last_s)
+        if max(at, now) > self.until_s:  # issue times never go back: none after this one goes either
+            self.stopped = True
+            return None
+        return at
 
     def issue(self) -> tuple[int, float]:
         """Take the next request: (its position, its issue time). Only when next_time() is not None."""

@@ -74,8 +74,6 @@ class LiveOptions:
     api_key: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     warmup: int = 0  # requests sent first and left out of every statistic
-    max_seconds: float | None = None  # stop issuing after this many seconds (wall clock)
-    max_requests: int | None = None  # stop after issuing this many (warm-up excluded)
     request_timeout_s: float = 600.0
     retries: int = 2  # a request that fails before its first byte is sent again at most this often
     metrics_interval_s: float = 1.0  # /metrics scraped every so often during the run (0: before and after only)
@@ -413,11 +411,14 @@ class LiveRun:
     async def _phase(self, client, reqs: list[Request], clock: Clock, measured: bool) -> None:
         """Issue ``reqs`` (arrival order) by the Issuer's rules on ``clock`` until none is left or the
         limits stop issuing; return when every request sent has finished."""
-        issuer = Issuer(reqs, self.cfg.time_scale, self.cfg.max_concurrency, self.cfg.dependent_turns)
+        cfg = self.cfg  # --max-requests and --max-seconds hold in the measured phase only
+        issuer = Issuer(reqs, cfg.time_scale, cfg.max_concurrency, cfg.dependent_turns,
+                        max_requests=cfg.max_requests if measured else None,
+                        max_seconds=cfg.max_seconds if measured else None)
         pending: dict[asyncio.Task, int] = {}
         while True:
-            nxt = self._next_issue(issuer, clock, measured)
             now = clock()
+            nxt = issuer.next_time(now)
             if nxt is not None and nxt <= now:
                 pos, _ = issuer.issue()
                 pending[asyncio.create_task(self._send(client, reqs[pos], clock))] = pos
@@ -436,20 +437,6 @@ class LiveRun:
                 reply = task.result()
                 issuer.finished(pos, reply.finish_s)
                 self._finished(reqs[pos], reply, measured)
-
-    def _next_issue(self, issuer: Issuer, clock: Clock, measured: bool) -> float | None:
-        """When the next request goes (issuer clock), or None: none can go before a finish, none is
-        left, or --max-requests / --max-seconds stop issuing (the measured phase only)."""
-        if issuer.done():
-            return None
-        opts = self.opts
-        if measured and opts.max_requests is not None and len(self.st.issued) >= opts.max_requests:
-            return None
-        nxt = issuer.next_time()
-        if measured and opts.max_seconds is not None and nxt is not None \
-                and max(nxt, clock()) - clock.offset > opts.max_seconds:
-            return None
-        return nxt
 
     async def _send(self, client, r: Request, clock: Clock) -> Reply:
         prompt = self.prompts.build(r)

@@ -207,12 +207,30 @@ class Replay:
             r = dataclasses.replace(r, output_len=int(self._output_len[pos]))
         return r
 
-    def _ideal_in_trace_order(self):
-        """The block ideal by a pass of its own over the admitted requests in trace order, letting
-        go of keys no later request can hit (IdealCounter, block_expiry)."""
-        counter, keys_of, names, bs = IdealCounter(self.cfg.block_size), self._keys_of, self.trace.names, self.cfg.block_size
+    def _issue_bound(self, issuer: Issuer) -> int:
+        """How many requests the limits let the issuer issue at most (arrival positions 0..k-1 when
+        every request goes at its arrival time; a cap or dependent turns only issue later)."""
+        k = issuer.n if issuer.max_requests is None else min(issuer.n, issuer.max_requests)
+        if issuer.until_s < np.inf:
+            k = min(k, int(np.searchsorted(self.trace.t * issuer.time_scale, issuer.until_s, side="right")))
+        return k
+
+    def _admitted_in_trace_order(self, k: int) -> list[Request]:
+        """The admitted requests among arrival positions 0..k-1, shaped, in trace order."""
+        return [self._shaped(p, r) for p, r in self.trace.positioned() if p < k and self._admitted[p]]
+
+    def _ideal_in_trace_order(self, issued: np.ndarray | None = None):
+        """The ideal of the admitted requests (those ``issued`` marks, if given) in trace order, by a
+        pass of its own: the block ideal lets go of keys no later request can hit (IdealCounter,
+        block_expiry); a radix run's is token-granular (radix_ideal_hits)."""
+        bs = self.cfg.block_size
+        chosen = [(pos, self._shaped(pos, r)) for pos, r in self.trace.positioned()
+                  if self._admitted[pos] and (issued is None or issued[pos])] if self.cfg.prefix_mode == "radix" else None
+        if chosen is not None:
+            return radix_ideal_hits([r for _, r in chosen], bs, self.streams)
+        counter, keys_of, names = IdealCounter(bs), self._keys_of, self.trace.names
         for rank, (pos, r) in enumerate(self.trace.positioned()):
-            if self._admitted[pos]:
+            if self._admitted[pos] and (issued is None or issued[pos]):
                 r = self._shaped(pos, r)
                 keys, prompt_len, pieces = keys_of.with_pieces(r)
                 counter.add(keys, prompt_len, keys_of.shareable_blocks(r), block_expiry(pieces, len(keys), bs, names),
@@ -263,34 +281,39 @@ class Replay:
         use_tokens = kv.prefix_cache or ex.needs_tokens
         tiers = cfg.tier_sizes()
         belady = needs_future(cfg.cache_policy) or any(needs_future(getattr(cfg, f"{t}_cache_policy")) for t in tiers)
-        # Belady's policy reads each block's next use: the whole trace's keys, in memory
-        future = (next_uses([self._request(p) for p in range(len(trace))], bs, self.streams)
-                  if kv.prefix_cache and belady else None)
-        # The ideal hit rate counts requests in trace order; arrival order is the same unless the
-        # trace is unsorted, or dependent turns wait for answers, and then it gets a pass of its own.
-        in_order = not cfg.dependent_turns and trace.sorted
+        limited = cfg.max_requests is not None or cfg.max_seconds is not None
         deps = dependencies_in_trace_order(trace.positioned()) if cfg.dependent_turns else {}
-        issuer = Issuer.of_times(trace.t, deps, cfg.time_scale, cfg.max_concurrency)
+        issuer = Issuer.of_times(trace.t, deps, cfg.time_scale, cfg.max_concurrency,
+                                 max_requests=cfg.max_requests, max_seconds=cfg.max_seconds)
         self._issuer = issuer
+        # at most this many are issued, the first ones in arrival order unless dependent turns reorder them
+        planned = self._issue_bound(issuer)
+        self._issued = np.zeros(len(trace), dtype=bool)  # which arrival positions were issued
+        # Belady's policy reads each block's next use: the keys of the requests that may be issued, in memory
+        # (a use past those issued never decides a hit; ReplayConfig.validate refuses dependent turns here)
+        future = None
+        if kv.prefix_cache and belady:
+            future = next_uses([self._request(p) for p in range(planned)], bs, self.streams)
+        # The ideal hit rate counts the requests issued in trace order; arrival order is the same unless
+        # the trace is unsorted, or dependent turns wait for answers, and then it gets a pass of its own
+        # (before the run, or after it when a limit decides which requests are issued).
+        in_order = not cfg.dependent_turns and trace.sorted
         self._keys_of = PrefixKeys(bs, self.streams)
         self._keys_of.once = trace.names.once  # shared streams one request uses (PrefixKeys.count_once)
         # Radix runs use a token-granular ideal (spec §4): a radix tree can hit inside a block; it
         # holds the admitted requests' keys (radix_ideal_hits), the block ideal only the live ones.
         ideal = None
-        self._ideal: IdealCounter | RadixIdealCounter | None
-        if cfg.prefix_mode == "radix":
-            admitted = [self._shaped(p, r) for p, r in trace.positioned() if self._admitted[p]]
-            self._ideal = RadixIdealCounter(bs, admitted, self.streams) if in_order else None
-            ideal = None if in_order else radix_ideal_hits(admitted, bs, self.streams)
-        else:
-            self._ideal = IdealCounter(bs) if in_order else None
-            if not in_order:
-                ideal = self._ideal_in_trace_order()
+        self._ideal: IdealCounter | RadixIdealCounter | None = None
+        if in_order:
+            self._ideal = (RadixIdealCounter(bs, self._admitted_in_trace_order(planned), self.streams)
+                           if cfg.prefix_mode == "radix" else IdealCounter(bs))
+        elif not limited:
+            ideal = self._ideal_in_trace_order()
         self.claim()
         writer = RunWriter(self.out_dir, self._config_json())
         self._writer = writer
         st = Totals()  # the cluster's: requests and tokens (steps are counted per replica)
-        prog = Progress(len(trace))
+        prog = Progress(planned)
         complete = False
         clock = float(trace.t[0]) * cfg.time_scale if len(trace) else 0.0
         t0_s = clock
@@ -320,6 +343,7 @@ class Replay:
                     continue
                 if issue_s is not None and (rep is None or issue_s <= rep.clock):
                     pos, issue_s = issuer.issue()  # arrivals up to the step's start first
+                    self._issued[pos] = True
                     req = self._request(pos)
                     if front:
                         passing.append((front.admit(issue_s, req.prompt_len), pos, issue_s, req))
@@ -376,8 +400,11 @@ class Replay:
                 end = max(r.clock for r in replicas)
                 writer.close_tables()  # the summary's distributions are read back from requests.parquet
                 if ideal is None:
-                    assert self._ideal is not None  # one of the two is made above
-                    ideal = self._ideal.result()
+                    ideal = self._ideal.result() if self._ideal is not None else self._ideal_in_trace_order(self._issued)
+                if issuer.stopped:  # a limit stopped issuing: the run's requests are those issued
+                    acc = self.accounts
+                    acc.num_requests, acc.not_issued = issuer.issued, issuer.n - issuer.issued
+                    acc.truncated = int(self._cut[self._issued].sum())
                 summary = self.accounts.summary(st, ideal, end - t0_s, step, complete,
                                                 time.perf_counter() - wall0, writer.requests_path)
                 writer.close(summary)

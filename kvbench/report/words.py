@@ -59,6 +59,8 @@ WORDS: dict[str, Callable[[object], tuple[str, bool]]] = {
     "slo": lambda v: (f"SLO {v}" if v else "no SLO", not v),
     "dependent_turns": lambda v: ("dependent turns" if v else "independent turns", not v),
     "limit": lambda v: (f"{v} requests" if v else "all requests", not v),
+    "max_requests": lambda v: (f"issue {v} requests" if v else "no request limit", not v),
+    "max_seconds": lambda v: (f"issue for {v:g} s" if v else "no time limit", not v),
     "seed": lambda v: (f"seed {v}", False),
     "attention": lambda v: (f"{v} attention", v == "auto"),
     "cpu_kv_mem": lambda v: (f"CPU tier {v}" if _size(v) else "no CPU tier", not _size(v)),

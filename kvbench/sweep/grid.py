@@ -58,7 +58,7 @@ SHORT = {"layout": "", "block_size": "bs", "slab_reserve": "res_", "prefix_cache
          "kv_mem": "mem", "num_blocks": "nb", "max_num_seqs": "seqs", "max_batched_tokens": "mbt",
          "max_model_len": "mml", "admission": "adm_", "watermark": "wm",
          "admission_window": "aw", "admission_threshold": "at", "time_scale": "ts",
-         "max_concurrency": "conc", "overlong": "long_", "dependent_turns": "dep_", "slo": "slo_", "limit": "lim", "seed": "seed",
+         "max_concurrency": "conc", "overlong": "long_", "dependent_turns": "dep_", "slo": "slo_", "limit": "lim", "max_requests": "maxr", "max_seconds": "maxs", "seed": "seed",
          "replicas": "x", "router": "", "router_prefix_blocks": "rpb", "router_cache_weight": "rcw",
          "router_load_weight": "rlw", "router_event_delay": "red", "cpu_kv_mem": "cpu", "disk_kv_mem": "disk",
          "offload": "", "load_policy": "load_", "cpu_bw": "cpubw", "disk_bw": "diskbw", "cpu_cache_policy": "cpu_",
