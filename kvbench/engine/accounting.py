@@ -32,6 +32,7 @@ from kvbench.scheduler.scheduler import StepPlan
 
 ITL_EXACT = 1 << 18  # distinct gaps counted exactly; past it, gaps are counted to the microsecond
 LATENCY_COLUMNS = ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "itl_ms_max")
+SLO_COLUMNS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2e_ms", "itl": "itl_ms_max"}  # --slo name -> column
 
 
 class Accounts:
@@ -136,7 +137,7 @@ class Accounts:
         if not complete:  # cut short: every count is that of the rows written, not of the counters
             written = self._written(requests_parquet, replica_of, out_tokens, len(reps))
             steps = int(written["steps"].sum())
-            st = dataclasses.replace(st, completed=len(lat), rejected=rejected, output_tokens=int(out_tokens.sum()))
+            st = dataclasses.replace(st, completed=len(out_tokens), rejected=rejected, output_tokens=int(out_tokens.sum()))
         tot = Totals(peak=0)  # the replicas' step figures: time integrals summed, peaks the largest
         for r in reps:
             for name in ("busy_s", "slots_t", "live_t", "running_t", "util_t", "pcie_s"):
@@ -149,12 +150,11 @@ class Accounts:
              "output_tok_per_s": st.output_tokens / duration_s if duration_s > 0 else 0.0,
              "total_tok_per_s": (st.output_tokens + self.prompt_tokens_done) / duration_s if duration_s > 0 else 0.0,
              "req_per_s": st.completed / duration_s if duration_s > 0 else 0.0}
-        for k, name in enumerate(("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms")):
-            s.update(distribution(name, lat[:, k]))
+        for name in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms"):
+            s.update(distribution(name, lat[name]))
         s.update(itl_summary([r.sched.itl_gaps for r in reps]
                              + ([{us / 1e6: n for us, n in self.itl_binned.items()}] if self.itl_binned else [])))
-        s.update(goodput(dict(zip(("ttft", "tpot", "e2e", "itl"), lat[:, [0, 1, 2, 4]].T)),
-                         parse_slo(self.cfg.slo), duration_s))
+        s.update(goodput({slo: lat[c] for slo, c in SLO_COLUMNS.items()}, parse_slo(self.cfg.slo), duration_s))
 
         def total(get):
             return sum(get(r) for r in reps)
@@ -188,18 +188,17 @@ class Accounts:
         return s
 
     @staticmethod
-    def _rows(requests_parquet: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """(float64 [completed, 5]: LATENCY_COLUMNS in ms, int64 [completed]: replica, int64
-        [completed]: output tokens) of the completed requests, in the order they were written, and
-        the number of rejected rows."""
-        cols = pq.read_table(requests_parquet, columns=[*LATENCY_COLUMNS, "replica", "output_tokens", "rejected"])
-        done = np.asarray(cols.column("rejected").is_null())
-        lat = np.column_stack([cols.column(c).to_numpy(zero_copy_only=False) for c in LATENCY_COLUMNS])
+    def _rows(requests_parquet: str) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, int]:
+        """({LATENCY_COLUMNS name: float64 ms}, int64 replica, int64 output tokens) of the completed
+        requests, in the order they were written, and the number of rejected rows. Read one column at
+        a time: a million-request run holds one column's copies at once, not the table's."""
+        f = pq.ParquetFile(requests_parquet)
+        done = np.asarray(f.read(columns=["rejected"]).column(0).is_null())
 
-        def ints(name: str) -> np.ndarray:
-            return np.asarray(cols.column(name).to_numpy(zero_copy_only=False)[done], dtype=np.int64)
-        return (np.asarray(lat[done], dtype=np.float64).reshape(-1, len(LATENCY_COLUMNS)), ints("replica"),
-                ints("output_tokens"), int(len(done) - done.sum()))
+        def column(name: str, dtype) -> np.ndarray:
+            return np.asarray(f.read(columns=[name]).column(0).to_numpy(zero_copy_only=False)[done], dtype=dtype)
+        lat = {c: column(c, np.float64) for c in LATENCY_COLUMNS}
+        return lat, column("replica", np.int64), column("output_tokens", np.int64), int(len(done) - done.sum())
 
     @staticmethod
     def _written(requests_parquet: str, replica_of: np.ndarray, out_tokens: np.ndarray, replicas: int) -> dict:
@@ -237,25 +236,25 @@ class Accounts:
         out["resumed_loaded_tokens"] = sum(r.sched.resumed_loaded_tokens for r in reps) if present else None
         return out
 
-    def _cluster(self, duration_s: float, lat_all: np.ndarray, replica_of: np.ndarray,
+    def _cluster(self, duration_s: float, lat_all: dict[str, np.ndarray], replica_of: np.ndarray,
                  written: dict | None = None) -> dict:
         """Balance and the router's prediction (spec §3), and each replica's own figures (``written``:
         a cut-short run's counts from its rows, ``_written``)."""
         reps = self.replicas
         per = []
         for r in reps:
-            lat = lat_all[replica_of == r.index]
+            mine = replica_of == r.index
             q = r.sched.query_tokens
             completed, steps, out = (r.st.completed, r.steps, r.st.output_tokens) if written is None else (
-                len(lat), int(written["steps"][r.index]), int(written["output_tokens"][r.index]))
+                int(mine.sum()), int(written["steps"][r.index]), int(written["output_tokens"][r.index]))
             row = {"replica": r.index, "requests": r.routed, "completed": completed,
                    "prefix_hit_rate": r.sched.hit_tokens / q if q else 0.0,
                    "busy_s": r.st.busy_s, "steps": steps,
                    "mean_running": r.st.running_t / r.st.busy_s if r.st.busy_s else 0.0,
                    "peak_running": r.st.peak, "preemptions": r.sched.preemptions,
                    "output_tok_per_s": out / duration_s if duration_s > 0 else 0.0}
-            for k, name in enumerate(("ttft_ms", "tpot_ms", "e2e_ms")):
-                d = distribution(name, lat[:, k])
+            for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
+                d = distribution(name, lat_all[name][mine])
                 row.update({f"{name}_p50": d[f"{name}_p50"], f"{name}_p99": d[f"{name}_p99"]})
             per.append(row)
         routed = [r.routed for r in reps]

@@ -80,7 +80,7 @@ class Table:
     def __init__(self, path: str, schema: pa.Schema, flush_rows: int):
         self.schema = schema
         self.cols: dict[str, list] = {n: [] for n in schema.names}
-        self.writer = pq.ParquetWriter(path, schema, compression="zstd")
+        self.writer: pq.ParquetWriter | None = pq.ParquetWriter(path, schema, compression="zstd")
         self.flush_rows = flush_rows
         self.rows = 0
 
@@ -98,6 +98,7 @@ class Table:
         if n:
             for col in self.cols.values():
                 del col[n:]
+            assert self.writer is not None  # (rows are added before close)
             with interrupt_held():
                 self.writer.write_table(pa.table(self.cols, schema=self.schema))
                 for col in self.cols.values():
@@ -105,8 +106,13 @@ class Table:
                 self.rows = 0
 
     def close(self) -> None:
+        """Write the rows left and the file's footer; the writer (which holds every row group's
+        metadata until it is dropped) is let go."""
+        if self.writer is None:
+            return
         self.flush()
         self.writer.close()
+        self.writer = None
 
 
 def environment(device_name: str | None = None) -> dict:
@@ -284,11 +290,9 @@ def distribution(prefix: str, values) -> dict:
     """mean/p50/p90/p99 of finite values, as ``{prefix}_{stat}`` keys (None when there are none)."""
     a = np.asarray(values, dtype=np.float64)
     a = a[np.isfinite(a)]
-    out: dict[str, float | None] = {}
-    for name, q in PCTS:
-        if not len(a):
-            out[f"{prefix}_{name}"] = None
-        else:
-            out[f"{prefix}_{name}"] = float(a.mean() if q is None else np.percentile(a, q))
-    return out
+    if not len(a):
+        return {f"{prefix}_{name}": None for name, _ in PCTS}
+    qs = [q for _, q in PCTS if q is not None]
+    at = dict(zip(qs, np.percentile(a, qs).tolist()))  # one partition for every percentile
+    return {f"{prefix}_{name}": float(a.mean()) if q is None else at[q] for name, q in PCTS}
 
