@@ -15,9 +15,10 @@ child), and peak RSS (the largest of the process and its children, from wait4).
                           its first): parses the trace and simulates every time
   peer, first run         the same with a fresh $TMPDIR: compiles its C++ backend first (--no-first: skipped)
   kvbench, no cache       KVBENCH_NO_CACHE=1: reads and computes every time (the peer's work)
-  kvbench, first run      an empty cache folder: reads, computes, caches the pieces and the answer
-  kvbench, pieces cached  the trace's pieces cached, the answer not (a new question about a trace
-                          asked about before)
+  kvbench, first run      an empty cache folder: reads, computes, caches the pieces, the trace hashed
+                          at the block size, and the answer
+  kvbench, pieces cached  the trace's pieces and hashed blocks cached, the answer not (a new question
+                          about a trace asked about before)
   kvbench, answer cached  the same question again
   baseline                with --baseline DIR: the kvbench whose sources are in DIR (a checkout of an
                           older commit: ``git worktree add DIR <commit>``), run with PYTHONPATH=DIR

@@ -1,15 +1,21 @@
 """What ``kvbench trace whatif`` keeps between runs (kvbench.trace.cache) and what it imports: a cached
-answer is the uncached one byte for byte (the shipped traces and the whole real Mooncake trace); a
-rewritten trace is read again; a touched one is checked by its sha256; a cache folder that cannot be
-written changes nothing; the cache stays in its bounds; and the command loads neither the other
-commands nor pandas, pyarrow, matplotlib or torch (nor numba when the answer is cached)."""
+answer, and one computed from the cached pieces or the cached hashed trace, is the uncached one byte
+for byte (the shipped traces and the whole real Mooncake trace); a rewritten trace is read and hashed
+again; a touched one is checked by its sha256; a cache folder that cannot be written changes nothing;
+the cache stays in its bounds; the command loads neither the other commands nor pandas, pyarrow,
+matplotlib or torch (nor numba when the answer is cached); and only a process of its own leaves its
+heap uncollected at exit."""
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import click
@@ -22,6 +28,7 @@ from kvbench.provenance import code_fingerprint
 from kvbench.trace import cache
 from kvbench.trace.importers import convert
 from kvbench.trace.pieces import read_pieces
+from kvbench.whatif.blocktrace import HashedTrace, read_hashed_cached
 
 REPO = Path(__file__).resolve().parents[1]
 REAL = REPO.parent / "shared" / "traces" / "real" / "mooncake_conversation.jsonl"
@@ -80,12 +87,29 @@ def _from_cache(path: Path):
 def _same_pieces(a, b) -> None:
     """Equal arrays of the same dtype and memory layout (numba compiles a function per layout: a cached
     array that differed in either would compile again), and equal sessions."""
-    for name in cache._ARRAYS:
+    _same_arrays(a, b, cache._ARRAYS)
+
+
+def _same_arrays(a, b, names) -> None:
+    for name in names:
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and np.array_equal(x, y), name
         assert (x.flags.c_contiguous, x.flags.writeable, x.flags.aligned) == \
                (y.flags.c_contiguous, y.flags.writeable, y.flags.aligned), name
     assert a.sessions == b.sessions
+
+
+def _same_hashed_from_cache(path: Path, block_size: int) -> None:
+    """The trace hashed at ``block_size`` as the cache gives it back is the one hashed now, as
+    _same_pieces holds Pieces (read and stored first where it is not kept)."""
+    read_hashed_cached(path, block_size)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(HashedTrace, "of", _refuse)
+        got = read_hashed_cached(path, block_size)
+    want = HashedTrace.of(read_pieces(path), block_size)
+    assert got.block_size == want.block_size
+    _same_arrays(got, want, [f.name for f in dataclasses.fields(HashedTrace)
+                             if isinstance(getattr(want, f.name), np.ndarray)])
 
 
 # ------------------------------------------------------------------------------- the same answers
@@ -104,11 +128,19 @@ def _cached_runs_equal_the_uncached(trace: Path, home: Path, monkeypatch, *args)
         m.setattr(cache, "read_pieces", _refuse)
         m.setattr(kvbench.whatif, "whatif", _refuse)
         assert _whatif(trace, *args) == plain
+    assert len(_entries(home, "hashed")) == 1
     for entry in _entries(home, "answers"):
         entry.unlink()
-    with monkeypatch.context() as m:  # the pieces kept: the what-if runs, the trace is not read
+    with monkeypatch.context() as m:  # the hashed trace kept: the what-if runs, the trace neither read nor hashed
+        m.setattr(cache, "read_pieces", _refuse)
+        m.setattr(HashedTrace, "of", _refuse)
+        assert _whatif(trace, *args) == plain
+    for entry in _entries(home, "answers") + _entries(home, "hashed"):
+        entry.unlink()
+    with monkeypatch.context() as m:  # the pieces kept: the trace hashed from them, not read
         m.setattr(cache, "read_pieces", _refuse)
         assert _whatif(trace, *args) == plain
+    assert len(_entries(home, "hashed")) == 1
     shutil.rmtree(home / "kvbench")
     assert _whatif(trace, *args, "--no-cache") == plain
     assert not (home / "kvbench").exists()  # neither read nor written
@@ -128,6 +160,7 @@ def test_cached_answers_are_the_uncached_ones_on_the_shipped_traces(trace, tmp_p
                                           "lru,fifo,arc,belady", "--json")
     assert json.loads(out)["requests"] > 0
     _same_pieces(_from_cache(copy), read_pieces(copy))
+    _same_hashed_from_cache(copy, 16)
 
 
 def test_cached_answers_are_the_uncached_ones_on_the_real_mooncake_trace(mooncake, home, monkeypatch):
@@ -142,6 +175,7 @@ def test_cached_answers_are_the_uncached_ones_on_the_real_mooncake_trace(mooncak
     assert _whatif(mooncake, "--block-size", "512", "--policies", "lru,fifo,belady", "--budgets", budgets) == table
     assert _whatif(mooncake, "--block-size", "512", "--policies", "lru,fifo,belady", "--budgets", budgets) == table
     _same_pieces(_from_cache(mooncake), read_pieces(mooncake))
+    _same_hashed_from_cache(mooncake, 512)
 
 
 def test_another_question_is_another_answer(tmp_path, home):
@@ -150,10 +184,40 @@ def test_another_question_is_another_answer(tmp_path, home):
     _age(trace)
     runs = [("--budgets", "1GiB"), ("--budgets", "2GiB"), ("--budgets", "1GiB", "--warmup", "0.25"),
             ("--budgets", "1GiB", "--policies", "lru"), ("--budgets", "1GiB", "--block-size", "32"),
-            ("--budgets", "1GiB", "--kv-dtype", "fp8"), ("--budgets", "1GiB", "--replicas", "2")]
+            ("--budgets", "1GiB", "--kv-dtype", "fp8"), ("--budgets", "1GiB", "--replicas", "2"),
+            ("--budgets", "1GiB", "--replicas", "2", "--router", "session")]  # sessions from the hashed trace
     for args in runs:
         assert _whatif(trace, *args, "--json") == _whatif(trace, *args, "--json", env={"KVBENCH_NO_CACHE": "1"})
     assert len(_entries(home, "answers")) == len(runs) and len(_entries(home, "pieces")) == 1
+    assert len(_entries(home, "hashed")) == 2  # one per block size
+
+
+def test_a_hashed_trace_answers_for_its_block_size_and_its_file_only(tmp_path, home, monkeypatch):
+    """The hashed trace kept for one block size answers a new question at that block size without the
+    trace being read or hashed again, and answers for no other block size or content of the file."""
+    path = _trace(tmp_path / "t.jsonl", 40)
+    asked = ["--budget-blocks", "4,16", "--json"]
+    before = _whatif(path, *asked)
+    new = ["--budget-blocks", "2,8", "--json"]
+    want = _whatif(path, *new, env={"KVBENCH_NO_CACHE": "1"})
+    with monkeypatch.context() as m:
+        m.setattr(cache, "read_pieces", _refuse)
+        m.setattr(HashedTrace, "of", _refuse)
+        assert _whatif(path, *new) == want
+
+    def again(*args) -> str:  # computed from whatever the cache holds, held to the uncached answer
+        for entry in _entries(home, "answers"):
+            entry.unlink()
+        want = _whatif(path, *args, env={"KVBENCH_NO_CACHE": "1"})
+        assert _whatif(path, *args) == want
+        return want
+
+    assert again("--block-size", "8", *asked) != before
+    assert len(_entries(home, "hashed")) == 2
+    size = path.stat().st_size
+    _trace(path, 40, 31)  # rewritten: the same size, other content
+    assert path.stat().st_size == size
+    assert again(*asked) != before
 
 
 def test_the_store_and_tier_what_ifs_take_the_cached_pieces(tmp_path, home, monkeypatch):
@@ -189,14 +253,17 @@ def test_a_rewritten_trace_is_read_again(tmp_path, home):
         assert (path.stat().st_size == size) == same_size
         want = _whatif(path, "--budget-blocks", "4,16", "--json", env={"KVBENCH_NO_CACHE": "1"})
         assert want != before
-        hashed = []  # a file of another size is not even hashed before it is read again
-        real = cache.file_sha256
-        cache.file_sha256 = lambda p: hashed.append(p) or real(p)
+        # hashed once for its pieces' and its hashed trace's entries; a file of another size, not
+        # before it is read again
+        events = []
+        real_hash, real_read = cache.file_sha256, cache.read_pieces
+        cache.file_sha256 = lambda p: events.append("hash") or real_hash(p)
+        cache.read_pieces = lambda p: events.append("read") or real_read(p)
         try:
             assert _whatif(path, "--budget-blocks", "4,16", "--json") == want
         finally:
-            cache.file_sha256 = real
-        assert len(hashed) == (2 if same_size else 1)  # (the lookup's, if the same size) and the store's
+            cache.file_sha256, cache.read_pieces = real_hash, real_read
+        assert events == (["hash", "read"] if same_size else ["read", "hash"])
         _same_pieces(_from_cache(path), read_pieces(path))
         before = want
 
@@ -230,6 +297,24 @@ def test_a_trace_read_just_after_it_was_written_is_not_cached(tmp_path, home):
     _age(path)
     _whatif(path, "--budget-blocks", "4,16", "--json")
     assert len(_entries(home, "pieces")) == 1 and len(_entries(home, "answers")) == 1
+
+
+def test_a_hash_taken_while_the_trace_was_racy_is_not_kept(tmp_path, home, monkeypatch):
+    """A file's sha256 serves the later entries of one process only where an entry would trust it: a
+    hash taken within RACY_NS of the mtime may be of content rewritten since under the same stat."""
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(GOOD % (i, i, 30) for i in range(40)))
+    written = path.stat()
+    now_ns = [written.st_mtime_ns]  # the cache's clock
+    monkeypatch.setattr(cache, "time", types.SimpleNamespace(time_ns=lambda: now_ns[0], time=time.time))
+    cache.read_pieces_cached(path)  # racy: hashed, nothing kept
+    path.write_text("".join(GOOD % (i, i, 31) for i in range(40)))  # in place: the same size and inode ...
+    os.utime(path, ns=(written.st_atime_ns, written.st_mtime_ns))  # ... and mtime (a coarse clock's)
+    assert cache.FileState.of(path.stat()) == cache.FileState.of(written)
+    now_ns[0] += AN_HOUR_NS  # settled: read and kept
+    cache.read_pieces_cached(path)
+    (entry,) = _entries(home, "pieces")
+    assert json.loads(np.load(entry)["header"].tobytes())["sha256"] == cache.file_sha256(path)
 
 
 def test_a_changed_kvbench_or_trace_code_is_a_miss(tmp_path, home, monkeypatch):
@@ -350,6 +435,29 @@ def test_the_whatif_command_imports_only_what_it_needs(tmp_path):
     assert computed == {"numba", "kvbench.cli.console", "kvbench.cli.main", "kvbench.cli.trace", "kvbench.cli.types"}
     assert answered == {"kvbench.cli.main", "kvbench.cli.trace", "kvbench.cli.types"}
     assert not {"pandas", "pyarrow", "matplotlib"} & _loaded([*args, "--json"], tmp_path / "xdg0")
+
+
+_EXIT_PROBE = """
+import atexit, gc, sys
+atexit.register(lambda: print("frozen" if gc.get_freeze_count() else "collected"))  # after main's: LIFO
+from kvbench.cli.main import main
+{run}
+"""
+
+
+@pytest.mark.parametrize("run, at_exit", [
+    ("main()", "frozen"),  # the process's own command line (the kvbench script, python -m kvbench)
+    ("main(sys.argv[1:])", "collected"),  # a caller's (a test's): its heap is left alone
+    ("import triton; main()", "collected"),  # nanobind, under triton, would report its objects leaked
+])
+def test_only_a_command_line_of_its_own_leaves_the_heap_to_the_process_end(run, at_exit):
+    if run.startswith("import triton") and importlib.util.find_spec("triton") is None:
+        pytest.skip("triton not installed")
+    r = subprocess.run([sys.executable, "-c", _EXIT_PROBE.format(run=run), "--version"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == at_exit
+    assert "leak" not in r.stderr
 
 
 def test_commands_are_imported_when_used_and_all_are_listed():

@@ -33,7 +33,7 @@ def hits(w) -> dict:
 def test_one_replica_is_the_plain_whatif():
     """Split into one replica, the trace is itself: same blocks, window, parents and ceiling."""
     bt = wi.prepare(CHAT[:120], 16, 0.5, future=True)
-    where = rep.route(bt, CHAT[:120], 1, "kv-aware")
+    where = rep.route(bt, 1, "kv-aware")
     assert not where.any()
     (sub,) = rep.split(bt, where, 1, future=True)
     for f in ("ids", "starts", "lookups", "prompt_lens", "parent", "next_use"):
@@ -47,7 +47,7 @@ def test_replicas_are_independent_whatifs_of_their_requests(router):
     reqs = CHAT[:150]
     w = run(reqs, replicas=3, router=router)
     bt = wi.prepare(reqs, 16)
-    where = rep.route(bt, reqs, 3, router)
+    where = rep.route(bt, 3, router)
     assert w.replica_requests == np.bincount(where, minlength=3).tolist()
     total = {}
     for r in range(3):
@@ -71,14 +71,14 @@ def _families(n=60, fams=6):
 def test_router_rules():
     reqs = _families()
     bt = wi.prepare(reqs, 16)
-    assert rep.route(bt, reqs, 4, "round-robin").tolist() == [i % 4 for i in range(60)]
+    assert rep.route(bt, 4, "round-robin").tolist() == [i % 4 for i in range(60)]
     # least-loaded with one request at a time: the replica sent the fewest so far
-    assert rep.route(bt, reqs, 4, "least-loaded").tolist() == [i % 4 for i in range(60)]
+    assert rep.route(bt, 4, "least-loaded").tolist() == [i % 4 for i in range(60)]
     fam = np.array([(i * 7) % 6 for i in range(60)])
     for router in ("prefix", "kv-aware"):  # a family's requests meet on one replica
-        where = rep.route(bt, reqs, 4, router)
+        where = rep.route(bt, 4, router)
         assert all(len(set(where[fam == f])) == 1 for f in range(6)), router
-    where = rep.route(bt, reqs, 4, "session")
+    where = rep.route(bt, 4, "session")
     sess = np.array([i % 5 for i in range(60)])
     assert all(len(set(where[sess == s])) == 1 for s in range(5))
 
@@ -111,7 +111,7 @@ def test_the_warmup_window_is_the_whole_traces(router):
     reqs = CHAT[:160]
     w = run(reqs, replicas=2, router=router, warmup=0.5, blocks=(128,))
     bt = wi.prepare(reqs, 16, 0.5)
-    where = rep.route(bt, reqs, 2, router)
+    where = rep.route(bt, 2, router)
     want = {p: 0 for p in POLICIES}
     ceiling = 0
     for r in range(2):
@@ -139,7 +139,7 @@ def test_kv_aware_keeps_the_load_in_balance_when_every_prompt_shares_its_first_b
                     prompt=[Segment("shared", name="system", length=64), Segment("unique", length=64)])
             for i in range(400)]
     bt = wi.prepare(reqs, 16)
-    sent = np.bincount(rep.route(bt, reqs, 4, "kv-aware"), minlength=4)
+    sent = np.bincount(rep.route(bt, 4, "kv-aware"), minlength=4)
     # affinity alone would send all 400 to one replica; balance keeps the busiest within the thresholds
     assert sent.min() > 0
     assert sent.max() <= sent.min() + rep.BALANCE_ABS + 1 or sent.max() <= rep.BALANCE_REL * sent.min() + 1
@@ -157,7 +157,7 @@ def test_prefix_routing_is_the_engines(tmp_path):
                                                              replicas=4, router="prefix"), str(tmp_path / "run"))
     engine = pd.read_parquet(tmp_path / "run" / "requests.parquet").set_index("id")["replica"]
     bt = wi.prepare(reqs, 16)
-    where = rep.route(bt, reqs, 4, "prefix")
+    where = rep.route(bt, 4, "prefix")
     assert [int(engine[r.id]) for r in reqs] == where.tolist()
     assert len(set(where.tolist())) > 1
 

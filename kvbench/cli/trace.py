@@ -332,7 +332,7 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
 
     from kvbench.executors.presets import get_model
     from kvbench.memory.policies import CACHE_POLICIES, check_policy
-    from kvbench.trace.cache import TraceAnswer, read_pieces_cached
+    from kvbench.trace.cache import TraceAnswer
     from kvbench import whatif as wi
 
     spec = get_model(model)
@@ -381,8 +381,8 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
 
         compiling = say_compiling(WHATIF_MODULES)
         with working("compiling, then the what-if (once per install)", compiling):
-            # the trace as the what-if needs it, without a Request per line; parsed once per file
-            result = wi.whatif(read_pieces_cached(trace_path, use_cache=not no_cache), **settings)
+            # the trace as the what-if needs it, without a Request per line; hashed once per file and block size
+            result = wi.whatif(wi.read_hashed_cached(trace_path, block_size, use_cache=not no_cache), **settings)
         answer.put(result.to_dict())
     if not _show(result, wi.write_outputs(result, out) if out else [], as_json, wi.table, wi.gap_table):
         return
@@ -459,7 +459,6 @@ def _whatif_stores(trace_path, spec, kv_dtype, per_token, block_size, chosen, wa
     from kvbench.cli.console import say_compiling
     from kvbench.jit import WHATIF_MODULES
     from kvbench.memory.policies import check_policy
-    from kvbench.trace.cache import read_pieces_cached
     from kvbench import whatif as wi
     from kvbench.whatif import tiers as wt
 
@@ -486,14 +485,14 @@ def _whatif_stores(trace_path, spec, kv_dtype, per_token, block_size, chosen, wa
                 if (size or name == "gpu") and size < block_bytes:
                     raise InputError(f"{name}={label} holds no block of {block_size} tokens "
                                      f"({wi.format_bytes(block_bytes)})", field="--tiers")
-        result = wt.whatif_tiers(read_pieces_cached(trace_path, use_cache=use_cache), trace=trace_path,
+        result = wt.whatif_tiers(wi.read_hashed_cached(trace_path, block_size, use_cache=use_cache), trace=trace_path,
                                  model=spec.name, kv_dtype=kv_dtype, kv_bytes_per_token=per_token,
                                  block_size=block_size, tiers=tiers, policies=chosen, tier_policy=tier_policy,
                                  offload=offload, warmup=warmup)
         _show(result, wt.write_outputs(result, out) if out else [], as_json, wt.table)
         return
     plan = _budget_plan(budgets, budget_blocks, block_size, block_bytes)
-    result = wt.whatif_cache(read_pieces_cached(trace_path, use_cache=use_cache), trace=trace_path,
+    result = wt.whatif_cache(wi.read_hashed_cached(trace_path, block_size, use_cache=use_cache), trace=trace_path,
                              model=spec.name, kv_dtype=kv_dtype, kv_bytes_per_token=per_token,
                              block_size=block_size, budgets=plan, policies=chosen, warmup=warmup)
     if _show(result, wi.write_outputs(result, out) if out else [], as_json, wi.table):

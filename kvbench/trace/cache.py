@@ -1,23 +1,27 @@
 """What kvbench computed from a trace file, kept on disk so that the next question about the same file
-starts in milliseconds: its parsed Pieces (``read_pieces_cached``) and a command's answer to one
-question (``TraceAnswer``, e.g. ``kvbench trace whatif``'s table for one set of flags).
+starts in milliseconds: results made of arrays (``cached``: its parsed Pieces, ``read_pieces_cached``;
+kvbench.whatif.blocktrace's trace hashed at a block size) and a command's answer to one question
+(``TraceAnswer``, e.g. ``kvbench trace whatif``'s table for one set of flags).
 
-Where: under ``$XDG_CACHE_HOME/kvbench/`` (default ``~/.cache/kvbench/``): ``pieces/``, one ``.npz``
-per trace file named by the sha256 of its absolute path (a rewritten trace replaces its own entry),
-every Pieces array, the sessions as UTF-8 text and offsets, and a JSON header, in numpy's own format
-(``np.load`` reads it with pickle refused); ``answers/``, one ``.json`` per (file, question, code).
+Where: under ``$XDG_CACHE_HOME/kvbench/`` (default ``~/.cache/kvbench/``): a folder per kind of result
+made of arrays (``pieces/``, ``hashed/``), one ``.npz`` per trace file and key (a block size) named by
+the sha256 of the two (a rewritten trace replaces its own entries), the result's arrays (sessions as
+UTF-8 text and offsets) and a JSON header, in numpy's own format (``np.load`` reads it with pickle
+refused); ``answers/``, one ``.json`` per (file, question, code).
 Nothing is cached for a pipe or a device, with ``KVBENCH_NO_CACHE=1`` (``--no-cache``), or for a trace
 whose integers Python is set to refuse (PYTHONINTMAXSTRDIGITS: read_pieces's errors depend on it). A
 cache directory that cannot be written is skipped without a word; an entry that cannot be read is a
 miss.
 
-When an entry answers for the file (the rule). A pieces entry's header names its format, the trace
-package's code (the sha256 of kvbench/trace's sources: Pieces are that package's work) and the file as
-it was read: size, mtime in ns, inode, device, and its sha256.
+When an entry answers for the file (the rule). An entry of arrays names in its header its format, the
+code that made it (Pieces: the sha256 of kvbench/trace's sources, ``trace_code``: they are that
+package's work), its key, and the file as it was read: size, mtime in ns, inode, device, and its sha256.
   - size, mtime, inode and device all equal: the entry is used; the file is not opened;
   - the same size, but another mtime, inode or device (touched, copied over, checked out again): the
     file is hashed, and the entry used (its header brought up to date) only if the sha256 is the same;
   - anything else, or other code: the file is read again, and the entry replaced.
+A process hashes a file once while its stat stays (one question checks and stores several entries of
+it), where the hash may be trusted as an entry is (below); a racy file's hash is taken every time.
 An answer's name is the sha256 of its question, the file's size, mtime, inode and device, and all of
 kvbench's code (kvbench.provenance.code_fingerprint): any change to any of them is another name.
 Trusting the stat assumes a change of content changes the mtime, which fails where the file is written
@@ -26,8 +30,8 @@ than ``RACY_NS`` after its mtime is not cached (git's "racily clean" entries), n
 changed while it was read.
 
 Bounds: the least recently used entries (an entry's mtime, touched when it is used) are removed when
-one is written, past ``MAX_PIECES`` entries or ``MAX_PIECES_BYTES`` bytes of pieces, and past
-``MAX_ANSWERS`` answers.
+one is written, past ``MAX_PIECES`` entries or ``MAX_PIECES_BYTES`` bytes in a folder of arrays, and
+past ``MAX_ANSWERS`` answers.
 """
 from __future__ import annotations
 
@@ -39,13 +43,15 @@ import stat
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from kvbench.trace.pieces import Pieces, read_pieces
 
-FORMAT = 1  # the layout of an entry; another value is a miss
+FORMAT = 2  # the layout of an entry; another value is a miss
 MAX_PIECES = 16
 MAX_PIECES_BYTES = 2 * 2**30
 MAX_ANSWERS = 256
@@ -130,65 +136,102 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-# ------------------------------------------------------------------------------------------ pieces
+_digests: dict[tuple[str, FileState], str] = {}  # the sha256 of files this process hashed, settled
 
-def read_pieces_cached(path: str | os.PathLike, *, use_cache: bool = True, home: str | None = None) -> Pieces:
-    """``read_pieces(path)``, from the cache where an entry answers for the file (the module's rule),
-    else read and then cached. Byte for byte the Pieces read_pieces gives; its errors, never cached."""
+
+def _sha256_at(path: str, state: FileState) -> str:
+    """The file's sha256 while it is at ``state``: hashed once per process (one question checks and
+    stores several entries of a file) where the hash may be trusted as an entry would be (the file
+    settled, the module's rule), else every time."""
+    key = (os.path.abspath(path), state)
+    if key not in _digests:
+        hashed_ns = time.time_ns()
+        digest = file_sha256(path)
+        if not _settled(path, state, hashed_ns):
+            return digest
+        _digests[key] = digest
+    return _digests[key]
+
+
+# ------------------------------------------------------------------------------------------ arrays
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Derived(Generic[T]):
+    """A kind of result computed from a trace file and kept as arrays: ``folder`` (under the cache
+    home) holds its entries; ``save`` gives a result's arrays (names of letters, digits and _; not
+    "header"), ``load`` the result again from an entry's (a mapping of those names to arrays, each
+    of the dtype and layout saved, writeable: numba compiles a function per layout)."""
+
+    folder: str
+    save: Callable[[T], dict[str, np.ndarray]]
+    load: Callable[[Mapping[str, np.ndarray]], T]
+
+
+def cached(path: str | os.PathLike, kind: Derived[T], make: Callable[[], T], *, code: str, key: str = "",
+           use_cache: bool = True, home: str | None = None) -> T:
+    """``make()``, a result of ``kind`` for the file at ``path`` and ``key``, made by ``code``: from the
+    cache where an entry answers for the file (the module's rule), else made and then cached. Its
+    errors, never cached."""
     path = os.fspath(path)
     state = _cacheable(path, use_cache)
     if state is None:
-        return read_pieces(path)
-    entry = os.path.join(home or cache_home(), "pieces", _name(os.path.abspath(path)) + ".npz")
-    got = _load_pieces(entry, path, state)
+        return make()
+    trace = os.path.abspath(path)
+    entry = os.path.join(home or cache_home(), kind.folder, _name(json.dumps([trace, key])) + ".npz")
+    got = _load(entry, kind, path, state, {"format": FORMAT, "code": code, "trace": trace, "key": key})
     if got is not None:
         return got
     read_ns = time.time_ns()
-    pieces = read_pieces(path)
+    value = make()
     try:
-        digest = file_sha256(path)
+        digest = _sha256_at(path, state)
     except OSError:
-        return pieces
+        return value
     if _settled(path, state, read_ns):
-        _store_pieces(entry, pieces, {"format": FORMAT, "code": trace_code(), "trace": os.path.abspath(path),
-                                      **asdict(state), "sha256": digest})
-    return pieces
+        _store(entry, kind.save(value), {"format": FORMAT, "code": code, "trace": trace, "key": key,
+                                         **asdict(state), "sha256": digest})
+    return value
 
 
 def _name(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _load_pieces(entry: str, path: str, state: FileState) -> Pieces | None:
-    """The entry's Pieces where it answers for the file at ``state``, else None."""
+def _load(entry: str, kind: Derived[T], path: str, state: FileState, wanted: dict) -> T | None:
+    """The entry's result where it answers for the file at ``state`` and its header has the ``wanted``
+    values, else None."""
     try:
         with np.load(entry, allow_pickle=False) as npz:
             head = json.loads(npz["header"].tobytes())
-            if (head["format"] != FORMAT or head["code"] != trace_code() or head["trace"] != os.path.abspath(path)
-                    or head["size"] != state.size):
+            if any(head[k] != v for k, v in wanted.items()) or head["size"] != state.size:
                 return None
             same = FileState(head["size"], head["mtime_ns"], head["ino"], head["dev"]) == state
             hashed_ns = time.time_ns()
-            if not same and file_sha256(path) != head["sha256"]:
+            if not same and _sha256_at(path, state) != head["sha256"]:
                 return None
-            pieces = Pieces(*(npz[name] for name in _ARRAYS), _sessions(npz))
-    except Exception:  # no entry, or one half-written, foreign or of another numpy: read the trace
+            value = kind.load(npz)
+    except Exception:  # no entry, or one half-written, foreign or of another numpy: make it again
         return None
     if not same and _settled(path, state, hashed_ns):  # the content checked: this stat answers from now on
-        _store_pieces(entry, pieces, {**head, **asdict(state)})
+        _store(entry, kind.save(value), {**head, **asdict(state)})
     else:
         _touch(entry)
-    return pieces
+    return value
 
 
-def _sessions(npz) -> list:
-    """Pieces.sessions from an entry: ``session_of[r]`` indexes the distinct names (-1: none)."""
-    text, at = npz["session_text"].tobytes(), npz["session_at"].tolist()
-    names = [text[a:b].decode("utf-8") for a, b in zip(at, at[1:])]
-    return [None if i < 0 else names[i] for i in npz["session_of"].tolist()]
+def _store(entry: str, arrays: dict[str, np.ndarray], header: dict) -> None:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays, header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8))
+    if buf.tell() <= MAX_PIECES_BYTES:
+        _write(entry, buf.getbuffer(), MAX_PIECES, MAX_PIECES_BYTES)
 
 
-def _session_arrays(sessions: list) -> dict[str, np.ndarray]:
+def session_arrays(sessions: list) -> dict[str, np.ndarray]:
+    """A session (str or None) per request as arrays: ``session_of[r]`` indexes the distinct names (-1:
+    none), name i is ``session_text[session_at[i]:session_at[i + 1]]`` in UTF-8."""
     index: dict[str, int] = {}
     of = np.fromiter((-1 if s is None else index.setdefault(s, len(index)) for s in sessions), dtype=np.int64,
                      count=len(sessions))
@@ -198,14 +241,31 @@ def _session_arrays(sessions: list) -> dict[str, np.ndarray]:
     return {"session_text": np.frombuffer(b"".join(encoded), dtype=np.uint8), "session_at": at, "session_of": of}
 
 
-def _store_pieces(entry: str, pieces: Pieces, header: dict) -> None:
-    arrays = {name: getattr(pieces, name) for name in _ARRAYS}
-    arrays.update(_session_arrays(pieces.sessions))
-    arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    if buf.tell() <= MAX_PIECES_BYTES:
-        _write(entry, buf.getbuffer(), MAX_PIECES, MAX_PIECES_BYTES)
+def sessions_of(arrays: Mapping[str, np.ndarray]) -> list:
+    """``session_arrays``'s sessions again."""
+    text, at = arrays["session_text"].tobytes(), arrays["session_at"].tolist()
+    names = [text[a:b].decode("utf-8") for a, b in zip(at, at[1:])]
+    return [None if i < 0 else names[i] for i in arrays["session_of"].tolist()]
+
+
+# ------------------------------------------------------------------------------------------ pieces
+
+def _pieces_arrays(p: Pieces) -> dict[str, np.ndarray]:
+    return {name: getattr(p, name) for name in _ARRAYS} | session_arrays(p.sessions)
+
+
+def _pieces(a: Mapping[str, np.ndarray]) -> Pieces:
+    return Pieces(*(a[name] for name in _ARRAYS), sessions_of(a))
+
+
+PIECES: Derived[Pieces] = Derived("pieces", _pieces_arrays, _pieces)
+
+
+def read_pieces_cached(path: str | os.PathLike, *, use_cache: bool = True, home: str | None = None) -> Pieces:
+    """``read_pieces(path)``, from the cache where an entry answers for the file (the module's rule),
+    else read and then cached. Byte for byte the Pieces read_pieces gives; its errors, never cached."""
+    return cached(path, PIECES, lambda: read_pieces(os.fspath(path)), code=trace_code(), use_cache=use_cache,
+                  home=home)
 
 
 # ----------------------------------------------------------------------------------------- answers

@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 
 _PUBLIC = {
-    "BlockTrace": "blocktrace", "prepare": "blocktrace",
+    "BlockTrace": "blocktrace", "HashedTrace": "blocktrace", "prepare": "blocktrace",
+    "read_hashed_cached": "blocktrace",
     "Budget": "curve", "Point": "curve", "budgets_from_blocks": "curve", "budgets_from_bytes": "curve",
     "run_points": "curve", "simulate": "curve",
     "WhatIf": "output", "WhatIfHead": "output", "format_bytes": "output", "gap_table": "output", "head": "output",

@@ -1,14 +1,22 @@
 """The what-if's model of a trace (``BlockTrace``): every request's whole blocks as dense ids, how many
 of them it may look up, the ceiling, belady's next uses, built once by ``prepare`` and shared by every
-(budget, policy) point; and what a policy reads of it (``DenseView``)."""
+(budget, policy) point; and what a policy reads of it (``DenseView``).
+
+prepare's costly part, hashing the trace into blocks (``HashedTrace``), depends on the trace and the
+block size alone, so a trace file's is kept on disk (``read_hashed_cached``, kvbench.trace.cache's
+rule) and a later question at that block size starts from it."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvbench.memory.policy_base import CacheView
+from kvbench.trace import cache
 from kvbench.trace.format import Request
 from kvbench.trace.ideal import dense_block_ids, ideal_hit_blocks, parent_block_ids
 from kvbench.trace.keys import PrefixKeys, lookup_blocks
@@ -44,6 +52,7 @@ class BlockTrace:
     arrival_s: np.ndarray | None = None  # float64 [requests]
     parent: np.ndarray | None = None  # int64 [distinct blocks]
     keys: np.ndarray | None = None  # uint64 [distinct blocks]: the block key behind each dense id
+    sessions: list | None = None  # str | None per request: what the session router reads
 
     @property
     def requests(self) -> int:
@@ -75,36 +84,97 @@ def window_start(requests: int, warmup: float) -> int:
     return min(int(warmup * requests), max(requests - 1, 0))
 
 
-def prepare(requests: Sequence[Request] | Pieces, block_size: int, warmup: float = 0.0, *,
+@dataclass(frozen=True, slots=True)
+class HashedTrace:
+    """A trace hashed into whole blocks at one block size: what ``prepare`` needs of it before any
+    warm-up or policy (fields as BlockTrace's; ``hit_blocks[i]``: request i's blocks an infinite cache
+    hits, IdealCounter's figures, from which a warm-up's ceiling is summed)."""
+
+    block_size: int
+    ids: np.ndarray  # int64 [total blocks]
+    starts: np.ndarray  # int64 [requests + 1]
+    lookups: np.ndarray  # int64 [requests]
+    prompt_lens: np.ndarray  # int64 [requests]
+    keys: np.ndarray  # uint64 [distinct blocks]
+    hit_blocks: np.ndarray  # int64 [requests]
+    partial: np.ndarray  # bool [requests]
+    arrival_s: np.ndarray  # float64 [requests]
+    parent: np.ndarray  # int64 [distinct blocks]
+    sessions: list  # str | None per request
+
+    @classmethod
+    def of(cls, p: Pieces, block_size: int) -> HashedTrace:
+        """Hash every request once and remap the keys to dense ids (in order of first appearance)."""
+        flat, starts = PrefixKeys(block_size).keys_of_pieces(p.seeds, p.lengths, p.literal_at, p.memoise,
+                                                             p.pieces_at, p.literals, seq_lens=p.seq_lens)
+        lookups = np.minimum(lookup_blocks(p.prompt_lens, block_size), np.diff(starts))
+        ids, keys = dense_block_ids(flat)
+        del flat
+        return cls(block_size, ids, starts, lookups, p.prompt_lens, keys, ideal_hit_blocks(ids, starts, lookups),
+                   p.seq_lens % block_size != 0, p.arrival_s, parent_block_ids(ids, starts, len(keys)), p.sessions)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Its fields as named arrays: a cache entry's (``from_arrays`` reads them back)."""
+        return ({name: getattr(self, name) for name in _HASHED_ARRAYS} | cache.session_arrays(self.sessions)
+                | {"block_size": np.array(self.block_size)})
+
+    @classmethod
+    def from_arrays(cls, a: Mapping[str, np.ndarray]) -> HashedTrace:
+        return cls(block_size=int(a["block_size"]), sessions=cache.sessions_of(a),
+                   **{name: a[name] for name in _HASHED_ARRAYS})
+
+
+_HASHED_ARRAYS = ("ids", "starts", "lookups", "prompt_lens", "keys", "hit_blocks", "partial", "arrival_s", "parent")
+_HASHED: cache.Derived[HashedTrace] = cache.Derived("hashed", HashedTrace.arrays, HashedTrace.from_arrays)
+
+
+def read_hashed_cached(path: str | os.PathLike, block_size: int, *, use_cache: bool = True) -> HashedTrace:
+    """``HashedTrace.of(read_pieces(path), block_size)``, from the cache where an entry answers for the
+    file (kvbench.trace.cache's rule), else hashed (from the file's cached Pieces, where they are) and
+    cached."""
+    def make() -> HashedTrace:
+        return HashedTrace.of(cache.read_pieces_cached(path, use_cache=use_cache), block_size)
+
+    return cache.cached(path, _HASHED, make, code=hashed_code(), key=f"block_size={block_size}",
+                        use_cache=use_cache)
+
+
+def hashed_code() -> str:
+    """The code that makes a HashedTrace: kvbench/trace's sources (cache.trace_code) and this module's."""
+    return f"{cache.trace_code()}+{_own_code()}"
+
+
+@functools.cache
+def _own_code() -> str:
+    with open(__file__, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()[:16]
+
+
+def prepare(requests: Sequence[Request] | Pieces | HashedTrace, block_size: int, warmup: float = 0.0, *,
             future: bool = True, streams: TokenStreams | None = None) -> BlockTrace:
     """Hash every request once, remap the keys to dense ids, count the ceiling; ``future``: also
-    belady's next uses. ``requests``: a trace's requests, or its Pieces (kvbench.trace.pieces.read_pieces
-    reads them from a file, without a Request per line)."""
-    # PrefixKeys hashes the whole trace in one compiled pass, memoising the keys of repeated
-    # block-aligned segments, so the streams' own memo serves only literal segments: keep it small
-    # streams one request uses are not memoised (p.memoise: PrefixKeys.count_once's rule)
-    p = requests if isinstance(requests, Pieces) else Pieces.from_requests(
-        requests, streams or TokenStreams(max_cached_tokens=PREPARE_STREAM_TOKENS))
-    flat, starts = PrefixKeys(block_size).keys_of_pieces(p.seeds, p.lengths, p.literal_at, p.memoise, p.pieces_at,
-                                                         p.literals, seq_lens=p.seq_lens)
-    prompt_lens = p.prompt_lens
-    blocks = np.diff(starts)
-    lookups = np.minimum(lookup_blocks(prompt_lens, block_size), blocks)
-    ids, distinct = dense_block_ids(flat)
-    del flat
-    start = window_start(len(p), warmup)
-    hit_blocks = ideal_hit_blocks(ids, starts, lookups)  # IdealCounter's figures
-    parent = parent_block_ids(ids, starts, len(distinct))
-    bt = BlockTrace(block_size, ids, starts, lookups, prompt_lens, len(distinct), start,
-                    int(hit_blocks[start:].sum()) * block_size, partial=p.seq_lens % block_size != 0,
-                    arrival_s=p.arrival_s, parent=parent, keys=distinct)
+    belady's next uses. ``requests``: a trace's requests, its Pieces (kvbench.trace.pieces.read_pieces
+    reads them from a file, without a Request per line), or the trace hashed at ``block_size`` already
+    (read_hashed_cached)."""
+    if isinstance(requests, HashedTrace):
+        if requests.block_size != block_size:
+            raise ValueError(f"a trace hashed at block size {requests.block_size}, not {block_size}")
+        h = requests
+    else:
+        # PrefixKeys hashes the whole trace in one compiled pass, memoising the keys of repeated
+        # block-aligned segments, so the streams' own memo serves only literal segments: keep it small
+        # streams one request uses are not memoised (p.memoise: PrefixKeys.count_once's rule)
+        h = HashedTrace.of(requests if isinstance(requests, Pieces) else Pieces.from_requests(
+            requests, streams or TokenStreams(max_cached_tokens=PREPARE_STREAM_TOKENS)), block_size)
+    start = window_start(len(h.lookups), warmup)
+    bt = BlockTrace(block_size, h.ids, h.starts, h.lookups, h.prompt_lens, len(h.keys), start,
+                    int(h.hit_blocks[start:].sum()) * block_size, partial=h.partial, arrival_s=h.arrival_s,
+                    parent=h.parent, keys=h.keys, sessions=h.sessions)
     if future:
         from kvbench.whatif.compiled import next_uses_dense
 
-        bt.next_use = next_uses_dense(bt.ids, starts, bt.lookups)
+        bt.next_use = next_uses_dense(bt.ids, bt.starts, bt.lookups)
     return bt
-
-
 
 
 class DenseView(CacheView):

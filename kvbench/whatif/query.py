@@ -12,7 +12,7 @@ from kvbench.trace.format import Request
 from kvbench.trace.pieces import Pieces
 from kvbench.trace.tokens import TokenStreams
 from kvbench.whatif import replicas as rep
-from kvbench.whatif.blocktrace import prepare
+from kvbench.whatif.blocktrace import HashedTrace, prepare
 from kvbench.whatif.curve import (
     Budget,
     StackCurve,
@@ -25,13 +25,14 @@ from kvbench.whatif.curve import (
 from kvbench.whatif.output import WhatIf, head
 
 
-def whatif(requests: Sequence[Request] | Pieces, *, trace: str, model: str, kv_dtype: str,
+def whatif(requests: Sequence[Request] | Pieces | HashedTrace, *, trace: str, model: str, kv_dtype: str,
            kv_bytes_per_token: int, block_size: int, budgets: Sequence[Budget],
            policies: Sequence[str], warmup: float = 0.5, jobs: int = 1,
            streams: TokenStreams | None = None, prefix_mode: str = "hash", replicas: int = 1,
            router: str = "round-robin", router_prefix_blocks: int = 4) -> WhatIf:
     """The table: every (budget, policy) point, one cache per budget, or with ``replicas`` > 1 one cache
-    of the budget per replica and the requests routed by ``router`` (kvbench.whatif.replicas)."""
+    of the budget per replica and the requests routed by ``router`` (kvbench.whatif.replicas).
+    ``requests``: as ``prepare`` takes them."""
     for p in policies:
         check_policy(p)
     check_mode(prefix_mode, policies)
@@ -41,7 +42,7 @@ def whatif(requests: Sequence[Request] | Pieces, *, trace: str, model: str, kv_d
     blocks = [b.blocks for b in budgets]
     cluster = {}
     if replicas > 1:
-        where = rep.route(bt, requests, replicas, router, router_prefix_blocks)
+        where = rep.route(bt, replicas, router, router_prefix_blocks)
         subs = rep.split(bt, where, replicas, future)
         parts, part_curves = [], []
         for sub in subs:

@@ -20,9 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvbench.engine.routing import ROUTERS, Router
-from kvbench.trace.format import Request
 from kvbench.trace.ideal import ideal_hit_blocks
-from kvbench.trace.pieces import Pieces
 from kvbench.whatif.blocktrace import BlockTrace
 from kvbench.whatif.curve import Point
 
@@ -33,12 +31,13 @@ BALANCE_ABS = 32
 BALANCE_REL = 1.5
 
 
-def route(bt: BlockTrace, requests: Sequence[Request] | Pieces, replicas: int, router: str,
-          prefix_blocks: int = 4) -> np.ndarray:
-    """The replica each request of ``bt`` goes to (int64 [requests]); ``requests``: bt's requests, or
-    their Pieces (the session router reads their sessions)."""
+def route(bt: BlockTrace, replicas: int, router: str, prefix_blocks: int = 4) -> np.ndarray:
+    """The replica each request of ``bt`` goes to (int64 [requests]); the session router reads
+    ``bt.sessions``."""
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}")
+    if router == "session" and bt.sessions is None:
+        raise ValueError("the session router reads the trace's sessions: a BlockTrace from prepare")
     n = bt.requests
     out = np.zeros(n, dtype=np.int64)
     if replicas == 1:
@@ -48,7 +47,6 @@ def route(bt: BlockTrace, requests: Sequence[Request] | Pieces, replicas: int, r
     sessions = Router("session", replicas)
     seen = np.zeros((replicas, max(bt.distinct_blocks, 1)), dtype=bool) if router == "kv-aware" else None
     starts, lookups, ids = bt.starts, bt.lookups, bt.ids
-    session_of = requests.sessions if isinstance(requests, Pieces) else [r.session for r in requests]
     for i in range(n):
         blocks = ids[starts[i]:starts[i + 1]]
         fewest = min(range(replicas), key=lambda r: (sent[r], r))
@@ -57,7 +55,7 @@ def route(bt: BlockTrace, requests: Sequence[Request] | Pieces, replicas: int, r
         elif router == "least-loaded":
             r = fewest
         elif router == "session":
-            s = session_of[i]
+            s = bt.sessions[i]
             r = fewest if s is None else sessions.route(0.0, s, (), 0, None)[0]
         elif router == "prefix":  # the engine's ring over the same block keys of the blocks it can hit
             look = bt.keys[blocks[:lookups[i]]]

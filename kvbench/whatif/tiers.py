@@ -23,7 +23,7 @@ from kvbench.trace.format import Request
 from kvbench.trace.pieces import Pieces
 from kvbench.trace.tokens import TokenStreams
 from kvbench.whatif import output
-from kvbench.whatif.blocktrace import BlockTrace, DenseView, prepare
+from kvbench.whatif.blocktrace import BlockTrace, DenseView, HashedTrace, prepare
 from kvbench.whatif.curve import Budget, Point, gap_closed, simulate
 from kvbench.whatif.output import WhatIf, WhatIfHead, column_names, head
 
@@ -302,12 +302,12 @@ class TieredWhatIf(WhatIfHead):
     rows: list[dict]
 
 
-def whatif_tiers(requests: Sequence[Request] | Pieces, *, trace: str, model: str, kv_dtype: str,
+def whatif_tiers(requests: Sequence[Request] | Pieces | HashedTrace, *, trace: str, model: str, kv_dtype: str,
                  kv_bytes_per_token: int, block_size: int, tiers: dict[str, list[tuple[int, str]]],
                  policies: Sequence[str], tier_policy: str = "lru", offload: str = "write-through",
                  warmup: float = 0.5, streams: TokenStreams | None = None) -> TieredWhatIf:
     """Every (gpu, cpu, disk) size combination and GPU policy: the hit rate per tier. ``requests``: a
-    trace's requests or its Pieces (kvbench.trace.pieces.read_pieces), as curve.prepare takes them."""
+    trace's requests, its Pieces or its HashedTrace, as blocktrace.prepare takes them."""
     block_bytes = kv_bytes_per_token * block_size
     future = any(needs_future(p) for p in policies) or needs_future(tier_policy)
     bt = prepare(requests, block_size, warmup, future=future, streams=streams)
@@ -333,7 +333,7 @@ def whatif_tiers(requests: Sequence[Request] | Pieces, *, trace: str, model: str
                         tier_policy=tier_policy, offload=offload, rows=rows)
 
 
-def whatif_cache(requests: Sequence[Request] | Pieces, *, trace: str, model: str, kv_dtype: str,
+def whatif_cache(requests: Sequence[Request] | Pieces | HashedTrace, *, trace: str, model: str, kv_dtype: str,
                  kv_bytes_per_token: int, block_size: int, budgets: Sequence[Budget],
                  policies: Sequence[str], warmup: float = 0.5,
                  streams: TokenStreams | None = None) -> WhatIf:
