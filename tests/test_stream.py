@@ -5,7 +5,9 @@ real traces, sorted or not; the requests held bounded by those in flight; errors
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
+import os
 import random
 import signal
 import subprocess
@@ -225,3 +227,72 @@ def test_name_counts_spilled_to_files_equal_those_in_memory(mooncake_copies):
     spilled = counter.result()
     assert len(whole) > 100
     assert np.array_equal(spilled.seeds, whole.seeds) and np.array_equal(spilled.last_use, whole.last_use)
+
+
+def _settled_copy(src: Path, dst: Path, age_s: float = 60.0) -> Path:
+    """A copy of ``src`` whose mtime is ``age_s`` in the past: settled, so the trace cache keeps what
+    is read from it (kvbench.trace.cache.RACY_NS)."""
+    dst.write_bytes(src.read_bytes())
+    past = time.time_ns() - int(age_s * 1e9)
+    os.utime(dst, ns=(past, past))
+    return dst
+
+
+@pytest.fixture
+def scans(tmp_path, monkeypatch) -> list:
+    """A trace cache of the test's own, and the --limit of every pass TraceIndex makes over a file."""
+    import kvbench.trace.stream as stream
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("KVBENCH_NO_CACHE", raising=False)
+    made: list = []
+    real_scan = stream._scan
+    monkeypatch.setattr(stream, "_scan", lambda path, limit: made.append(limit) or real_scan(path, limit))
+    return made
+
+
+def test_the_index_is_read_back_from_the_trace_cache(tmp_path, scans):
+    """A settled trace is scanned once: the next TraceIndex of it (another run, a sweep's next
+    configuration) reads the same arrays back; one rewritten is scanned again; the hash is the file's."""
+    trace = _settled_copy(TRACES / "agent.jsonl", tmp_path / "agent.jsonl")
+    first = TraceIndex(trace)
+    again = TraceIndex(trace)
+    assert scans == [None]
+    assert first.sha256 == again.sha256 == hashlib.sha256(trace.read_bytes()).hexdigest()
+    for name in ("t", "order", "prompt_len", "output_len", "n", "file_offsets", "file_lines"):
+        assert np.array_equal(getattr(first, name), getattr(again, name)), name
+    assert np.array_equal(first.names.seeds, again.names.seeds) and first.sorted == again.sorted
+    assert [again.request(p) for p in range(len(again))] == [first.request(p) for p in range(len(first))]
+    # a limit is an index of its own (its names are the first N requests'), with no hash of the whole file
+    cut = TraceIndex(trace, limit=50)
+    assert scans == [None, 50] and len(cut) == 50 and cut.sha256 is None
+    # rewritten in place (another content, another mtime): scanned again, never the old index
+    rows = [json.loads(line) for line in trace.read_text().splitlines()][:30]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    past = time.time_ns() - 30 * 10**9
+    os.utime(trace, ns=(past, past))
+    fresh = TraceIndex(trace)
+    assert scans == [None, 50, None] and len(fresh) == 30
+    assert fresh.sha256 == hashlib.sha256(trace.read_bytes()).hexdigest()
+
+
+def test_a_trace_with_a_duplicate_id_is_refused_every_time_never_cached(tmp_path, scans):
+    good = json.dumps({"id": "a", "t": 0, "output_len": 2, "prompt": [{"unique": 4}]})
+    src = tmp_path / "src.jsonl"
+    src.write_text(good + "\n" + good.replace('"t": 0', '"t": 1') + "\n")
+    trace = _settled_copy(src, tmp_path / "dup.jsonl")
+    for _ in range(2):
+        with pytest.raises(InputError, match="duplicate request id 'a'"):
+            TraceIndex(trace)
+    assert scans == [None, None]
+
+
+def test_a_sweep_scans_the_trace_once_for_all_its_configurations(tmp_path, scans):
+    from kvbench.sweep.runner import run_sweep
+
+    trace = _settled_copy(TRACES / "chat.jsonl", tmp_path / "chat.jsonl")
+    state = run_sweep(str(trace), {"block_size": [16, 32], "cache_policy": ["lru", "fifo"], "limit": [None, 60]},
+                      str(tmp_path / "sweep"))
+    assert len(state.summaries) == 8 and sorted(scans, key=str) == [60, None]  # the limit's pass, the whole trace's
+    configs = [json.loads(p.read_text()) for p in (tmp_path / "sweep").glob("*/config.json")]
+    assert {c["trace"]["sha256"] for c in configs} == {hashlib.sha256(trace.read_bytes()).hexdigest()}

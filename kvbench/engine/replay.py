@@ -461,7 +461,7 @@ class Replay:
         return {"settings": self.cfg.to_dict(), "max_model_len_effective": self.max_len,
                 "slab_reserve_tokens": self.slab_reserve_tokens if self.cfg.layout == "slab" else None,
                 "num_blocks": self.num_blocks, "model_spec": self.model.to_dict(),
-                "trace": {"path": self.trace_label, "sha256": file_sha256(self.trace_path),
+                "trace": {"path": self.trace_label, "sha256": self.trace.sha256 or file_sha256(self.trace_path),
                           "requests": self.num_requests},
                 "files": setting_files(self.cfg.to_dict()),
                 "environment": environment(self.executor.device_name),

@@ -23,7 +23,6 @@ from kvbench.errors import InputError, RunError
 from kvbench.provenance import (
     Invocation,
     code_fingerprint,
-    file_sha256,
     git_info,
     now_iso,
     setting_files,
@@ -31,6 +30,7 @@ from kvbench.provenance import (
 from kvbench.sweep.grid import Config, expand, not_applicable
 from kvbench.sweep.store import SweepStore
 from kvbench.sweep.tasks import Event, import_ray, run_one, run_shipped
+from kvbench.trace.stream import trace_sha256
 
 SWEEP_PARQUET = "sweep.parquet"
 SWEEP_JSON = "sweep.json"
@@ -218,7 +218,9 @@ def run_sweep(trace: str, grid: dict[str, list], out_dir: str, *, jobs: int = 1,
     if backend == "ray":
         import_ray()  # before anything is written: a missing extra is a usage error
     preflight(configs)
-    trace_sha = file_sha256(trace)
+    # one validating pass over the trace, hashing it as it reads, kept in the trace cache: a bad trace
+    # is refused before any run, and every configuration's run (without --limit) reads the index back
+    trace_sha = trace_sha256(trace)
     store = SweepStore(out_dir)
     check_sweep_dir(store, os.path.abspath(trace), trace_sha, grid)
     store.makedirs()

@@ -14,16 +14,18 @@ list), so a replay has one code path.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import BinaryIO
 
 import numpy as np
 import xxhash
 
 from kvbench.errors import InputError
+from kvbench.trace.cache import Derived, cached, trace_code
 from kvbench.trace.format import (
     _BLANK,
     TRACE,
@@ -36,7 +38,7 @@ from kvbench.trace.tokens import stable_hash
 
 MAX_LINE_READ = 64 * 2**20 + 1  # format.MAX_LINE_BYTES + 1: decode_line refuses a longer line
 NEVER_EXPIRES = np.iinfo(np.int64).max
-SMALL_SET = 1 << 20  # names: a Python set up to this many, sorted arrays beyond
+SMALL_SET = 1 << 16  # names: a Python set (~80 bytes a name) up to this many, sorted arrays beyond
 
 
 class SharedNames:
@@ -181,88 +183,37 @@ def _shared(seeds: np.ndarray, users: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 class TraceIndex:
     """A trace file, indexed by one validating pass (module docstring). Positions are arrival order:
-    ``t[pos]``, ``request(pos)``; ``trace_index[pos]`` is the request's place in the file."""
+    ``t[pos]``, ``request(pos)``; ``trace_index[pos]`` is the request's place in the file.
+    ``sha256``: the file's, hashed in the same pass (None when ``limit`` stopped it before the end).
 
-    def __init__(self, path: str | os.PathLike, limit: int | None = None):
+    The index is kept in the trace cache (kvbench.trace.cache.read_index_cached: keyed by the file's
+    stat, its content hash inside), so a sweep's configurations, and any later run of the same file,
+    read it back instead of parsing the trace again."""
+
+    def __init__(self, path: str | os.PathLike, limit: int | None = None, *, use_cache: bool = True):
         self.path = os.fspath(path)
-        offsets, lines, times = array("q"), array("q"), array("d")
-        plens, olens, ns = array("q"), array("q"), array("q")
-        id_hashes = array("Q")
-        counter = NameCounter()
-        index = 0
-        try:
-            fh = open(self.path, "rb")  # noqa: SIM115 (closed by the with below, after the error test)
-        except OSError as e:
-            raise InputError(f"cannot open {TRACE}: {e.strerror}", file=self.path) from None
-        try:
-            with fh:
-                pos, lineno = 0, 0
-                while limit is None or index < limit:
-                    raw = fh.readline(MAX_LINE_READ)
-                    if not raw:
-                        break
-                    lineno += 1
-                    at, pos = pos, pos + len(raw)
-                    obj = decode_line(raw, self.path, lineno, TRACE)
-                    if obj is _BLANK:
-                        continue
-                    r = parse_request(obj, {"file": self.path, "line": lineno}, index)
-                    offsets.append(at)
-                    lines.append(lineno)
-                    times.append(r.t)
-                    plens.append(r.prompt_len)
-                    olens.append(r.output_len)
-                    ns.append(r.n)
-                    id_hashes.append(xxhash.xxh64_intdigest(r.id.encode("utf-8")))
-                    counter.add(r, index)
-                    index += 1
-        except InputError as e:
-            raise (foreign_format_error(self.path) or e) if index == 0 else e from None
-        if index == 0:
-            raise InputError("trace has no requests", file=self.path)
-        self.file_offsets = np.frombuffer(offsets, dtype=np.int64).copy()
-        self.file_lines = np.frombuffer(lines, dtype=np.int64).copy()
-        times_a = np.frombuffer(times, dtype=np.float64)
-        self.order = np.argsort(times_a, kind="stable")  # arrival position -> trace index
-        self.t = times_a[self.order]
-        self.trace_index = self.order
-        self.prompt_len = np.frombuffer(plens, dtype=np.int64)[self.order]
-        self.output_len = np.frombuffer(olens, dtype=np.int64)[self.order]
-        self.n = np.frombuffer(ns, dtype=np.int64)[self.order]
-        self.sorted = bool((self.order == np.arange(index)).all())
-        self.names = counter.result()
         self._fh: BinaryIO | None = None
-        self._check_ids(np.frombuffer(id_hashes, dtype=np.uint64))
+        arrays = cached(self.path, INDEX, lambda: _scan(self.path, limit), code=trace_code(),
+                              key=f"limit={limit}", use_cache=use_cache)
+        self.sha256 = bytes(arrays["sha256"]).decode() or None
+        self.file_offsets, self.file_lines = arrays["file_offsets"], arrays["file_lines"]
+        self.order = arrays["order"]  # arrival position -> trace index
+        self.trace_index = self.order
+        self.t = arrays["times"][self.order]
+        self.prompt_len = arrays["prompt_len"][self.order]
+        self.output_len = arrays["output_len"][self.order]
+        self.n = arrays["n"][self.order]
+        self.sorted = bool((self.order == np.arange(len(self.order))).all())
+        self.names = SharedNames(arrays["name_seeds"], arrays["name_last_use"])
 
     def __len__(self) -> int:
         return len(self.t)
-
-    def _check_ids(self, hashes: np.ndarray) -> None:
-        """Ids are unique (format.check_unique_id): a hash seen twice is read again, and the later
-        line of a true duplicate named."""
-        order = np.argsort(hashes, kind="stable")
-        h = hashes[order]
-        same = np.flatnonzero(h[1:] == h[:-1])
-        if not len(same):
-            return
-        later = []
-        for k in same:
-            a, b = sorted((int(order[k]), int(order[k + 1])))
-            if self._read(a).id == self._read(b).id:
-                later.append(b)
-        if later:
-            b = min(later)
-            raise InputError(f"duplicate request id {self._read(b).id!r}", file=self.path,
-                             line=int(self.file_lines[b]), field="id")
 
     def _read(self, index: int) -> Request:
         """The request at trace index ``index`` (its place in the file)."""
         if self._fh is None:
             self._fh = open(self.path, "rb")  # noqa: SIM115 (kept open across reads; close())
-        self._fh.seek(int(self.file_offsets[index]))
-        line = int(self.file_lines[index])
-        obj = decode_line(self._fh.readline(MAX_LINE_READ), self.path, line, TRACE)
-        return parse_request(obj, {"file": self.path, "line": line}, index)
+        return _read_at(self._fh, self.path, int(self.file_offsets[index]), int(self.file_lines[index]), index)
 
     def request(self, pos: int) -> Request:
         """The request at arrival position ``pos``, read from the file."""
@@ -289,11 +240,120 @@ class TraceIndex:
             self._fh = None
 
 
+def _scan(path: str, limit: int | None) -> dict[str, np.ndarray]:
+    """TraceIndex's pass over the file (ids checked unique): its arrays in file order, ``order`` the
+    arrival order, and ``sha256`` the file's hex digest as bytes (empty if ``limit`` stopped early)."""
+    offsets, lines, times = array("q"), array("q"), array("d")
+    plens, olens, ns = array("q"), array("q"), array("q")
+    id_hashes = array("Q")
+    counter = NameCounter()
+    digest = hashlib.sha256()
+    index = 0
+    at_end = False
+    try:
+        fh = open(path, "rb")  # noqa: SIM115 (closed by the with below, after the error test)
+    except OSError as e:
+        raise InputError(f"cannot open {TRACE}: {e.strerror}", file=path) from None
+    try:
+        with fh:
+            pos, lineno = 0, 0
+            while True:
+                if limit is not None and index >= limit:
+                    at_end = not fh.read(1)  # (a line cut at the limit: the hash is the whole file's or none)
+                    break
+                raw = fh.readline(MAX_LINE_READ)
+                if not raw:
+                    at_end = True
+                    break
+                digest.update(raw)
+                lineno += 1
+                at, pos = pos, pos + len(raw)
+                obj = decode_line(raw, path, lineno, TRACE)
+                if obj is _BLANK:
+                    continue
+                r = parse_request(obj, {"file": path, "line": lineno}, index)
+                offsets.append(at)
+                lines.append(lineno)
+                times.append(r.t)
+                plens.append(r.prompt_len)
+                olens.append(r.output_len)
+                ns.append(r.n)
+                id_hashes.append(xxhash.xxh64_intdigest(r.id.encode("utf-8")))
+                counter.add(r, index)
+                index += 1
+    except InputError as e:
+        raise (foreign_format_error(path) or e) if index == 0 else e from None
+    if index == 0:
+        raise InputError("trace has no requests", file=path)
+    times_a = np.frombuffer(times, dtype=np.float64).copy()
+    names = counter.result()
+
+    def ints(a: array) -> np.ndarray:
+        return np.frombuffer(a, dtype=np.int64).copy()
+    arrays = {"file_offsets": ints(offsets), "file_lines": ints(lines), "times": times_a,
+              "order": np.argsort(times_a, kind="stable"), "prompt_len": ints(plens), "output_len": ints(olens),
+              "n": ints(ns), "name_seeds": names.seeds, "name_last_use": names.last_use}
+    _check_ids(path, np.frombuffer(id_hashes, dtype=np.uint64), arrays["file_offsets"], arrays["file_lines"])
+    arrays["sha256"] = np.frombuffer(digest.hexdigest().encode() if at_end else b"", dtype=np.uint8)
+    return arrays
+
+
+def _index_arrays(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return arrays
+
+
+def _index_of(entry: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {name: np.asarray(entry[name]) for name in INDEX_ARRAYS}
+
+
+INDEX_ARRAYS = ("file_offsets", "file_lines", "times", "order", "prompt_len", "output_len", "n", "name_seeds",
+                "name_last_use", "sha256")
+# TraceIndex's arrays in the trace cache (kvbench.trace.cache: keyed by the file's stat and the limit)
+INDEX: Derived[dict[str, np.ndarray]] = Derived("index", _index_arrays, _index_of)
+
+
+def _read_at(fh: BinaryIO, path: str, offset: int, line: int, index: int) -> Request:
+    """The request on line ``line`` of the file, which starts at byte ``offset`` (the ``index``-th)."""
+    fh.seek(offset)
+    obj = decode_line(fh.readline(MAX_LINE_READ), path, line, TRACE)
+    return parse_request(obj, {"file": path, "line": line}, index)
+
+
+def _check_ids(path: str, hashes: np.ndarray, offsets: np.ndarray, lines: np.ndarray) -> None:
+    """Ids are unique (format.check_unique_id): a hash seen twice is read again, and the later line
+    of a true duplicate named."""
+    order = np.argsort(hashes, kind="stable")
+    h = hashes[order]
+    same = np.flatnonzero(h[1:] == h[:-1])
+    if not len(same):
+        return
+    with open(path, "rb") as fh:
+        def read(i: int) -> Request:
+            return _read_at(fh, path, int(offsets[i]), int(lines[i]), i)
+        later = []
+        for k in same:
+            a, b = sorted((int(order[k]), int(order[k + 1])))
+            if read(a).id == read(b).id:
+                later.append(b)
+        if later:
+            b = min(later)
+            raise InputError(f"duplicate request id {read(b).id!r}", file=path, line=int(lines[b]), field="id")
+
+
+def trace_sha256(path: str | os.PathLike) -> str:
+    """The trace file's sha256, from its index (read back from the trace cache, or made by the
+    validating pass, which hashes as it reads): a bad trace is refused here, with its one-line error."""
+    index = TraceIndex(path)
+    assert index.sha256 is not None  # (no limit: the pass reads the whole file)
+    return index.sha256
+
+
 class ListTrace:
     """TraceIndex's interface over requests in memory (trace order: each one's ``index``)."""
 
     def __init__(self, requests: Sequence[Request]):
         self.path = "<requests>"
+        self.sha256: str | None = None  # (no file)
         self.requests = sorted(requests, key=lambda r: r.t)  # arrival order (stable: ties keep trace order)
         self.t = np.array([r.t for r in self.requests], dtype=np.float64)
         self.trace_index = np.array([r.index for r in self.requests], dtype=np.int64)
