@@ -3,9 +3,12 @@
 scheduled sequence per step (the scheduler + block pool hot path).
 
     python benchmarks/bench_replay.py [--trace ../shared/traces/real/mooncake_conversation.jsonl]
-                                      [--model llama-3-8b --gpu h200] [--limit N] [--profile]
+                                      [--model llama-3-8b --gpu h200] [--limit N] [--profile | --phases]
 
-The trace is converted to kvbench's format first (not timed). One process, one core.
+The trace is converted to kvbench's format first (not timed). One process, one core. --phases times
+the loop's parts (each method wrapped in a timer: a few per cent slower) and prints where the replay's
+wall time goes: a request's arrival, the scheduler's step (its admission apart), the batch, the
+executor, the commit and the update, the accounting.
 """
 from __future__ import annotations
 
@@ -38,7 +41,9 @@ def main() -> None:
     ap.add_argument("--convert-from", default="mooncake",
                     help="format of --trace to convert first ('' if it is a kvbench trace already)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--phases", action="store_true", help="time the loop's parts")
     a = ap.parse_args()
+    phases = timed_phases() if a.phases else None
     with tempfile.TemporaryDirectory() as tmp:
         trace = a.trace
         if a.convert_from:  # a public format: convert it first (not timed)
@@ -76,6 +81,44 @@ def main() -> None:
     print(f"{'peak RSS (MB)':<28} {rss_mb:,.0f}")
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    if phases is not None:
+        print(f"\n{'phase (wall s; nested in the one above it where indented)':<62} {'s':>7} {'share':>6}")
+        for name, label in PHASES:
+            print(f"{label:<62} {phases[name]:>7.2f} {phases[name] / t_run:>6.0%}")
+
+
+# (timer, what it covers), in the loop's order; indented ones run inside the one before
+PHASES = (("arrive", "a request arrives (read, keys, ideal, routing, enqueue)"),
+          ("schedule", "the scheduler's step (running sequences' blocks, preemption)"),
+          ("admit", "  of which admission (prefix lookup, allocation)"),
+          ("build_batch", "the step's batch"), ("execute", "the executor (the sim's cost model)"),
+          ("update", "commit and update (tokens, ITL, finishes)"), ("commit_all", "  of which the commit"),
+          ("step", "accounting: the step's row"), ("request", "accounting: a finished request's row"))
+
+
+def timed_phases() -> dict[str, float]:
+    """Wrap the loop's methods in timers; the wall time each takes, summed, by PHASES name."""
+    from kvbench.engine.accounting import Accounts
+    from kvbench.executors.sim import SimExecutor
+    from kvbench.memory.paged import PagedKV
+    from kvbench.scheduler.scheduler import Scheduler
+
+    spent = dict.fromkeys((name for name, _ in PHASES), 0.0)
+    for cls, method, name in ((Replay, "_arrive", "arrive"), (Scheduler, "schedule", "schedule"),
+                              (Scheduler, "_admit", "admit"), (Scheduler, "build_batch", "build_batch"),
+                              (SimExecutor, "execute", "execute"), (Scheduler, "update", "update"),
+                              (PagedKV, "commit_all", "commit_all"), (Accounts, "step", "step"),
+                              (Accounts, "request", "request")):
+        def timer(f=getattr(cls, method), name=name):
+            def run(*args, **kw):
+                t = time.perf_counter()
+                try:
+                    return f(*args, **kw)
+                finally:
+                    spent[name] += time.perf_counter() - t
+            return run
+        setattr(cls, method, timer())
+    return spent
 
 
 if __name__ == "__main__":
