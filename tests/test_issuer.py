@@ -271,3 +271,44 @@ def test_belady_with_a_limit_the_run_decides_is_refused(tmp_path, capsys):
     lim = replay(str(CHAT), ReplayConfig(cache_policy="belady", limit=40, max_concurrency=8, num_blocks=400),
                  str(tmp_path / "lim"))
     assert json.loads(capsys.readouterr().out)["prefix_hit_rate"] == lim["prefix_hit_rate"]
+
+
+def test_a_dependent_turn_due_before_the_time_limit_still_goes_after_its_answer():
+    """Past --max-seconds for the next plain request, a turn due earlier that waits on an answer in
+    flight is issued once the answer is in; only then does issuing stop for good."""
+    issuer = Issuer.of_times([0.0, 1.0, 10.0], {1: 0}, max_seconds=5.0)
+    assert issuer.issue() == (0, 0.0)
+    assert issuer.next_time() is None and not issuer.done()  # the answer is still in flight
+    issuer.finished(0, 0.5)
+    assert issuer.issue() == (1, 1.0)
+    assert issuer.next_time() is None and issuer.done()  # nothing in flight releases anything now
+
+
+def test_a_limited_run_cut_short_counts_the_requests_it_issued(tmp_path):
+    from kvbench.engine.replay import Replay
+
+    rp = Replay(str(CHAT), ReplayConfig(max_requests=200, time_scale=0.2), str(tmp_path / "cut"))
+
+    steps = []
+
+    def stop(replica, start, end, batch, emitted):  # Ctrl-C at the 40th step
+        steps.append(end)
+        if len(steps) == 40:
+            raise KeyboardInterrupt
+    rp.step_hook = stop
+    with pytest.raises(KeyboardInterrupt):
+        rp.run()
+    s = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert not s["complete"] and 0 < s["requests"] < 200
+    assert s["not_issued"] == 250 - s["requests"] and s["completed"] <= s["requests"]
+
+
+def test_requests_a_limit_never_issues_are_not_checked_against_the_pool(tmp_path):
+    """The pool bound, the slab size and the up-front fit check cover the requests the limits may
+    issue: 300 blocks hold chat's first 30 requests, not a later one."""
+    from kvbench.errors import InputError, RunError
+
+    with pytest.raises((InputError, RunError)):
+        replay(str(CHAT), ReplayConfig(num_blocks=300), str(tmp_path / "all"))
+    s = replay(str(CHAT), ReplayConfig(num_blocks=300, max_requests=30), str(tmp_path / "cut"))
+    assert s["complete"] and s["requests"] == s["completed"] == 30

@@ -294,7 +294,7 @@ def test_report_without_dirs_reads_runs(data, tmp_path, monkeypatch, capsys):
     main(["report"])
     assert capsys.readouterr().out.strip() == os.path.join("reports", "runs", "index.html")
     assert (tmp_path / "reports" / "runs" / "chat-overview.png").exists()
-    assert default_sweep_dir(str(REPO / "traces" / "chat.jsonl"), {"layout": ["paged", "slab"]}).startswith(
+    assert default_sweep_dir("traces/chat.jsonl", {"layout": ["paged", "slab"]}).startswith(
         os.path.join("runs", "chat-sweep-"))
 
 

@@ -225,3 +225,16 @@ def test_a_worker_with_another_kvbench_version_refuses_to_run(tmp_path):
     settings = expand(_grid(executor="sim", limit="2"))[0].settings
     with pytest.raises(RunError, match="install the same kvbench"):
         run_shipped(TRACE, TRACE, settings, "x", "0.0.0-other")
+
+
+def test_a_sweep_reads_no_more_of_the_trace_than_its_runs_do(tmp_path, capsys):
+    """A bad line past every configuration's --limit is not the sweep's to refuse (replay --limit
+    runs over it too); one within reach is refused before any run, with its line."""
+    lines = (REPO / "traces" / "chat.jsonl").read_text().splitlines()[:50]
+    trace = tmp_path / "tail.jsonl"
+    trace.write_text("\n".join(lines + ["{not json"]) + "\n")
+    state = run_sweep(str(trace), {"limit": [20], "block_size": [8, 16]}, str(tmp_path / "cut"))
+    assert len(state.summaries) == 2 and set(state.status.values()) == {"done"}
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", str(trace), "--block-size", "8,16", "--out", str(tmp_path / "all")])
+    assert e.value.code == 2 and "tail.jsonl:51" in capsys.readouterr().err

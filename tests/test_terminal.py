@@ -186,3 +186,35 @@ def test_a_read_only_install_caches_compiled_code_in_the_users_cache(tmp_path, m
     monkeypatch.setattr(jit, "writable", lambda path: True)
     monkeypatch.delenv("NUMBA_CACHE_DIR")
     assert jit.configure_cache("/x") is None and "NUMBA_CACHE_DIR" not in os.environ
+
+
+def test_a_replay_in_a_terminal_shows_its_progress_against_the_requests_the_limits_allow(tmp_path):
+    """On a terminal (stderr a pty) the replay draws its progress bar: done of the requests
+    --max-requests lets go, and exits 0 (it once asked the streamed replay for a list it no longer holds)."""
+    import pty
+    import threading
+
+    master, slave = pty.openpty()
+    seen = bytearray()
+
+    def drain():
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                return
+            if not chunk:
+                return
+            seen.extend(chunk)
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    p = subprocess.run([sys.executable, "-m", "kvbench", "replay", str(CHAT), "--max-requests", "12",
+                        "--out", str(tmp_path / "run")], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                       stderr=slave, cwd=tmp_path, env={**os.environ, "COLUMNS": "160"}, timeout=300)
+    os.close(slave)
+    reader.join(timeout=10)
+    os.close(master)
+    text = seen.decode(errors="replace")
+    assert p.returncode == 0, text[-2000:]
+    assert "/12" in text and "Traceback" not in text
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["requests"] == 12

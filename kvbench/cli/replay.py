@@ -242,7 +242,7 @@ def run_with_progress(trace: str, cfg: ReplayConfig, out: str | None, quiet: boo
         from kvbench.cli.console import progress_bar
 
         with progress_bar("replay") as bar:
-            task = bar.add_task("replay", total=len(rp.requests), info="")
+            task = bar.add_task("replay", total=rp.planned, info="")  # the requests the limits let go
 
             def tick(p):
                 tps = p.output_tokens / p.clock_s if p.clock_s > 0 else 0.0

@@ -147,8 +147,10 @@ class Issuer:
             return None
         slot = self._free[0] if self.cap is not None else -math.inf
         at = max(head[0], slot, self._last_s)
-        if max(at, now) > self.until_s:  # issue times never go back: none after this one goes either
-            self.stopped = True
+        if max(at, now) > self.until_s:
+            # issue times never go back, so none after this one goes either, unless a request in
+            # flight releases a dependent turn due earlier: asked again after the next finish
+            self.stopped = self.in_flight == 0 or not self._dependents
             return None
         return at
 

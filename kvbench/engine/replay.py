@@ -90,6 +90,10 @@ class Replay:
         self.model = get_model(self.cfg.model)
         self.max_len = cfg.max_model_len or self.model.max_model_len
         self._shape_requests()
+        # --max-requests / --max-seconds: at most ``planned`` requests are issued, none past arrival
+        # position ``reach``; the rest are not this run's (its pool bound, slab size and checks)
+        self.planned, reach = self._issue_bounds()
+        self._admitted[reach:] = False
         self.slab_reserve_tokens = self._slab_reserve_tokens()
         self.streams = TokenStreams()
         check_model_memory(cfg, self.model)
@@ -207,17 +211,22 @@ class Replay:
             r = dataclasses.replace(r, output_len=int(self._output_len[pos]))
         return r
 
-    def _issue_bound(self, issuer: Issuer) -> int:
-        """How many requests the limits let the issuer issue at most (arrival positions 0..k-1 when
-        every request goes at its arrival time; a cap or dependent turns only issue later)."""
-        k = issuer.n if issuer.max_requests is None else min(issuer.n, issuer.max_requests)
-        if issuer.until_s < np.inf:
-            k = min(k, int(np.searchsorted(self.trace.t * issuer.time_scale, issuer.until_s, side="right")))
-        return k
+    def _issue_bounds(self) -> tuple[int, int]:
+        """(the most requests the limits let the run issue, the arrival positions they lie below):
+        the issuer goes in arrival order, a request no earlier than its arrival time, so none due past
+        --max-seconds goes; --max-requests takes the first N, in arrival order unless dependent turns
+        hold some back while later ones go."""
+        cfg, n = self.cfg, len(self.trace)
+        due = n
+        if cfg.max_seconds is not None and n:  # (the issuer's until_s: the first request's time + S)
+            t = self.trace.t * cfg.time_scale
+            due = int(np.searchsorted(t, t[0] + cfg.max_seconds, side="right"))
+        planned = due if cfg.max_requests is None else min(due, cfg.max_requests)
+        return planned, due if cfg.dependent_turns else planned
 
-    def _admitted_in_trace_order(self, k: int) -> list[Request]:
-        """The admitted requests among arrival positions 0..k-1, shaped, in trace order."""
-        return [self._shaped(p, r) for p, r in self.trace.positioned() if p < k and self._admitted[p]]
+    def _admitted_in_trace_order(self) -> list[Request]:
+        """The admitted requests, shaped, in trace order."""
+        return [self._shaped(p, r) for p, r in self.trace.positioned() if self._admitted[p]]
 
     def _ideal_in_trace_order(self, issued: np.ndarray | None = None):
         """The ideal of the admitted requests (those ``issued`` marks, if given) in trace order, by a
@@ -286,8 +295,7 @@ class Replay:
         issuer = Issuer.of_times(trace.t, deps, cfg.time_scale, cfg.max_concurrency,
                                  max_requests=cfg.max_requests, max_seconds=cfg.max_seconds)
         self._issuer = issuer
-        # at most this many are issued, the first ones in arrival order unless dependent turns reorder them
-        planned = self._issue_bound(issuer)
+        planned = self.planned
         self._issued = np.zeros(len(trace), dtype=bool)  # which arrival positions were issued
         # Belady's policy reads each block's next use: the keys of the requests that may be issued, in memory
         # (a use past those issued never decides a hit; ReplayConfig.validate refuses dependent turns here)
@@ -305,7 +313,7 @@ class Replay:
         ideal = None
         self._ideal: IdealCounter | RadixIdealCounter | None = None
         if in_order:
-            self._ideal = (RadixIdealCounter(bs, self._admitted_in_trace_order(planned), self.streams)
+            self._ideal = (RadixIdealCounter(bs, self._admitted_in_trace_order(), self.streams)
                            if cfg.prefix_mode == "radix" else IdealCounter(bs))
         elif not limited:
             ideal = self._ideal_in_trace_order()
@@ -401,7 +409,7 @@ class Replay:
                 writer.close_tables()  # the summary's distributions are read back from requests.parquet
                 if ideal is None:
                     ideal = self._ideal.result() if self._ideal is not None else self._ideal_in_trace_order(self._issued)
-                if issuer.stopped:  # a limit stopped issuing: the run's requests are those issued
+                if limited:  # the run's requests are those issued (also when Ctrl-C cut it first)
                     acc = self.accounts
                     acc.num_requests, acc.not_issued = issuer.issued, issuer.n - issuer.issued
                     acc.truncated = int(self._cut[self._issued].sum())

@@ -204,9 +204,9 @@ def default_sweep_dir(trace: str, grid: dict[str, list]) -> str:
     """runs/<trace>-sweep-<hash of the trace's content and the grid>: the same command on the same
     trace always finds the same directory, another trace (or the same path rewritten) another one;
     it lies beside replay's runs/<trace>-<timestamp>, where ``kvbench report`` looks by default."""
-    from kvbench.trace.stream import trace_sha256
+    from kvbench.provenance import file_sha256
 
     stem = os.path.splitext(os.path.basename(trace))[0]
-    key = json.dumps({"trace_sha256": trace_sha256(trace), "grid": grid}, sort_keys=True, default=str)
+    key = json.dumps({"trace_sha256": file_sha256(trace), "grid": grid}, sort_keys=True, default=str)
     digest = hashlib.sha256(key.encode()).hexdigest()[:8]
     return os.path.join("runs", f"{stem}-sweep-{digest}")

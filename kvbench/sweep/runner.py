@@ -23,6 +23,7 @@ from kvbench.errors import InputError, RunError
 from kvbench.provenance import (
     Invocation,
     code_fingerprint,
+    file_sha256,
     git_info,
     now_iso,
     setting_files,
@@ -219,8 +220,10 @@ def run_sweep(trace: str, grid: dict[str, list], out_dir: str, *, jobs: int = 1,
         import_ray()  # before anything is written: a missing extra is a usage error
     preflight(configs)
     # one validating pass over the trace, hashing it as it reads, kept in the trace cache: a bad trace
-    # is refused before any run, and every configuration's run (without --limit) reads the index back
-    trace_sha = trace_sha256(trace)
+    # is refused before any run, and every configuration's run without --limit reads the index back
+    # (a grid whose every run reads only the first --limit requests validates no more than they do)
+    trace_sha = (trace_sha256(trace) if any(c.cfg.limit is None for c in configs)
+                 else file_sha256(trace))
     store = SweepStore(out_dir)
     check_sweep_dir(store, os.path.abspath(trace), trace_sha, grid)
     store.makedirs()
