@@ -3,7 +3,12 @@ folder, in a fresh process; wall time, the speed-up over the same round's -j 1, 
 largest process's peak RSS (one worker's, or the parent's).
 
     python benchmarks/bench_sweep_jobs.py [--jobs 1,2] [--trace mooncake.jsonl] [--limit 4000]
-        [--grid "--block-size 16,32 --cache-policy lru,fifo"]
+        [--grid "--block-size 16,32 --cache-policy lru,fifo"] [--ray [--ray-path DIR]]
+
+--ray adds a third mode each round: `--backend ray` on a local Ray started by the sweep with every CPU
+(one task per configuration, one CPU each; Ray's start-up inside the wall time), its speed-up against
+the round's -j 1 and its share of the ideal min(CPUs, configurations) x. Ray is not a kvbench
+requirement: --ray-path names a folder holding it (pip install --target DIR ray), put on PYTHONPATH.
 
 --trace is the real Mooncake conversation trace by default (converted first); the sim on the H200
 preset (the sweep's defaults). A grid of C configurations on N workers can be at best
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -68,6 +74,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="the first N requests only")
     ap.add_argument("--grid", default="--block-size 16,32 --cache-policy lru,fifo")
     ap.add_argument("--repeats", type=int, default=1, help="alternate the job counts this many times")
+    ap.add_argument("--ray", action="store_true", help="also sweep with --backend ray on a local Ray")
+    ap.add_argument("--ray-path", default=None, help="a folder holding ray, put on PYTHONPATH")
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="kvbench-sweepj-")
     trace = a.trace
@@ -77,23 +85,32 @@ def main() -> None:
         trace = os.path.join(work, "trace.jsonl")
         convert(a.convert_from, a.trace, trace)
     extra = shlex.split(a.grid) + (["--limit", str(a.limit)] if a.limit else [])
-    jobs = [int(j) for j in a.jobs.split(",")]
-    print(f"grid: {a.grid}{'  --limit ' + str(a.limit) if a.limit else ''}; {os.cpu_count()} CPUs", flush=True)
-    print(f"{'-j':>4} {'wall s':>8} {'speed-up':>9} {'of ideal':>9} {'peak RSS MB':>12}", flush=True)
+    cpus = os.cpu_count() or 1
+    modes: list[tuple[str, list[str], int]] = [(f"-j {j}", ["-j", j], int(j)) for j in a.jobs.split(",")]
+    env = dict(os.environ)
+    if a.ray:
+        configs = 1
+        for values in re.findall(r"--\S+ (\S+)", a.grid):
+            configs *= len(values.split(","))
+        modes.append((f"ray {cpus} CPUs", ["--backend", "ray", "--cpus-per-task", "1"], min(cpus, configs)))
+        if a.ray_path:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (a.ray_path, env.get("PYTHONPATH")) if p)
+    print(f"grid: {a.grid}{'  --limit ' + str(a.limit) if a.limit else ''}; {cpus} CPUs", flush=True)
+    print(f"{'mode':>12} {'wall s':>8} {'speed-up':>9} {'of ideal':>9} {'peak RSS MB':>12}", flush=True)
     for rep in range(a.repeats):
         base: float | None = None  # this round's -j 1 (the rounds alternate, so each has its own)
-        for j in jobs:
-            out = os.path.join(work, f"sweep-j{j}-{rep}")
+        for name, args, ideal in modes:
+            out = os.path.join(work, f"sweep-{name.replace(' ', '')}-{rep}")
             t0 = time.perf_counter()
             res = subprocess.run([sys.executable, "-c", WRAP, sys.executable, "-m", "kvbench", "sweep", trace,
-                                  "--out", out, "-j", str(j), "--json", *extra],
-                                 check=True, capture_output=True, text=True)
+                                  "--out", out, *args, "--json", *extra],
+                                 check=True, capture_output=True, text=True, env=env)
             wall = time.perf_counter() - t0
             rss = float(res.stdout.strip().splitlines()[-1])
-            if j == 1:
+            if args == ["-j", "1"]:
                 base = wall
             speed = base / wall if base else float("nan")
-            print(f"{j:>4} {wall:>8.1f} {speed:>8.2f}x {speed / j:>8.0%} {rss:>12,.0f}", flush=True)
+            print(f"{name:>12} {wall:>8.1f} {speed:>8.2f}x {speed / ideal:>8.0%} {rss:>12,.0f}", flush=True)
     shutil.rmtree(work)  # the converted trace and every sweep's runs
 
 
