@@ -296,3 +296,16 @@ def test_a_sweep_scans_the_trace_once_for_all_its_configurations(tmp_path, scans
     assert len(state.summaries) == 8 and sorted(scans, key=str) == [60, None]  # the limit's pass, the whole trace's
     configs = [json.loads(p.read_text()) for p in (tmp_path / "sweep").glob("*/config.json")]
     assert {c["trace"]["sha256"] for c in configs} == {hashlib.sha256(trace.read_bytes()).hexdigest()}
+
+
+def test_an_index_made_hashes_the_trace_once(tmp_path, scans, monkeypatch):
+    """The pass hashes the file as it reads it; keeping the index does not read the file again."""
+    import kvbench.trace.cache as cache
+
+    trace = _settled_copy(TRACES / "chat.jsonl", tmp_path / "chat.jsonl")
+    hashed = []
+    real = cache._sha256_at
+    monkeypatch.setattr(cache, "_sha256_at", lambda path, state: hashed.append(path) or real(path, state))
+    made = TraceIndex(trace)
+    again = TraceIndex(trace)
+    assert scans == [None] and hashed == [] and made.sha256 == again.sha256

@@ -163,11 +163,14 @@ class Derived(Generic[T]):
     """A kind of result computed from a trace file and kept as arrays: ``folder`` (under the cache
     home) holds its entries; ``save`` gives a result's arrays (names of letters, digits and _; not
     "header"), ``load`` the result again from an entry's (a mapping of those names to arrays, each
-    of the dtype and layout saved, writeable: numba compiles a function per layout)."""
+    of the dtype and layout saved, writeable: numba compiles a function per layout). ``digest``, where
+    the making reads the whole file and hashes it as it goes: the sha256 a result holds (None if it
+    holds none), so the file is not hashed again to store it."""
 
     folder: str
     save: Callable[[T], dict[str, np.ndarray]]
     load: Callable[[Mapping[str, np.ndarray]], T]
+    digest: Callable[[T], str | None] | None = None
 
 
 def cached(path: str | os.PathLike, kind: Derived[T], make: Callable[[], T], *, code: str, key: str = "",
@@ -186,8 +189,8 @@ def cached(path: str | os.PathLike, kind: Derived[T], make: Callable[[], T], *, 
         return got
     read_ns = time.time_ns()
     value = make()
-    try:
-        digest = _sha256_at(path, state)
+    try:  # (a stat that changed while it was made fails _settled below, whoever hashed the file)
+        digest = (kind.digest(value) if kind.digest is not None else None) or _sha256_at(path, state)
     except OSError:
         return value
     if _settled(path, state, read_ns):

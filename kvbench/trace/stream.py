@@ -309,7 +309,8 @@ def _index_of(entry: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 INDEX_ARRAYS = ("file_offsets", "file_lines", "times", "order", "prompt_len", "output_len", "n", "name_seeds",
                 "name_last_use", "sha256")
 # TraceIndex's arrays in the trace cache (kvbench.trace.cache: keyed by the file's stat and the limit)
-INDEX: Derived[dict[str, np.ndarray]] = Derived("index", _index_arrays, _index_of)
+INDEX: Derived[dict[str, np.ndarray]] = Derived("index", _index_arrays, _index_of,
+                                                digest=lambda arrays: bytes(arrays["sha256"]).decode() or None)
 
 
 def _read_at(fh: BinaryIO, path: str, offset: int, line: int, index: int) -> Request:
