@@ -353,3 +353,22 @@ def test_decode_production_shape_long_batch(bf16_dot, dtype):
     ctx_lens = [16384, 1, 2500, 17, 9000, 640, 64, 1025]
     assert tuning.plan_decode_splits(ctx_lens, 2).tolist() == [64, 1, 10, 1, 36, 3, 1, 5]
     _prod_decode(dtype, 8, None, ctx_lens, seed=5)
+
+
+def test_the_kernels_folder_never_shadows_an_installed_kernels_package(tmp_path):
+    """kernels/ is kvbench.kernels; run from a checkout's root (its folder first on sys.path), a bare
+    ``import kernels`` must still reach an installed package of that name (Hugging Face's, which
+    transformers >= 5.25 requires and imports), and kvbench's own kernels stay where they are."""
+    import subprocess
+    import sys as _sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text('WHOSE = "installed"\n')
+    code = ("import kernels; from kvbench import kernels as ours; "
+            "print(getattr(kernels, 'WHOSE', None), ours.__name__, callable(ours.decode_attention))")
+    out = subprocess.run([_sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": str(site)},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["installed", "kvbench.kernels", "True"]
