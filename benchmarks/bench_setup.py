@@ -24,7 +24,6 @@ MOONCAKE = HERE.parents[1] / "shared" / "traces" / "real" / "mooncake_conversati
 
 CHILD = r"""
 import os, sys, time, tempfile
-t0 = time.perf_counter()
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.replay import Replay
 t1 = time.perf_counter()

@@ -15,7 +15,7 @@ import dataclasses
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -224,26 +224,25 @@ class Replay:
         planned = due if cfg.max_requests is None else min(due, cfg.max_requests)
         return planned, due if cfg.dependent_turns else planned
 
-    def _admitted_in_trace_order(self) -> list[Request]:
-        """The admitted requests, shaped, in trace order."""
-        return [self._shaped(p, r) for p, r in self.trace.positioned() if self._admitted[p]]
+    def _admitted_in_trace_order(self, issued: np.ndarray | None = None) -> Iterator[tuple[int, Request]]:
+        """(trace rank, request as shaped) of the admitted requests (those ``issued`` marks, if given),
+        in trace order."""
+        for rank, (pos, r) in enumerate(self.trace.positioned()):
+            if self._admitted[pos] and (issued is None or issued[pos]):
+                yield rank, self._shaped(pos, r)
 
     def _ideal_in_trace_order(self, issued: np.ndarray | None = None):
         """The ideal of the admitted requests (those ``issued`` marks, if given) in trace order, by a
         pass of its own: the block ideal lets go of keys no later request can hit (IdealCounter,
         block_expiry); a radix run's is token-granular (radix_ideal_hits)."""
-        bs = self.cfg.block_size
-        chosen = [(pos, self._shaped(pos, r)) for pos, r in self.trace.positioned()
-                  if self._admitted[pos] and (issued is None or issued[pos])] if self.cfg.prefix_mode == "radix" else None
-        if chosen is not None:
+        bs, chosen = self.cfg.block_size, self._admitted_in_trace_order(issued)
+        if self.cfg.prefix_mode == "radix":
             return radix_ideal_hits([r for _, r in chosen], bs, self.streams)
         counter, keys_of, names = IdealCounter(bs), self._keys_of, self.trace.names
-        for rank, (pos, r) in enumerate(self.trace.positioned()):
-            if self._admitted[pos] and (issued is None or issued[pos]):
-                r = self._shaped(pos, r)
-                keys, prompt_len, pieces = keys_of.with_pieces(r)
-                counter.add(keys, prompt_len, keys_of.shareable_blocks(r), block_expiry(pieces, len(keys), bs, names),
-                            at=rank)
+        for rank, r in chosen:
+            keys, prompt_len, pieces = keys_of.with_pieces(r)
+            counter.add(keys, prompt_len, keys_of.shareable_blocks(r), block_expiry(pieces, len(keys), bs, names),
+                        at=rank)
         return counter.result()
 
     def _reject_reason(self, r: Request) -> str | None:
@@ -313,7 +312,7 @@ class Replay:
         ideal = None
         self._ideal: IdealCounter | RadixIdealCounter | None = None
         if in_order:
-            self._ideal = (RadixIdealCounter(bs, self._admitted_in_trace_order(), self.streams)
+            self._ideal = (RadixIdealCounter(bs, [r for _, r in self._admitted_in_trace_order()], self.streams)
                            if cfg.prefix_mode == "radix" else IdealCounter(bs))
         elif not limited:
             ideal = self._ideal_in_trace_order()

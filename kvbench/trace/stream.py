@@ -298,10 +298,6 @@ def _scan(path: str, limit: int | None) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _index_arrays(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return arrays
-
-
 def _index_of(entry: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {name: np.asarray(entry[name]) for name in INDEX_ARRAYS}
 
@@ -309,7 +305,7 @@ def _index_of(entry: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 INDEX_ARRAYS = ("file_offsets", "file_lines", "times", "order", "prompt_len", "output_len", "n", "name_seeds",
                 "name_last_use", "sha256")
 # TraceIndex's arrays in the trace cache (kvbench.trace.cache: keyed by the file's stat and the limit)
-INDEX: Derived[dict[str, np.ndarray]] = Derived("index", _index_arrays, _index_of,
+INDEX: Derived[dict[str, np.ndarray]] = Derived("index", dict, _index_of,
                                                 digest=lambda arrays: bytes(arrays["sha256"]).decode() or None)
 
 
