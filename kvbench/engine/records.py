@@ -243,6 +243,8 @@ def itl_summary(gaps: dict[float, int] | list[dict[float, int]]) -> dict:
         return {f"itl_ms_{name}": None for name, _ in PCTS}
     v = np.fromiter(merged.keys(), dtype=np.float64, count=len(merged)) * 1e3
     c = np.fromiter(merged.values(), dtype=np.int64, count=len(merged))
+    by_gap = np.argsort(v, kind="stable")  # the sums in one order whatever order the gaps were seen in
+    v, c = v[by_gap], c[by_gap]
     out = {"itl_ms_mean": float((v * c).sum() / c.sum())}
     for name, q in PCTS[1:]:
         out[f"itl_ms_{name}"] = weighted_percentile(v, c, q)

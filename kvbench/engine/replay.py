@@ -295,6 +295,9 @@ class Replay:
                                  max_requests=cfg.max_requests, max_seconds=cfg.max_seconds)
         self._issuer = issuer
         planned = self.planned
+        if self.step_log is None and self.step_hook is None:  # they read the sequences each step
+            for each in replicas:
+                each.sched.enable_lane()
         self._issued = np.zeros(len(trace), dtype=bool)  # which arrival positions were issued
         # Belady's policy reads each block's next use: the keys of the requests that may be issued, in memory
         # (a use past those issued never decides a hit; ReplayConfig.validate refuses dependent turns here)
@@ -367,7 +370,7 @@ class Replay:
                 plan = sched.schedule(rep.clock)
                 if loads_seen:  # what a router sees of this replica while the step runs
                     rep.snap, rep.since = rep.load(bs), [0, 0]
-                if not plan.seqs:
+                if plan.empty:
                     raise RunError("the scheduler could not make progress: no running sequence "
                                    "and the next waiting one does not fit", usage=True)
                 batch = sched.build_batch(plan)
@@ -404,6 +407,8 @@ class Replay:
             complete = True
         finally:
             with interrupt_held():  # a second Ctrl-C waits until summary.json is written
+                for each in replicas:
+                    each.sched.sync()
                 end = max(r.clock for r in replicas)
                 writer.close_tables()  # the summary's distributions are read back from requests.parquet
                 if ideal is None:

@@ -138,6 +138,12 @@ class ArrayBlockPool:
         """The free stack, bottom first (BlockPool's list: for tests)."""
         return self._s32[self._cc.FREE, :self._c[self._cc.NFREE]].tolist()
 
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """(s32, s64, hk, hv, rows, c): the compiled state, for compiled code that works on the pool
+        within a larger call (kvbench.scheduler.compiled); ``rows`` is a dummy row without a cache."""
+        rows = self.tokens if self.tokens is not None else np.zeros((1, self.block_size), dtype=np.int32)
+        return self._s32, self._s64, self._hk, self._hv, rows, self._c
+
     # -- transitions ------------------------------------------------------------------------
     def alloc(self) -> int:
         """Take a block for new content (refcount 1). Evicts a cached block when none is free."""

@@ -58,6 +58,7 @@ class Sequence(SeqKV):
     computed_before: int = 0  # KV tokens held before its last preemption (recompute accounting)
     resumed: bool = False
     ev: object = None  # token-eviction state (kvbench.eviction.evictor.SeqState)
+    lane: int = -1  # its slot in the scheduler's decode lane while it runs there (kvbench.scheduler.lane)
     # A waiting sequence holds its pieces and block keys, not its tokens: the scheduler builds them
     # when it first considers the sequence for admission (Scheduler._build: trace.keys.sequence_tokens_of)
     pieces: FlatPieces | None = None

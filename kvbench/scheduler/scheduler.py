@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvbench.scheduler.batch import StepBatch, StepResult
+from kvbench.scheduler.lane import DecodeLane
 from kvbench.scheduler.request import RequestState, Sequence
 from kvbench.trace.keys import sequence_tokens, sequence_tokens_of
 from kvbench.trace.tokens import TokenStreams
@@ -66,9 +67,17 @@ class StepPlan:
     num_new: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # in the order they were preempted
     running: int = 0  # sequences holding KV this step (running after scheduling, as vLLM counts them)
+    lane: int = 0  # decodes the scheduler's DecodeLane took (one token each), not in seqs
+
+    @property
+    def empty(self) -> bool:
+        """Nothing scheduled: no sequence computes a token this step."""
+        return not self.seqs and not self.lane
 
 
 class Scheduler:
+    lane_enabled = True  # enable_lane may take the decode lane (tests set False to compare without it)
+
     def __init__(self, kv: KVManager, cfg: SchedulerConfig, *, needs_tokens: bool = False,
                  streams: TokenStreams | None = None, evictor: Evictor | NoEviction | None = None):
         from kvbench.eviction.evictor import NoEviction
@@ -101,6 +110,32 @@ class Scheduler:
         # of hit_tokens, those loaded from each tier behind the pool (kvbench.memory.tiers), by name
         self.tier_hit_tokens = {name: 0 for name in kv.tiers.names} if kv.tiers is not None else {}
         self.resumed_loaded_tokens = 0  # resumed requests' tokens loaded from the tiers
+        self.lane: DecodeLane | None = None  # the running batch's steady decodes in arrays (enable_lane)
+
+    def enable_lane(self) -> bool:
+        """Run the steady decodes in a DecodeLane (kvbench.scheduler.lane) from now on, where the
+        configuration allows it: the paged layout on the compiled pool, no tiers, no token eviction,
+        an executor that takes no tokens. Only the scheduler may then read its running sequences'
+        token counts mid-run (a replay with a step log or hook does not ask). -> whether it did."""
+        from kvbench.eviction.evictor import NoEviction
+        from kvbench.memory.array_pool import ArrayBlockPool
+        from kvbench.memory.paged import PagedKV
+
+        kv = self.kv
+        pool = kv.pool if isinstance(kv, PagedKV) else None
+        if not (self.lane_enabled and self.lane is None and not self.running and isinstance(pool, ArrayBlockPool)
+                and kv.tiers is None and pool.events is None and pool.spill is None
+                and isinstance(self.evictor, NoEviction) and not self.needs_tokens):
+            return False
+        assert isinstance(kv, PagedKV)
+        self.lane = DecodeLane(kv, pool, capacity=self.cfg.max_num_seqs + 1)
+        return True
+
+    def sync(self) -> None:
+        """Make every running sequence's object current (the lane holds the truth mid-run)."""
+        if self.lane is not None:
+            for s in self.running:
+                self.lane.pull(s)
 
     # -- queues -----------------------------------------------------------------------------
     def new_seq(self, rs: RequestState, tokens: np.ndarray | None, next_use: np.ndarray | None = None,
@@ -122,16 +157,26 @@ class Scheduler:
         kv, cfg = self.kv, self.cfg
         plan = StepPlan()
         budget = cfg.max_batched_tokens
-        running = self.running
+        running, lane = self.running, self.lane
         allocate, seqs, nums = kv.allocate, plan.seqs, plan.num_new  # per running sequence: bound once
+        if lane is not None:
+            lane.begin()
         i = 0
-        while i < len(running) and budget > 0:
+        while True:
+            if lane is not None:  # the decodes it can take, up to the next the loop's body must
+                i, budget = lane.advance(i, budget)
+            if not (i < len(running) and budget > 0):
+                break
             s = running[i]
+            if lane is not None:
+                lane.pull(s)
             num_new = s.num_tokens - s.num_kv - s.dropped
             if num_new > budget:
                 num_new = budget
             while not allocate(s, num_new):
                 victim = running.pop()  # the last admitted (vLLM: self.running.pop())
+                if lane is not None:
+                    lane.pop(victim)
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is s:
@@ -143,6 +188,8 @@ class Scheduler:
                 i += 1
                 continue
             break
+        if lane is not None:
+            plan.lane = lane.count
         if not plan.preempted:  # a step that preempted admits nothing new
             if cfg.admission_window:
                 self._reorder_by_cached_prefix()
@@ -197,6 +244,8 @@ class Scheduler:
                 if rs.first_sched_s != rs.first_sched_s:  # NaN: first time scheduled
                     rs.first_sched_s = now_s
             running.append(s)
+            if self.lane is not None:
+                self.lane.enter(s)
             self.num_seats += s.seats
             plan.seqs.append(s)
             plan.num_new.append(num_new)
@@ -278,6 +327,12 @@ class Scheduler:
                     batch.prefill_tokens.append(self._token_ids(s, start, n))
             if tokens:
                 batch.block_tables[s.seq_id] = s.table
+        if plan.lane:  # the lane's decodes, after the others
+            assert self.lane is not None
+            seq_ids, starts = self.lane.decodes()
+            batch.decode_seq_ids.extend(seq_ids)
+            batch.decode_positions.extend(starts)
+            batch.decode_slots.extend(starts)
         return batch
 
     def _token_ids(self, s: Sequence, start: int, n: int) -> np.ndarray:
@@ -321,8 +376,18 @@ class Scheduler:
                 self._finish(s, finished, now_s)
                 s.num_tokens = -1  # marks finished for the sweep below
                 done_seqs = True
+        lane = self.lane
+        if plan.lane:
+            assert lane is not None
+            lane.step(now_s, gaps)
         if done_seqs:
             self.running = [s for s in self.running if s.num_tokens >= 0]
+            if lane is not None:
+                lane.reorder(self.running)
+        if lane is not None:  # what the Python path changed
+            for s in plan.seqs:
+                if s.lane >= 0:
+                    lane.push(s)
         self.evictor.after_step(self.running, result, self.steps)
         self.steps += 1
         return finished
@@ -346,6 +411,9 @@ class Scheduler:
             rs.samples.append((s.seq_id, s.out_tokens))
         self.kv.free(s)
         self.evictor.release(s)
+        if s.lane >= 0:
+            assert self.lane is not None
+            self.lane.release(s)
         self.num_seats -= s.seats
         rs.live_seqs -= 1
         if rs.live_seqs == 0:
@@ -380,5 +448,7 @@ class Scheduler:
                 self._finish(child, finished, now_s)
             else:
                 self.running.append(child)
+                if self.lane is not None:
+                    self.lane.enter(child)
         # the seats reserved at admission pass to the children
         parent.seats = 1
