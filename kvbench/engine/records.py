@@ -75,35 +75,33 @@ def interrupt_held() -> Iterator[None]:
 
 
 class Table:
-    """Column buffers flushed to a parquet file in row groups."""
+    """Rows buffered as tuples, flushed to a parquet file in row groups (a row is appended whole, so
+    one that Ctrl-C cuts short is never half written)."""
 
     def __init__(self, path: str, schema: pa.Schema, flush_rows: int):
         self.schema = schema
-        self.cols: dict[str, list] = {n: [] for n in schema.names}
+        self.buffer: list[tuple] = []
         self.writer: pq.ParquetWriter | None = pq.ParquetWriter(path, schema, compression="zstd")
         self.flush_rows = flush_rows
-        self.rows = 0
+        self.path = path
 
     def add(self, row: tuple) -> None:
-        for col, v in zip(self.cols.values(), row):
-            col.append(v)
-        self.rows += 1
-        if self.rows >= self.flush_rows:
+        buffer = self.buffer
+        buffer.append(row)
+        if len(buffer) >= self.flush_rows:
             self.flush()
 
     def flush(self) -> None:
-        # ``rows`` counts a row once all its columns are appended: one that Ctrl-C cut short in
-        # ``add`` is left out (a row of the wrong width still fails in pa.table)
-        n = self.rows
-        if n:
-            for col in self.cols.values():
-                del col[n:]
+        buffer = self.buffer
+        if buffer:
+            names = self.schema.names
+            widths = {len(row) for row in buffer}
+            if widths != {len(names)}:
+                raise ValueError(f"rows of {sorted(widths)} values for the {len(names)} columns of {self.path}")
             assert self.writer is not None  # (rows are added before close)
             with interrupt_held():
-                self.writer.write_table(pa.table(self.cols, schema=self.schema))
-                for col in self.cols.values():
-                    col.clear()
-                self.rows = 0
+                self.writer.write_table(pa.table(dict(zip(names, map(list, zip(*buffer)))), schema=self.schema))
+                self.buffer = []
 
     def close(self) -> None:
         """Write the rows left and the file's footer; the writer (which holds every row group's

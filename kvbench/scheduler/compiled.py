@@ -22,10 +22,11 @@ from kvbench.memory.compiled import FILL, LIVE, NCACHED, NFREE, REFCNT, VIRTUAL,
 # the sequence may run in the lane (one sample), OUT_TOTAL the request's output_tokens, SEQ_ID,
 # NREG num_registered, NEXT blocks in ``ext``, PIDX the next prepared block, NPREP blocks prepared,
 # PBASE num_registered when they were prepared, TOKEN_LEN len(tokens); per running position: ORDER
-# the slot there, SCHED the slots the lane scheduled this step, in running order
+# the slot there; per decode the lane scheduled this step, in running order: SCHED its slot, DEC_ID
+# its seq id, DEC_POS its position (the step's batch)
 (KV, TOKENS, OUT, OUT_LEN, BLOCKS, TAIL, REG_AT, OK, OUT_TOTAL, SEQ_ID, NREG, NEXT, PIDX, NPREP, PBASE,
- TOKEN_LEN, ORDER, SCHED) = range(18)
-NUM_INTS = 18
+ TOKEN_LEN, ORDER, SCHED, DEC_ID, DEC_POS) = range(20)
+NUM_INTS = 20
 EMIT, ITL_MAX = range(2)  # rows of ``floats``: when it last emitted a token, its longest gap (NaN: none)
 NUM_FLOATS = 2
 POS, RUNNING, BUDGET, COUNT, BS = range(5)  # entries of ``io``
@@ -43,7 +44,7 @@ def advance(ints, ext, pkeys, ptok, io, s32, s64, hk, hv, rows, c):
     Python path preempts), at the end of the running list, or when the budget is spent; every check
     is made before anything changes, so the Python path finds the sequence as it was."""
     i, n, budget, m, bs = io[POS], io[RUNNING], io[BUDGET], io[COUNT], io[BS]
-    order, sched = ints[ORDER], ints[SCHED]
+    order, sched, dec_id, dec_pos = ints[ORDER], ints[SCHED], ints[DEC_ID], ints[DEC_POS]
     refcnt = s32[REFCNT]
     room = ext.shape[1]
     one = np.empty(1, dtype=np.int32)
@@ -82,6 +83,8 @@ def advance(ints, ext, pkeys, ptok, io, s32, s64, hk, hv, rows, c):
             ints[NREG, k] = r
             ints[REG_AT, k] = (r + 1) * bs if (r + 1) * bs <= ints[TOKEN_LEN, k] else NEVER
         sched[m] = k
+        dec_id[m] = ints[SEQ_ID, k]
+        dec_pos[m] = kv
         m += 1
         budget -= 1
         i += 1

@@ -38,11 +38,13 @@ if TYPE_CHECKING:
     from kvbench.scheduler.request import Sequence
 
 PREPARED_TOKENS = 8192  # the tokens of the blocks prepared per sequence (at most 32 blocks)
+POS, RUNNING, BUDGET, COUNT = range(4)  # compiled.py's entries of ``io``, restated (checked on import)
 
 
 def compiled():
     """kvbench.scheduler.compiled, imported on first use (numba costs ~0.2 s to import)."""
     from kvbench.scheduler import compiled as module
+    assert (module.POS, module.RUNNING, module.BUDGET, module.COUNT) == (POS, RUNNING, BUDGET, COUNT)
     return module
 
 
@@ -59,6 +61,7 @@ class DecodeLane:
         self._c = self._pool[-1]
         self.io = np.zeros(5, dtype=np.int64)
         self.io[cc.BS] = bs
+        self._io = self.io.data  # (Python reads and writes it as a list, the kernel as an array)
         self.count = 0  # slots the lane scheduled this step (ints[SCHED, :count])
         self.taken = 0  # sequence-steps the lane computed, over the run
         self.cap = 0
@@ -87,13 +90,13 @@ class DecodeLane:
         r = [ints[f].data for f in range(cc.NUM_INTS)]
         (self._kv, self._tokens, self._num_out, self._out_len, self._blocks, self._tail, self._reg_at,
          self._ok, self._out_total, self._seq_id, self._nreg, self._next, self._pidx, self._nprep,
-         self._pbase, self._token_len, self._order, _) = r
+         self._pbase, self._token_len, self._order, _, _, _) = r
         self._emit, self._itl_max = floats[cc.EMIT].data, floats[cc.ITL_MAX].data
 
     @property
     def n(self) -> int:
         """Running sequences (the ORDER row's first n)."""
-        return int(self.io[self._cc.RUNNING])
+        return self._io[self._cc.RUNNING]
 
     # -- the running list's changes, mirrored ------------------------------------------------
     def enter(self, s: Sequence) -> None:
@@ -102,7 +105,7 @@ class DecodeLane:
             self._alloc(2 * self.cap)
         k = self._free.pop()
         s.lane = k
-        io, cc = self.io, self._cc
+        io, cc = self._io, self._cc
         self._order[io[cc.RUNNING]] = k
         io[cc.RUNNING] += 1
         self._nprep[k] = 0  # nothing prepared for this sequence yet
@@ -112,7 +115,7 @@ class DecodeLane:
         """The running list's last sequence, ``s``, leaves it (a preemption's victim): its object made
         current, its slot freed."""
         self.pull(s)
-        self.io[self._cc.RUNNING] -= 1
+        self._io[self._cc.RUNNING] -= 1
         self.release(s)
 
     def release(self, s: Sequence) -> None:
@@ -125,7 +128,7 @@ class DecodeLane:
         """The running list after sequences left it from the inside (finished)."""
         n = len(running)
         self.ints[self._cc.ORDER, :n] = [s.lane for s in running]
-        self.io[self._cc.RUNNING] = n
+        self._io[self._cc.RUNNING] = n
 
     # -- object <-> arrays ---------------------------------------------------------------------
     def push(self, s: Sequence) -> None:
@@ -193,11 +196,11 @@ class DecodeLane:
         """The scheduler's pass from running position ``i`` with ``budget`` tokens: the lane takes
         the decodes it can (compiled.advance) -> (the first position it left to the Python path, or
         where the pass ended; the budget left)."""
-        io, cc = self.io, self._cc
-        io[cc.POS], io[cc.BUDGET], io[cc.COUNT] = i, budget, self.count
-        cc.advance(self.ints, self.ext, self.pkeys, self.ptok, io, *self._pool)
-        self.count = int(io[cc.COUNT])
-        return int(io[cc.POS]), int(io[cc.BUDGET])
+        io, cc = self._io, self._cc
+        io[POS], io[BUDGET], io[COUNT] = i, budget, self.count
+        cc.advance(self.ints, self.ext, self.pkeys, self.ptok, self.io, *self._pool)
+        self.count = io[COUNT]
+        return io[POS], io[BUDGET]
 
     def scheduled(self) -> int:
         return self.count
@@ -214,5 +217,5 @@ class DecodeLane:
 
     def decodes(self) -> tuple[list[int], list[int]]:
         """(seq ids, positions) of the lane's scheduled decodes, for the step's batch."""
-        slots = self.ints[self._cc.SCHED, :self.count]
-        return self.ints[self._cc.SEQ_ID, slots].tolist(), self.ints[self._cc.KV, slots].tolist()
+        m, cc = self.count, self._cc
+        return self.ints[cc.DEC_ID, :m].tolist(), self.ints[cc.DEC_POS, :m].tolist()
