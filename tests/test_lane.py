@@ -121,3 +121,36 @@ def test_the_lane_reads_and_writes_no_array_out_of_bounds(tmp_path):
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "2 passed" in r.stdout
+
+
+def test_a_decode_into_a_shared_last_block_takes_the_python_path():
+    """The lane writes only into a last block its sequence holds alone (PagedKV.allocate's fast path);
+    a shared one is copied on write by the Python path, which the lane leaves it to."""
+    from kvbench.memory.paged import PagedKV
+    from kvbench.scheduler import RequestState, SchedulerConfig, StepResult
+    from kvbench.trace.format import Request, Segment
+    from kvbench.trace.keys import sequence_tokens
+    from kvbench.trace.tokens import TokenStreams
+
+    streams = TokenStreams()
+    kv = PagedKV(64, 4)
+    sched = Scheduler(kv, SchedulerConfig(), streams=streams)
+    assert sched.enable_lane()
+    req = Request(id="a", t=0.0, prompt=(Segment("unique", 6),), output_len=10, index=0, line=1, prompt_len=6)
+    prompt = streams.expand(req)
+    s = sched.new_seq(RequestState(req=req, arrival_s=0.0, prompt=prompt), sequence_tokens(req, prompt, streams))
+    sched.add(s)
+
+    def step():
+        plan = sched.schedule(0.0)
+        sched.build_batch(plan)
+        sched.update(plan, StepResult(duration_s=0.01), 0.01 * sched.steps)
+        return plan
+
+    assert step().seqs == [s]  # the prefill: the Python path
+    assert [step().lane for _ in range(3)] == [1, 1, 1]  # into its block, filling it (registered), a new one
+    sched.sync()
+    assert (s.num_kv, len(s.table), s.num_registered) == (9, 3, 2)
+    kv.pool.incref_many([s.table[-1]])  # another holder of its partly filled last block
+    plan = step()
+    assert plan.lane == 0 and plan.seqs == [s] and kv.cow_copies == 1
