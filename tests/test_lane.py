@@ -123,34 +123,71 @@ def test_the_lane_reads_and_writes_no_array_out_of_bounds(tmp_path):
     assert "2 passed" in r.stdout
 
 
-def test_a_decode_into_a_shared_last_block_takes_the_python_path():
-    """The lane writes only into a last block its sequence holds alone (PagedKV.allocate's fast path);
-    a shared one is copied on write by the Python path, which the lane leaves it to."""
+def direct(num_blocks: int, block_size: int, lane: bool, max_num_seqs: int = 256):
+    """A Scheduler over a PagedKV driven directly (no executor), and a function adding a request of a
+    unique prompt; the lane as asked."""
     from kvbench.memory.paged import PagedKV
-    from kvbench.scheduler import RequestState, SchedulerConfig, StepResult
+    from kvbench.scheduler import RequestState, SchedulerConfig
     from kvbench.trace.format import Request, Segment
     from kvbench.trace.keys import sequence_tokens
     from kvbench.trace.tokens import TokenStreams
 
     streams = TokenStreams()
-    kv = PagedKV(64, 4)
-    sched = Scheduler(kv, SchedulerConfig(), streams=streams)
-    assert sched.enable_lane()
-    req = Request(id="a", t=0.0, prompt=(Segment("unique", 6),), output_len=10, index=0, line=1, prompt_len=6)
-    prompt = streams.expand(req)
-    s = sched.new_seq(RequestState(req=req, arrival_s=0.0, prompt=prompt), sequence_tokens(req, prompt, streams))
-    sched.add(s)
+    kv = PagedKV(num_blocks, block_size)
+    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=max_num_seqs), streams=streams)
+    if lane:
+        assert sched.enable_lane()
 
-    def step():
-        plan = sched.schedule(0.0)
-        sched.build_batch(plan)
-        sched.update(plan, StepResult(duration_s=0.01), 0.01 * sched.steps)
-        return plan
+    def add(rid: str, prompt_len: int, output_len: int):
+        req = Request(id=rid, t=0.0, prompt=(Segment("unique", prompt_len),), output_len=output_len, index=0,
+                      line=1, prompt_len=prompt_len)
+        prompt = streams.expand(req)
+        s = sched.new_seq(RequestState(req=req, arrival_s=0.0, prompt=prompt), sequence_tokens(req, prompt, streams))
+        sched.add(s)
+        return s
+    return kv, sched, add
 
-    assert step().seqs == [s]  # the prefill: the Python path
-    assert [step().lane for _ in range(3)] == [1, 1, 1]  # into its block, filling it (registered), a new one
+
+def step(sched):
+    from kvbench.scheduler import StepResult
+
+    plan = sched.schedule(0.0)
+    sched.build_batch(plan)
+    return plan, sched.update(plan, StepResult(duration_s=0.01), 0.01 * (sched.steps + 1))
+
+
+def test_a_decode_into_a_shared_last_block_takes_the_python_path():
+    """The lane writes only into a last block its sequence holds alone (PagedKV.allocate's fast path);
+    a shared one is copied on write by the Python path, which the lane leaves it to."""
+    kv, sched, add = direct(64, 4, True)
+    s = add("a", 6, 10)
+    assert step(sched)[0].seqs == [s]  # the prefill: the Python path
+    assert [step(sched)[0].lane for _ in range(3)] == [1, 1, 1]  # into its block, filling it, a new one
     sched.sync()
     assert (s.num_kv, len(s.table), s.num_registered) == (9, 3, 2)
     kv.pool.incref_many([s.table[-1]])  # another holder of its partly filled last block
-    plan = step()
+    plan, _ = step(sched)
     assert plan.lane == 0 and plan.seqs == [s] and kv.cow_copies == 1
+
+
+def test_a_lane_grows_past_its_first_slots():
+    """More sequences running than the lane's first arrays hold: it grows, keeping every column, and
+    the run is the run without it (who finishes when, with which counts)."""
+    from kvbench.scheduler.lane import DecodeLane
+
+    runs = []
+    for lane in (True, False):
+        kv, sched, add = direct(4000, 4, lane)
+        if lane:
+            sched.lane = DecodeLane(kv, kv.pool, capacity=1)  # 8 slots
+        for i in range(30):
+            add(f"r{i}", 5 + i, 3 + i % 7)
+        log = []
+        while sched.has_work():
+            plan, done = step(sched)
+            log.append((plan.lane, [(rs.req.id, rs.output_tokens, rs.finish_s, rs.itl_max_s) for rs in done]))
+        runs.append((log, sched.itl_gaps, kv.pool.index, sched.lane.cap if lane else 0))
+    (on, gaps_on, index_on, cap), (off, gaps_off, index_off, _) = runs
+    assert cap >= 32 and sum(n for n, _ in on) > 0
+    assert [d for _, d in on] == [d for _, d in off] and gaps_on == gaps_off
+    assert index_on == index_off and len(index_on) > 30 * 3  # the same blocks cached under the same keys
