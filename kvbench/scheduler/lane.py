@@ -49,6 +49,9 @@ def compiled():
 
 
 class DecodeLane:
+    """The running sequences' decode state in arrays, one column (slot) a sequence; the scheduler's
+    steady decodes computed in it (see the module's docstring)."""
+
     def __init__(self, kv: PagedKV, pool: ArrayBlockPool, capacity: int = 256):
         """``pool``: ``kv``'s (the lane runs on the compiled pool's arrays)."""
         cc = compiled()
@@ -77,7 +80,7 @@ class DecodeLane:
         cc, have, bs = self._cc, self.cap, self.block_size
         ints = np.zeros((cc.NUM_INTS, cap), dtype=np.int64)
         floats = np.full((cc.NUM_FLOATS, cap), np.nan)
-        ext = np.zeros((cap, self.prepared + 1), dtype=np.int64)
+        ext = np.zeros((cap, self.prepared + 1), dtype=np.int64)  # (a full row sends it to the Python path)
         pkeys = np.zeros((cap, self.prepared + 1), dtype=np.uint64)
         ptok = np.zeros((cap, self.prepared * bs), dtype=np.int32)
         if have:
