@@ -279,7 +279,7 @@ def decode_line(raw: bytes, path: str, lineno: int, what: str = "trace"):
     if not s:
         return _BLANK
     try:
-        return json.loads(s, parse_constant=_no_constant)
+        return _DECODER.decode(s)
     except json.JSONDecodeError as e:
         raise InputError(f"malformed JSON ({e.msg} at column {e.colno}; expected {what})",
                          file=path, line=lineno) from None
@@ -292,6 +292,9 @@ def decode_line(raw: bytes, path: str, lineno: int, what: str = "trace"):
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)  # one decoder: json.loads with an argument makes one a line
 
 
 TRACE = "a kvbench JSONL trace"  # what json_lines's errors say a trace file should be
