@@ -31,6 +31,8 @@ CASES = {
     "rag-block-32-first-chunk": ("rag.jsonl", dict(num_blocks=400, block_size=32, admission="first-chunk",
                                                    max_batched_tokens=512, limit=120)),
     "best-of-n": ("best_of_n.jsonl", dict(num_blocks=800, block_size=8)),
+    "chat-budget-of-8": ("chat.jsonl", dict(num_blocks=3000, max_batched_tokens=8, time_scale=0.02, max_model_len=8192,
+                                            limit=60)),  # every prompt in chunks of 8
     "agent-closed-loop": ("agent.jsonl", dict(num_blocks=1500, max_concurrency=6, dependent_turns=True, limit=80)),
     "mooncake-slice-replicas": ("mooncake_slice.jsonl", dict(num_blocks=5000, replicas=2, time_scale=0.5,
                                                              max_model_len=32768)),
@@ -191,3 +193,26 @@ def test_a_lane_grows_past_its_first_slots():
     assert cap >= 32 and sum(n for n, _ in on) > 0
     assert [d for _, d in on] == [d for _, d in off] and gaps_on == gaps_off
     assert index_on == index_off and len(index_on) > 30 * 3  # the same blocks cached under the same keys
+
+
+def test_a_budget_below_the_decodes_stops_the_lane_where_the_loop_stops():
+    """Ten sequences decoding, then a budget of four tokens a step: the lane gives them to the first
+    four in running order, as the Python loop does (vLLM's schedule never starves an earlier one)."""
+    from kvbench.scheduler import StepResult
+
+    given = []
+    for lane in (True, False):
+        _, sched, add = direct(4000, 4, lane)
+        for i in range(10):
+            add(f"r{i}", 6, 40)
+        for _ in range(5):
+            step(sched)
+        sched.cfg.max_batched_tokens = 4
+        ids = []
+        for k in range(6):
+            plan = sched.schedule(0.0)
+            ids.append(sorted(sched.build_batch(plan).decode_seq_ids))
+            sched.update(plan, StepResult(duration_s=0.01), 1.0 + k)
+        given.append((ids, plan.lane))
+    (on, last_lane), (off, _) = given
+    assert on == off and all(len(x) == 4 for x in on) and last_lane == 4
