@@ -216,3 +216,19 @@ def test_a_budget_below_the_decodes_stops_the_lane_where_the_loop_stops():
         given.append((ids, plan.lane))
     (on, last_lane), (off, _) = given
     assert on == off and all(len(x) == 4 for x in on) and last_lane == 4
+
+
+def test_a_sequence_admitted_into_a_used_slot_keeps_its_own_state_until_pushed():
+    """A step cut short after scheduling (Ctrl-C before its update: the replay's finally syncs every
+    running sequence): one admitted into the slot a finished sequence left keeps what allocate gave it,
+    not that sequence's counts."""
+    _, sched, add = direct(400, 4, True)
+    first = add("a", 6, 12)
+    while sched.has_work():
+        step(sched)
+    assert first.lane == -1 and sched.lane.taken > 0
+    second = add("b", 9, 5)
+    sched.schedule(0.0)  # admitted into slot 0, not yet updated
+    assert second.lane == 0
+    sched.sync()
+    assert (second.num_kv, second.num_tokens, second.num_out, len(second.table)) == (0, 9, 0, 3)

@@ -96,14 +96,11 @@ class DecodeLane:
          self._pbase, self._token_len, self._order, _, _, _) = r
         self._emit, self._itl_max = floats[cc.EMIT].data, floats[cc.ITL_MAX].data
 
-    @property
-    def n(self) -> int:
-        """Running sequences (the ORDER row's first n)."""
-        return self._io[self._cc.RUNNING]
-
     # -- the running list's changes, mirrored ------------------------------------------------
     def enter(self, s: Sequence) -> None:
-        """``s`` is appended to the running list (admitted, or forked): a slot at the end of ORDER."""
+        """``s`` is appended to the running list (admitted, or forked): a slot at the end of ORDER,
+        its object the truth until ``push`` (the scheduler's, after the step's update for an admitted
+        sequence, at once for a forked one)."""
         if not self._free:
             self._alloc(2 * self.cap)
         k = self._free.pop()
@@ -111,8 +108,8 @@ class DecodeLane:
         io, cc = self._io, self._cc
         self._order[io[cc.RUNNING]] = k
         io[cc.RUNNING] += 1
+        self._ok[k] = 0  # (pull leaves the object as it is until then)
         self._nprep[k] = 0  # nothing prepared for this sequence yet
-        self.push(s)
 
     def pop(self, s: Sequence) -> None:
         """The running list's last sequence, ``s``, leaves it (a preemption's victim): its object made
@@ -204,9 +201,6 @@ class DecodeLane:
         cc.advance(self.ints, self.ext, self.pkeys, self.ptok, self.io, *self._pool)
         self.count = io[COUNT]
         return io[POS], io[BUDGET]
-
-    def scheduled(self) -> int:
-        return self.count
 
     def step(self, now_s: float, gaps: dict[float, int]) -> None:
         """The lane's scheduled decodes computed their token at ``now_s`` (the commit and the update);

@@ -448,7 +448,8 @@ class Scheduler:
                 self._finish(child, finished, now_s)
             else:
                 self.running.append(child)
-                if self.lane is not None:
+                if self.lane is not None:  # (not in the plan: update's push does not reach it)
                     self.lane.enter(child)
+                    self.lane.push(child)
         # the seats reserved at admission pass to the children
         parent.seats = 1
