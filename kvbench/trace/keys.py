@@ -213,6 +213,9 @@ def _flatten(requests: Sequence[Request], streams: TokenStreams, once: Container
     # shared segment but the name's hash (stable_hash: TokenStreams.stream's seed, one rule)
     add_seed, add_length = seeds.append, lengths.append
     add_at, add_memo = literal_at.append, memoise.append
+    # stream.OnceNames answers for every seed at once (one search of its sorted seeds, not one a
+    # name): named pieces are marked True here, and their seeds asked after the loop
+    by_seed = getattr(once, "used_once", None)
     for req in requests:
         prompt_len = 0
         for i, seg in enumerate(req.prompt):
@@ -222,7 +225,7 @@ def _flatten(requests: Sequence[Request], streams: TokenStreams, once: Container
                 add_seed(stable_hash(name))
                 add_length(seg.length)
                 add_at(-1)
-                add_memo(name not in once)
+                add_memo(True if by_seed is not None else name not in once)
                 prompt_len += seg.length
             elif kind == "unique":
                 add_seed(stable_hash(unique_stream(req.id, i)))
@@ -244,13 +247,16 @@ def _flatten(requests: Sequence[Request], streams: TokenStreams, once: Container
             add_seed(stable_hash(req.output))
             add_length(answer)
             add_at(-1)
-            add_memo(req.output not in once)
+            add_memo(True if by_seed is not None else req.output not in once)
         pieces_at.append(len(seeds))
         prompt_lens.append(prompt_len)
         answers.append(answer)
     prompt = np.array(prompt_lens, dtype=np.int64)
-    return FlatPieces(np.array(seeds, dtype=np.uint64), np.array(lengths, dtype=np.int64),
-                      np.array(literal_at, dtype=np.int64), np.array(memoise, dtype=np.bool_),
+    seed_a, memo_a = np.array(seeds, dtype=np.uint64), np.array(memoise, dtype=np.bool_)
+    if by_seed is not None and memo_a.any():
+        memo_a &= ~by_seed(seed_a)
+    return FlatPieces(seed_a, np.array(lengths, dtype=np.int64),
+                      np.array(literal_at, dtype=np.int64), memo_a,
                       np.array(pieces_at, dtype=np.int64),
                       np.ascontiguousarray(np.concatenate(literals) if literals else _NO_TOKENS, dtype=np.int32),
                       prompt, prompt + np.array(answers, dtype=np.int64))

@@ -95,6 +95,10 @@ class OnceNames:
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and not self.shared.shared(name)
 
+    def used_once(self, seeds: np.ndarray) -> np.ndarray:
+        """bool per uint64 seed (stable_hash of a name): ``name in self`` for each, in one search."""
+        return self.shared.last_uses(seeds) < 0
+
 
 class NameCounter:
     """Counts, over requests fed in trace order, how many requests use each name and which is the
