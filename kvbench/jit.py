@@ -13,7 +13,8 @@ import os
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # the compiled modules each kind of command calls
-REPLAY_MODULES = ("kvbench.trace.compiled", "kvbench.memory.compiled", "kvbench.scheduler.compiled")
+REPLAY_MODULES = ("kvbench.trace.compiled", "kvbench.trace.compiled_ideal", "kvbench.memory.compiled",
+                  "kvbench.scheduler.compiled")
 WHATIF_MODULES = ("kvbench.trace.scan", "kvbench.trace.compiled", "kvbench.whatif.compiled")
 
 

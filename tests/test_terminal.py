@@ -168,8 +168,8 @@ def test_the_first_run_on_an_install_says_it_compiles(tmp_path):
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     first, second = out.splitlines()
-    assert first == (f"compiling trace/compiled, memory/compiled, scheduler/compiled with numba, once per install (about half a "
-                     f"minute on two cores; cached {tmp_path / 'numba'})")
+    assert first == ("compiling trace/compiled, trace/compiled_ideal, memory/compiled, scheduler/compiled with numba, "
+                     f"once per install (about half a minute on two cores; cached {tmp_path / 'numba'})")
     assert second.startswith("compiling whatif/compiled with numba, once per install")
 
 

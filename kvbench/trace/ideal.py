@@ -12,8 +12,8 @@ whole blocks stop, the most tokens of the next block that some earlier sequence 
 """
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,17 +49,32 @@ class IdealCounter:
     requests with unique prompts would otherwise hold ~10^8 keys). Fed ``expires`` (block_expiry), it
     also lets go of a key once no later request can hit it -- the last request naming the piece its
     block ends in has been counted -- so the memory is the shared content still to be used: a day of
-    conversations holds its open conversations' keys, not the day's."""
+    conversations holds its open conversations' keys, not the day's.
+
+    The keys live in compiled arrays (kvbench.trace.compiled_ideal: a hash table of uint64 keys, and
+    the keys still to let go as lists under a heap of their expiries), one compiled call per request;
+    ``seen`` is a read-only view of them (``len``, ``in``, iteration)."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
-        self.seen: set[int] = set()
         self.kept_blocks = 0  # distinct blocks ever kept (some since let go)
         self.private_blocks = 0  # distinct blocks never kept (they cannot hit)
         self.hit_tokens = 0
         self.prompt_tokens = 0
-        self._expiring: dict[int, list[np.ndarray]] = {}  # last use -> keys kept until it has been counted
-        self._expiries: list[int] = []  # a heap of _expiring's keys
+        cc = _core()
+        self._tk = np.zeros(_TABLE, dtype=np.uint64)  # the kept keys: an open-addressing table
+        self._occ = np.zeros(_TABLE, dtype=np.uint8)  # 1 where a slot holds a key
+        self._nkey = np.zeros(_NODES, dtype=np.uint64)  # the keys to let go, as lists of nodes
+        self._nnext = np.arange(1, _NODES + 1, dtype=np.int64)
+        self._nnext[-1] = -1
+        self._heap = np.zeros((2, _HEAP), dtype=np.int64)  # (expiry, a list's first node), a min-heap
+        self._c = np.zeros(4, dtype=np.int64)  # compiled_ideal's counters
+        self._c[cc.NFREE] = _NODES
+
+    @property
+    def seen(self) -> KeptKeys:
+        """The keys kept now (a view)."""
+        return KeptKeys(self)
 
     def add(self, keys: np.ndarray, prompt_len: int, shareable: int | None = None,
             expires: np.ndarray | None = None, at: int = 0) -> int:
@@ -67,43 +82,95 @@ class IdealCounter:
         blocks another request could share (PrefixKeys.shareable_blocks); None: all. ``expires``: per
         block, the trace position of the last request that can hit it; ``at``: this request's (keys
         whose last user came before it are let go first)."""
-        if self._expiries and self._expiries[0] < at:
-            self._let_go(at)
-        seen = self.seen
-        m = _seen_prefix(keys, seen)
+        n = len(keys)
+        end = n if shareable is None or shareable >= n else shareable
+        keys = np.ascontiguousarray(keys, dtype=np.uint64)
+        expiring = expires is not None
+        exp = np.ascontiguousarray(expires, dtype=np.int64) if expiring else _NO_EXPIRY
+        if expiring and len(exp) < end:
+            raise ValueError(f"expires has {len(exp)} blocks, fewer than the {end} kept")
+        while True:
+            # keys[:m] are kept already (see _seen_prefix); keys[m:end] are kept now, new counts
+            m, new = _core().add(self._tk, self._occ, self._nkey, self._nnext, self._heap, self._c,
+                                  keys, exp, end, at, expiring)
+            if m >= 0:
+                break
+            self._grow(new, expiring)
         h = min(m, lookup_blocks(prompt_len, self.block_size)) * self.block_size
         self.hit_tokens += h
         self.prompt_tokens += prompt_len
-        # keys[:m] are in the set already (see _seen_prefix), so only the rest can be new.
-        end = len(keys) if shareable is None or shareable >= len(keys) else shareable
-        if end < len(keys):
-            self.private_blocks += len(keys) - max(m, end)
-        if m < end:
-            before = len(seen)
-            seen.update(keys[m:end].tolist())
-            self.kept_blocks += len(seen) - before
-            if expires is not None:
-                self._expire(keys[m:end], expires[m:end])
+        if end < n:
+            self.private_blocks += n - max(m, end)
+        self.kept_blocks += new
         return h
 
-    def _expire(self, keys: np.ndarray, expires: np.ndarray) -> None:
-        for e in np.unique(expires).tolist():
-            if e == NEVER:
-                continue
-            bucket = self._expiring.get(e)
-            if bucket is None:
-                bucket = self._expiring[e] = []
-                heapq.heappush(self._expiries, e)
-            bucket.append(keys[expires == e] if len(keys) > 1 else keys)
-
-    def _let_go(self, at: int) -> None:
-        heap, seen = self._expiries, self.seen
-        while heap and heap[0] < at:
-            for ks in self._expiring.pop(heapq.heappop(heap)):
-                seen.difference_update(ks.tolist())
+    def _grow(self, room: int, expiring: bool) -> None:
+        """Make room for ``room`` more keys: the table at most half full, and, when they are to be let
+        go (``expiring``), a list node and a heap entry for each. (Nothing shrinks once let go, as a
+        Python set does not.)"""
+        cc, c = _core(), self._c
+        size = len(self._occ)
+        while 2 * (int(c[cc.N]) + room) > size:
+            size *= 2
+        if size > len(self._occ):
+            tk, occ = np.zeros(size, dtype=np.uint64), np.zeros(size, dtype=np.uint8)
+            cc.rehash(self._tk, self._occ, tk, occ)
+            self._tk, self._occ = tk, occ
+        nodes = len(self._nkey)
+        if not expiring:
+            return
+        if int(c[cc.NFREE]) < room:
+            grown = max(2 * nodes, nodes + room)
+            nkey, nnext = np.zeros(grown, dtype=np.uint64), np.arange(1, grown + 1, dtype=np.int64)
+            nkey[:nodes], nnext[:nodes] = self._nkey, self._nnext
+            nnext[-1] = c[cc.FREE]  # the new nodes go before the free ones
+            c[cc.FREE] = nodes
+            c[cc.NFREE] += grown - nodes
+            self._nkey, self._nnext = nkey, nnext
+        entries = self._heap.shape[1]
+        if int(c[cc.HEAP]) + room > entries:
+            heap = np.zeros((2, max(2 * entries, int(c[cc.HEAP]) + room)), dtype=np.int64)
+            heap[:, :entries] = self._heap
+            self._heap = heap
 
     def result(self) -> IdealHits:
         return IdealHits(self.hit_tokens, self.prompt_tokens, self.kept_blocks + self.private_blocks)
+
+
+class KeptKeys:
+    """IdealCounter's kept keys, read-only: ``len``, ``key in``, and iteration (as ints)."""
+
+    def __init__(self, counter: IdealCounter):
+        self._counter = counter
+
+    def __len__(self) -> int:
+        c = self._counter
+        return int(c._c[_core().N])
+
+    def __contains__(self, key: object) -> bool:
+        c = self._counter
+        if not isinstance(key, (int, np.integer)) or not 0 <= int(key) < 2**64:
+            return False
+        return bool(_core().contains(c._tk, c._occ, np.uint64(key)))
+
+    def __iter__(self) -> Iterator[int]:
+        c = self._counter
+        return iter(c._tk[c._occ != 0].tolist())
+
+
+_TABLE, _NODES, _HEAP = 1024, 1024, 256  # IdealCounter's first sizes (grown as needed)
+_NO_EXPIRY = np.zeros(0, dtype=np.int64)
+_NO_LAST_USE = np.zeros(0, dtype=np.int64)
+_ideal_core = None
+
+
+def _core():
+    """kvbench.trace.compiled_ideal, imported on first use (numba costs ~0.2 s to import)."""
+    global _ideal_core
+    if _ideal_core is None:
+        from kvbench.trace import compiled_ideal
+        _ideal_core = compiled_ideal
+    return _ideal_core
 
 
 NEVER = np.iinfo(np.int64).max  # a block_expiry that never comes: literal tokens may recur anywhere
@@ -114,12 +181,49 @@ def block_expiry(pieces, n_blocks: int, block_size: int, names) -> np.ndarray:
     ``pieces``), the trace position of the last request that can hit it: that of the last request
     naming the piece its last token lies in (``names``: kvbench.trace.stream.SharedNames), since a
     later prompt can only reproduce the block's chained key with that piece's tokens; NEVER for
-    literal tokens, -1 for a piece no other request names."""
-    ends = np.cumsum(pieces.lengths)
-    last_token = np.arange(1, n_blocks + 1, dtype=np.int64) * block_size - 1
-    piece = np.searchsorted(ends, last_token, side="right")
-    last = np.where(pieces.literal_at >= 0, NEVER, names.last_uses(pieces.seeds))
-    return last[piece]
+    literal tokens, -1 for a piece no other request names. One compiled call: SharedNames' seeds are
+    looked up in a hash table of them (built on the first call for those names, kept while they
+    live); another ``names`` is asked ``last_uses`` of the pieces' seeds."""
+    seeds = np.ascontiguousarray(pieces.seeds, dtype=np.uint64)
+    table = _name_table(names)
+    if table is None:
+        nk, nocc, nv = _NO_NAMES
+        per_piece = np.ascontiguousarray(names.last_uses(seeds), dtype=np.int64)  # (empty: no pieces)
+    else:
+        (nk, nocc, nv), per_piece = table, _NO_LAST_USE
+    return _core().block_expiry(np.ascontiguousarray(pieces.lengths, dtype=np.int64),
+                                np.ascontiguousarray(pieces.literal_at, dtype=np.int64), seeds, nk, nocc, nv,
+                                per_piece, int(n_blocks), int(block_size))
+
+
+_NO_NAMES = (np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint8), np.zeros(1, dtype=np.int64))
+# SharedNames -> (its seeds, its last uses, their table): built once per names, gone with them
+_NAME_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _name_table(names) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The hash table of SharedNames' (seed, last use) pairs (compiled_ideal.index_names), or None for
+    a ``names`` without those sorted arrays."""
+    seeds, last = getattr(names, "seeds", None), getattr(names, "last_use", None)
+    if not isinstance(seeds, np.ndarray) or not isinstance(last, np.ndarray):
+        return None
+    try:
+        got = _NAME_TABLES.get(names)
+    except TypeError:  # (not weakly referable: built for each call)
+        got = None
+    if got is not None and got[0] is seeds and got[1] is last:
+        return got[2]
+    size = 1
+    while size < 2 * len(seeds):
+        size *= 2
+    table = np.zeros(size, dtype=np.uint64), np.zeros(size, dtype=np.uint8), np.zeros(size, dtype=np.int64)
+    _core().index_names(np.ascontiguousarray(seeds, dtype=np.uint64), np.ascontiguousarray(last, dtype=np.int64),
+                        *table)
+    try:
+        _NAME_TABLES[names] = (seeds, last, table)
+    except TypeError:
+        pass
+    return table
 
 
 def dense_block_ids(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
