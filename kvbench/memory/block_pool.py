@@ -32,7 +32,7 @@ from kvbench.memory.policies import make_policy
 from kvbench.memory.policy_base import NEVER, CachePolicy, PoolView
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, MutableSequence, Sequence
 
     from kvbench.memory.radix import RadixNodes
 
@@ -134,7 +134,7 @@ class BlockPool:
         self.alloc_into(got, 1)
         return got[0]
 
-    def alloc_into(self, table: list[int], n: int) -> None:
+    def alloc_into(self, table: MutableSequence[int], n: int) -> None:
         """Append ``n`` newly allocated blocks to ``table`` (refcount 1 each): free blocks first, then
         cached ones the policy evicts. Raises IndexError, changing nothing, when fewer than ``n`` are
         available, and RuntimeError when the materialised blocks run out (``physical``)."""
@@ -323,7 +323,7 @@ class BlockPool:
             kids[parent_block] += 1
             self.kid_of[b] = parent_block
 
-    def register_run(self, blocks: list[int], keys: list[int], parent_key: int, tokens: np.ndarray,
+    def register_run(self, blocks: Sequence[int], keys: list[int], parent_key: int, tokens: np.ndarray,
                      next_uses=None, parent_block: int = -1, extend: bool = False) -> list[int]:
         """Index consecutive computed blocks (``tokens`` holds exactly their ids, in order);
         ``keys[i]`` is ``blocks[i]``'s key, ``parent_key`` the key before the first and
@@ -366,7 +366,7 @@ class BlockPool:
         self._indexed(blocks, keys, tokens, next_uses, rows, again)
         return rows
 
-    def _register_flat(self, blocks: list[int], keys: list[int], parent_key: int, tokens: np.ndarray,
+    def _register_flat(self, blocks: Sequence[int], keys: list[int], parent_key: int, tokens: np.ndarray,
                        next_uses) -> list[int]:
         """``register_run`` without radix links: the same rule, one pass of comprehensions. Keys are
         chained, so no key repeats within a run. -> the positions whose key is new to the cache."""

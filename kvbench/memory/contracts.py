@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import MutableSequence, Sequence
 
     from kvbench.memory.tiers import TierMatch, Tiers
 
@@ -205,7 +205,7 @@ class BlockPoolAPI(Protocol):
 
     def alloc(self) -> int: ...
 
-    def alloc_into(self, table: list[int], n: int) -> None: ...
+    def alloc_into(self, table: MutableSequence[int], n: int) -> None: ...
 
     def incref_many(self, blocks: Sequence[int]) -> None: ...
 
@@ -217,8 +217,8 @@ class BlockPoolAPI(Protocol):
 
     def add_fill_many(self, blocks: list[int], n: int) -> None: ...
 
-    def register_run(self, blocks: list[int], keys: Any, parent_key: int, tokens: np.ndarray,
-                     next_uses: Any = None, parent_block: int = -1, extend: bool = False) -> list[int]:
+    def register_run(self, blocks: Sequence[int], keys: Any, parent_key: int, tokens: np.ndarray,
+                     next_uses: Any = None, parent_block: int = -1, extend: bool = False) -> Sequence[int] | np.ndarray:
         """Cache computed blocks; -> the positions whose key is new to the cache."""
         ...
 

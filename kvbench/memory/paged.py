@@ -78,6 +78,8 @@ class PagedKV:
                                          physical=physical, duplicate_keys=not radix and cache_policy == "lru")
             if radix:
                 self.tree = pool
+        # a sequence's table, given at its first allocation: the compiled pool's reads in place (int32)
+        self.new_table = self.pool.new_table if isinstance(self.pool, ArrayBlockPool) else list
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.prefix_cache = prefix_cache
@@ -244,6 +246,8 @@ class PagedKV:
                 return True
         n_hit = len(hits)
         fresh = not table and s.num_kv == 0
+        if fresh:
+            s.table = self.new_table()
         part = s.partial_len if fresh else 0  # radix: tokens copied from a partly matching block
         m = s.tier_match if fresh else None
         n_load = len(m) if m else 0  # blocks loaded from the tiers
@@ -444,7 +448,7 @@ class PagedKV:
         """Make ``child`` (an empty SeqKV) share every block, full and partial, of ``s``: sharing takes
         no new block."""
         self.pool.incref_many(s.table)
-        child.table = list(s.table)
+        child.table = s.table[:]
         child.open_block = -1  # a sample's own decode blocks start a node of its own
         child.num_kv = s.num_kv
         child.num_registered = s.num_registered
