@@ -96,7 +96,7 @@ class PagedKV:
         self.partial_hit_tokens = 0  # radix: tokens served by copying a partly matching block
         self.copies: list[tuple[int, int]] = []  # copy-on-write copies not yet handed to an executor
         self.cow_copies = 0
-        self.last_shortfall = 0  # after a failed allocate: the blocks it would have needed free
+        self.last_shortfall = 0  # after a failed allocate: the blocks it would have needed free (at least)
         self.tiers: Tiers | None = None  # the tiers behind the pool (attach_tiers)
         self.last_loaded: TierMatch | None = None  # after a successful allocate: the TierMatch it loaded, or None
 
@@ -244,6 +244,12 @@ class PagedKV:
                 if total // bs > s.num_registered:  # (a block of one token is full at once)
                     self._register_upto(s, total, True)
                 return True
+        elif not table and not s.num_kv and -(-num_new // bs) + watermark > p.num_available:
+            # an admission short whatever its hits (the head of the queue, retried every step while
+            # memory is short): a fresh table needs at least the new tokens' blocks, the hits' apart
+            self.last_loaded = None
+            self.last_shortfall = -(-num_new // bs) + watermark
+            return False
         n_hit = len(hits)
         fresh = not table and s.num_kv == 0
         if fresh:
