@@ -175,26 +175,31 @@ class Work:
     decode_seqs: int = 0
     context_tokens: int = 0  # keys the decodes read, their own included
 
-    def seconds(self, c: CostModel) -> dict[str, float]:
-        """Each operation's time under coefficients ``c``; the step is their sum."""
+    def terms(self, c: CostModel) -> tuple[float, ...]:
+        """Each operation's time under coefficients ``c``, in OPERATIONS's order."""
         n = self.tp
         ring = 2 * (n - 1) / n * self.allreduce_bytes / c.link_bw if n > 1 else 0.0
-        return {
-            "linear": max(self.linear_flops / c.matmul_flops, self.linear_bytes / c.mem_bw),
-            "prefill": sum(max(f / c.attn_flops, b / c.kv_bw) for f, b in self.prefill),
-            "decode": max(self.decode_flops / c.attn_flops, self.decode_bytes / c.kv_bw),
-            "lm_head": max(self.lm_head_flops / c.matmul_flops, self.lm_head_bytes / c.mem_bw),
-            "kv_write": self.kv_write_bytes / c.kv_bw,
-            "allreduce": self.allreduces * (c.allreduce_latency_s + ring) if self.allreduces else 0.0,
-            "overhead": c.step_overhead_s + self.seqs * c.seq_overhead_s,
-            "launch": self.launches * c.layer_overhead_s,
-            "per_token": (self.prefill_tokens * c.prefill_token_s + self.decode_seqs * c.decode_seq_s
-                          + self.context_tokens * c.context_token_s),
-            "pcie": self.pcie_bytes / (n * c.pcie_bw) if self.pcie_bytes else 0.0,
-        }
+        return (
+            max(self.linear_flops / c.matmul_flops, self.linear_bytes / c.mem_bw),
+            sum(max(f / c.attn_flops, b / c.kv_bw) for f, b in self.prefill) if self.prefill else 0,
+            max(self.decode_flops / c.attn_flops, self.decode_bytes / c.kv_bw),
+            max(self.lm_head_flops / c.matmul_flops, self.lm_head_bytes / c.mem_bw),
+            self.kv_write_bytes / c.kv_bw,
+            self.allreduces * (c.allreduce_latency_s + ring) if self.allreduces else 0.0,
+            c.step_overhead_s + self.seqs * c.seq_overhead_s,
+            self.launches * c.layer_overhead_s,
+            (self.prefill_tokens * c.prefill_token_s + self.decode_seqs * c.decode_seq_s
+             + self.context_tokens * c.context_token_s),
+            self.pcie_bytes / (n * c.pcie_bw) if self.pcie_bytes else 0.0,
+        )
+
+    def seconds(self, c: CostModel) -> dict[str, float]:
+        """Each operation's time under coefficients ``c``; the step is their sum."""
+        return dict(zip(OPERATIONS, self.terms(c)))
 
     def time(self, c: CostModel) -> float:
-        return sum(self.seconds(c).values())
+        """The step's time: the terms summed in OPERATIONS's order (as ``seconds``'s values)."""
+        return sum(self.terms(c))
 
 
 class StepCost:
