@@ -309,3 +309,23 @@ def test_an_index_made_hashes_the_trace_once(tmp_path, scans, monkeypatch):
     made = TraceIndex(trace)
     again = TraceIndex(trace)
     assert scans == [None] and hashed == [] and made.sha256 == again.sha256
+
+
+def test_names_by_seed_memoise_what_count_once_memoises(tmp_path):
+    """PrefixKeys asks stream.OnceNames about a request's seeds in one search (used_once); the pieces
+    it marks to memoise, and so the memo's entries and hits, are those a set of the trace's
+    used-once names (count_once) gives, on the real Mooncake trace's first 500 requests."""
+    from kvbench.trace.importers import convert
+
+    path = str(tmp_path / "mooncake.jsonl")
+    convert("mooncake", str(MOONCAKE), path, limit=500)
+    reqs = load_trace(path)
+    by_set, by_seed = PrefixKeys(16), PrefixKeys(16)
+    by_set.count_once(reqs)
+    by_seed.once = SharedNames.of(reqs).once
+    for r in reqs:
+        a, b = by_set.with_pieces(r), by_seed.with_pieces(r)
+        assert np.array_equal(a.pieces.memoise, b.pieces.memoise)
+        assert np.array_equal(a.keys, b.keys)
+    assert by_set.memo_state.tolist() == by_seed.memo_state.tolist()
+    assert by_seed.memo_state[2] > 0  # Mooncake's shared hash ids are hit in the memo

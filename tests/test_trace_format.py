@@ -101,3 +101,28 @@ def test_integer_ids_and_default_id_is_line_number(tmp_path):
     reqs = load_trace(path)
     assert [r.id for r in reqs] == ["1", "7"] and reqs[1].line == 3
     assert json.loads(json.dumps(reqs[1].to_json()))["prompt"] == [{"text": "hi"}]
+
+
+@pytest.mark.parametrize("seg,field,words", [
+    ({"shared": "s", "len": 0}, "prompt[0].len", "at least 1"),
+    ({"shared": "s", "len": True}, "prompt[0].len", "integer"),
+    ({"shared": "s", "len": 2**24 + 1}, "prompt[0].len", "at most"),
+    ({"shared": "", "len": 4}, "prompt[0].shared", "non-empty"),
+    ({"shared": "s" * 4097, "len": 4}, "prompt[0].shared", "longer than"),
+    ({"shared": "s", "size": 4}, "prompt[0]", "unknown key"),
+    ({"unique": 0}, "prompt[0].unique", "at least 1"),
+    ({"unique": False}, "prompt[0].unique", "integer"),
+    ({"unique": 8.0}, "prompt[0].unique", "integer"),
+])
+def test_the_common_segment_shapes_are_checked_as_any_other(seg, field, words):
+    """parse_request takes {"shared", "len"} and {"unique"} without a call per segment
+    (format._common_segment): a value the full checks refuse is refused, by the same error."""
+    from kvbench.trace.format import parse_request
+
+    where = {"file": "t.jsonl", "line": 3}
+    with pytest.raises(InputError) as e:
+        parse_request({"id": "a", "t": 0, "output_len": 2, "prompt": [seg]}, where, 0)
+    assert e.value.field == field and words in str(e.value)
+    ok = parse_request({"id": "a", "t": 0, "output_len": 2,
+                        "prompt": [{"shared": "sÿs", "len": 4}, {"unique": 2**24 - 8}]}, where, 0)
+    assert ok.prompt == (Segment("shared", 4, name="sÿs"), Segment("unique", 2**24 - 8)) and ok.prompt_len == 2**24 - 4
