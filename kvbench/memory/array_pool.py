@@ -181,16 +181,16 @@ class ArrayBlockPool:
                                  self._vparents, self._vgone)
         if evicted < 0:
             raise self._short(n)
-        if evicted and (self.events is not None or self.spill is not None):
+        if type(table) is array and table.typecode == "i":
+            table.frombytes(out.tobytes())  # (array.extend converts a list one item at a time)
+        else:
+            table.extend(out.tolist())
+        if evicted and (self.events is not None or self.spill is not None):  # (read before the spill runs)
             keys = self._vkeys[:evicted].tolist()
             if self.events is not None:  # a key leaves the cache with its last block
                 self.events.append((False, [k for k, gone in zip(keys, self._vgone[:evicted].tolist()) if gone]))
             if self.spill is not None:  # the victims' KV is still in their blocks until the forward
                 self.spill(out[n - evicted:].tolist(), keys, self._vparents[:evicted].tolist())
-        if type(table) is array:
-            table.frombytes(out.tobytes())  # (array.extend converts a list one item at a time)
-        else:
-            table.extend(out.tolist())
 
     def _short(self, n: int) -> Exception:
         """BlockPool's error for an allocation of ``n`` that the pool cannot serve (nothing changed)."""

@@ -252,8 +252,6 @@ class PagedKV:
             return False
         n_hit = len(hits)
         fresh = not table and s.num_kv == 0
-        if fresh:
-            s.table = self.new_table()
         part = s.partial_len if fresh else 0  # radix: tokens copied from a partly matching block
         m = s.tier_match if fresh else None
         n_load = len(m) if m else 0  # blocks loaded from the tiers
@@ -273,6 +271,8 @@ class PagedKV:
         if check > p.num_available - watermark:
             self.last_shortfall = check + watermark
             return False
+        if fresh:
+            s.table = self.new_table()
         if n_hit:
             assert not s.table and s.num_kv == 0, "hits are only taken by an empty table"
             p.incref_many(hits)
