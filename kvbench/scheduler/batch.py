@@ -1,7 +1,8 @@
 """What the scheduler hands an executor each step (StepBatch) and what comes back (StepResult).
 
 A step's batch holds prefill chunks and decode sequences. Sequences are named by integer ``seq_id``;
-their KV lives in the pool through their block tables (lists of physical block ids, owned by the
+their KV lives in the pool through their block tables (lists of physical block ids, or int32
+arrays under the compiled pool: kvbench.memory.paged's new_table; owned by the
 memory layer and passed by reference: an executor must not change them). For the slab layout every
 sequence has a one-entry table and ``block_size`` is the slab length, so the same kernels run both.
 
@@ -10,6 +11,7 @@ the executors (layer 5) import them from here, never the other way round.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,7 +47,7 @@ class StepBatch:
     decode_positions: list[int] = field(default_factory=list)
     decode_tokens: list[int] = field(default_factory=list)  # needs_tokens only
     decode_slots: list[int] = field(default_factory=list)  # slot index of the new token; [] = positions
-    block_tables: dict[int, list[int]] = field(default_factory=dict)  # needs_tokens only
+    block_tables: dict[int, Sequence[int]] = field(default_factory=dict)  # needs_tokens only
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     # Token eviction: per sequence, a bool mask over its slots (True = token kept); None = all kept.
     kept_masks: dict[int, np.ndarray] = field(default_factory=dict)

@@ -4,7 +4,7 @@ scheduled, committed and updated in one call each a step, not a few Python state
 Imported on first use (``lane.compiled()``), as kvbench.memory.compiled is. The lane's state, one
 column (or row) per slot: ``ints`` (int64 rows ``KV`` ... ``TOKEN_LEN``, and two rows indexed by
 running position, ``ORDER`` and ``SCHED``), ``floats`` (``EMIT``, ``ITL_MAX``), ``ext`` (blocks the
-lane appended to a table, not yet in its Python list), ``pkeys`` and ``ptok`` (the keys and tokens of
+lane appended to a table, not yet in the sequence's own table), ``pkeys`` and ``ptok`` (the keys and tokens of
 the next blocks a sequence's decodes will register), ``io`` (the pass's position, running count,
 budget, scheduled count, block size). The pool's state is the compiled block pool's
 (kvbench.memory.compiled).
