@@ -117,6 +117,37 @@ def test_replay_is_deterministic(tmp_path):
         assert pq.read_table(tmp_path / "a" / f).equals(pq.read_table(tmp_path / "b" / f))
 
 
+def test_a_run_tunes_the_collector_and_gives_it_back(tmp_path):
+    """Replay.run raises the young generation's threshold and freezes the heap it starts with
+    (engine.replay.steady_gc), and restores both when it ends, also when a step raises; a heap the
+    caller froze stays frozen, and is not added to."""
+    import gc
+
+    from kvbench.engine.replay import GC_YOUNG_THRESHOLD
+
+    gc.unfreeze()
+    before = gc.get_threshold()
+    seen = []
+    rp = Replay(str(TRACES / "chat.jsonl"), sim(limit=20), str(tmp_path / "a"))
+    rp.step_hook = lambda *a: seen.append((gc.get_threshold()[0], gc.get_freeze_count()))
+    rp.run()
+    assert seen and all(t == max(before[0], GC_YOUNG_THRESHOLD) and f > 0 for t, f in seen)
+    assert (gc.get_threshold(), gc.get_freeze_count()) == (before, 0)
+    gc.freeze()  # the caller's own
+    frozen = gc.get_freeze_count()
+    Replay(str(TRACES / "chat.jsonl"), sim(limit=20), str(tmp_path / "c")).run()
+    assert gc.get_threshold() == before and frozen - 100 < gc.get_freeze_count() <= frozen  # (a few freed)
+    gc.unfreeze()
+
+    def boom(*a):
+        raise RuntimeError("a step fails")
+    rp = Replay(str(TRACES / "chat.jsonl"), sim(limit=20), str(tmp_path / "b"))
+    rp.step_hook = boom
+    with pytest.raises(RuntimeError, match="a step fails"):
+        rp.run()
+    assert (gc.get_threshold(), gc.get_freeze_count()) == (before, 0)
+
+
 def test_mooncake_slice_hit_rate_bounded_by_ideal(tmp_path):
     s = replay(str(TRACES / "mooncake_slice.jsonl"), sim(), str(tmp_path / "small"))
     assert s["prefix_hit_rate"] <= s["ideal_hit_rate"] + 1e-12

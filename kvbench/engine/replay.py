@@ -12,10 +12,12 @@ before any step that starts at or after it. One replica is exactly the single en
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +64,32 @@ class Progress:
     clock_s: float = 0.0
     output_tokens: int = 0
     steps: int = 0
+
+
+GC_YOUNG_THRESHOLD = 50_000  # container allocations (net) between young collections during a run
+
+
+@contextmanager
+def steady_gc() -> Iterator[None]:
+    """The cyclic garbage collector tuned for a run, and restored after it: what exists at the start
+    is frozen, unless the caller froze a heap of its own (vLLM freezes its heap after start-up:
+    vllm/utils/gc_utils.py, freeze_gc_heap), and the
+    young generation is collected every GC_YOUNG_THRESHOLD container allocations rather than 700, so
+    the run's many short-lived objects (a trace line's segments, a step's lists) do not set off full
+    collections of every object alive (the whole Mooncake trace: 797 young, 72 middle and 6 full
+    collections, 0.68-0.83 s of an 11-13 s replay, against 148 young ones, 0.14-0.16 s)."""
+    before = gc.get_threshold()
+    freeze = gc.get_freeze_count() == 0  # (a caller that froze its own heap keeps it as it was)
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    gc.set_threshold(max(before[0], GC_YOUNG_THRESHOLD), *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+        if freeze:
+            gc.unfreeze()
 
 
 class Replay:
@@ -282,6 +310,10 @@ class Replay:
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self, on_progress: Callable[[Progress], None] | None = None) -> dict:
+        with steady_gc():
+            return self._run(on_progress)
+
+    def _run(self, on_progress: Callable[[Progress], None] | None) -> dict:
         cfg, kv, ex = self.cfg, self.kv, self.executor
         trace = self.trace
         replicas = self.replicas
