@@ -73,15 +73,16 @@ GC_YOUNG_THRESHOLD = 50_000  # container allocations (net) between young collect
 def steady_gc() -> Iterator[None]:
     """The cyclic garbage collector tuned for a run, and restored after it: what exists at the start
     is frozen, unless the caller froze a heap of its own (vLLM freezes its heap after start-up:
-    vllm/utils/gc_utils.py, freeze_gc_heap), and the
-    young generation is collected every GC_YOUNG_THRESHOLD container allocations rather than 700, so
-    the run's many short-lived objects (a trace line's segments, a step's lists) do not set off full
-    collections of every object alive (the whole Mooncake trace: 797 young, 72 middle and 6 full
-    collections, 0.68-0.83 s of an 11-13 s replay, against 148 young ones, 0.14-0.16 s)."""
+    vllm/utils/gc_utils.py, freeze_gc_heap), and the young generation is collected every
+    GC_YOUNG_THRESHOLD container allocations rather than 700, so that the run's many short-lived
+    objects (a trace line's segments, a step's lists) do not set off full collections of every object
+    alive (the whole Mooncake trace: 797 young, 72 middle and 6 full collections, 0.68-0.83 s of an
+    11-13 s replay, against 148 young ones and one full, 0.14-0.16 s). No collection before the
+    freeze, as vLLM makes once at start-up: over a caller's large heap (a test process's) it costs
+    0.1-0.5 s a run; garbage frozen now is collected after the run."""
     before = gc.get_threshold()
     freeze = gc.get_freeze_count() == 0  # (a caller that froze its own heap keeps it as it was)
     if freeze:
-        gc.collect()
         gc.freeze()
     gc.set_threshold(max(before[0], GC_YOUNG_THRESHOLD), *before[1:])
     try:
