@@ -12,7 +12,6 @@ whole blocks stop, the most tokens of the next block that some earlier sequence 
 """
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -161,16 +160,13 @@ class KeptKeys:
 _TABLE, _NODES, _HEAP = 1024, 1024, 256  # IdealCounter's first sizes (grown as needed)
 _NO_EXPIRY = np.zeros(0, dtype=np.int64)
 _NO_LAST_USE = np.zeros(0, dtype=np.int64)
-_ideal_core = None
 
 
 def _core():
-    """kvbench.trace.compiled_ideal, imported on first use (numba costs ~0.2 s to import)."""
-    global _ideal_core
-    if _ideal_core is None:
-        from kvbench.trace import compiled_ideal
-        _ideal_core = compiled_ideal
-    return _ideal_core
+    """kvbench.trace.compiled_ideal, imported on first use (numba costs ~0.2 s to import), as
+    kvbench.trace.tokens.compiled imports kvbench.trace.compiled."""
+    from kvbench.trace import compiled_ideal
+    return compiled_ideal
 
 
 NEVER = np.iinfo(np.int64).max  # a block_expiry that never comes: literal tokens may recur anywhere
@@ -182,48 +178,21 @@ def block_expiry(pieces, n_blocks: int, block_size: int, names) -> np.ndarray:
     naming the piece its last token lies in (``names``: kvbench.trace.stream.SharedNames), since a
     later prompt can only reproduce the block's chained key with that piece's tokens; NEVER for
     literal tokens, -1 for a piece no other request names. One compiled call: SharedNames' seeds are
-    looked up in a hash table of them (built on the first call for those names, kept while they
-    live); another ``names`` is asked ``last_uses`` of the pieces' seeds."""
+    looked up in its hash table (SharedNames.table); a ``names`` without one is asked ``last_uses``
+    of the pieces' seeds."""
     seeds = np.ascontiguousarray(pieces.seeds, dtype=np.uint64)
-    table = _name_table(names)
+    table = getattr(names, "table", None)
     if table is None:
         nk, nocc, nv = _NO_NAMES
         per_piece = np.ascontiguousarray(names.last_uses(seeds), dtype=np.int64)  # (empty: no pieces)
     else:
-        (nk, nocc, nv), per_piece = table, _NO_LAST_USE
+        (nk, nocc, nv), per_piece = table(), _NO_LAST_USE
     return _core().block_expiry(np.ascontiguousarray(pieces.lengths, dtype=np.int64),
                                 np.ascontiguousarray(pieces.literal_at, dtype=np.int64), seeds, nk, nocc, nv,
                                 per_piece, int(n_blocks), int(block_size))
 
 
 _NO_NAMES = (np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint8), np.zeros(1, dtype=np.int64))
-# SharedNames -> (its seeds, its last uses, their table): built once per names, gone with them
-_NAME_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _name_table(names) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The hash table of SharedNames' (seed, last use) pairs (compiled_ideal.index_names), or None for
-    a ``names`` without those sorted arrays."""
-    seeds, last = getattr(names, "seeds", None), getattr(names, "last_use", None)
-    if not isinstance(seeds, np.ndarray) or not isinstance(last, np.ndarray):
-        return None
-    try:
-        got = _NAME_TABLES.get(names)
-    except TypeError:  # (not weakly referable: built for each call)
-        got = None
-    if got is not None and got[0] is seeds and got[1] is last:
-        return got[2]
-    size = 1
-    while size < 2 * len(seeds):
-        size *= 2
-    table = np.zeros(size, dtype=np.uint64), np.zeros(size, dtype=np.uint8), np.zeros(size, dtype=np.int64)
-    _core().index_names(np.ascontiguousarray(seeds, dtype=np.uint64), np.ascontiguousarray(last, dtype=np.int64),
-                        *table)
-    try:
-        _NAME_TABLES[names] = (seeds, last, table)
-    except TypeError:
-        pass
-    return table
 
 
 def dense_block_ids(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

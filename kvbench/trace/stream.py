@@ -54,9 +54,25 @@ class SharedNames:
         self.seeds = np.ascontiguousarray(seeds[order], dtype=np.uint64)
         self.last_use = np.ascontiguousarray(last_use[order], dtype=np.int64)
         self._set = set(self.seeds.tolist()) if len(self.seeds) <= SMALL_SET else None
+        self._table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.seeds)
+
+    def table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The (seed, last use) pairs as an open-addressing table (uint64 seeds, uint8 occupancy,
+        int64 last uses; kvbench.trace.compiled_ideal.index_names), built on first use: what
+        ideal.block_expiry looks a request's pieces up in, one compiled call a request."""
+        if self._table is None:
+            from kvbench.trace.compiled_ideal import index_names
+
+            size = 1
+            while size < 2 * len(self.seeds):
+                size *= 2
+            table = np.zeros(size, dtype=np.uint64), np.zeros(size, dtype=np.uint8), np.zeros(size, dtype=np.int64)
+            index_names(self.seeds, self.last_use, *table)
+            self._table = table
+        return self._table
 
     def shared(self, name: str) -> bool:
         seed = stable_hash(name)
