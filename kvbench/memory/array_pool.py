@@ -51,6 +51,11 @@ class _Keys:
         return int(self._key[b]) if self._cached[b] else None
 
 
+_NONE_FRESH = np.zeros(0, dtype=np.int64)  # register_run's answers for no block and one new block
+_FIRST_FRESH = np.zeros(1, dtype=np.int64)
+_NONE_FRESH.flags.writeable = _FIRST_FRESH.flags.writeable = False
+
+
 class ArrayBlockPool:
     """BlockPool's interface for hash mode and lru (``enable_cache`` False: no index at all)."""
 
@@ -226,15 +231,15 @@ class ArrayBlockPool:
 
     # -- prefix cache -----------------------------------------------------------------------
     def register_run(self, blocks: Sequence[int], keys, parent_key: int, tokens: np.ndarray,
-                     next_uses=None, parent_block: int = -1, extend: bool = False) -> Sequence[int] | np.ndarray:
+                     next_uses=None, parent_block: int = -1, extend: bool = False) -> np.ndarray:
         """Cache consecutive computed blocks (``tokens`` holds exactly their ids, in order);
         ``keys[i]`` is ``blocks[i]``'s key, ``parent_key`` the key before the first. A block whose key
         another block caches already is cached beside it (vLLM's BlockPool). Returns the positions
-        whose key is new to the cache (an array for a run of several). Keys are chained, so none
+        whose key is new to the cache (int64, read-only when shared). Keys are chained, so none
         repeats within a run (BlockPool assumes it too). (lru reads no next use; radix links are
         BlockPool's.)"""
         if not self.enable_cache or not len(blocks):
-            return []
+            return _NONE_FRESH
         if len(blocks) == 1:  # a decode step's block: no arrays to build
             if len(tokens) != self.block_size:
                 raise ValueError(f"a block of {self.block_size} tokens, not {len(tokens)}")
@@ -242,7 +247,7 @@ class ArrayBlockPool:
                                       np.uint64(keys[0]), np.uint64(parent_key), tokens)
             if n and self.events is not None:
                 self.events.append((True, [int(keys[0])]))
-            return [0] if n else []
+            return _FIRST_FRESH if n else _NONE_FRESH
         if len(tokens) != len(blocks) * self.block_size or len(keys) < len(blocks):
             raise ValueError(f"{len(blocks)} blocks need {len(blocks)} keys and {len(blocks) * self.block_size} tokens")
         keys = np.asarray(keys, dtype=np.uint64)
@@ -252,7 +257,7 @@ class ArrayBlockPool:
                               np.asarray(tokens, dtype=np.int32), out)
         if n and self.events is not None:
             self.events.append((True, keys[out[:n]].tolist()))
-        return out[:n].copy()  # (an array: most callers only count them)
+        return out[:n].astype(np.int64)  # (a copy: the scratch row is reused)
 
     def match(self, keys, tokens: np.ndarray, n_max: int, parent_key: int) -> list[int]:
         """The blocks caching the longest run of ``keys[:n_max]``, confirmed against tokens.
