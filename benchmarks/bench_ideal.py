@@ -49,7 +49,7 @@ def replay_ideal(a) -> None:
     bs, reqs = a.block_size, load_trace(a.trace)
     names, keys_of = SharedNames.of(reqs), PrefixKeys(a.block_size)
     keys_of.once = names.once
-    inputs = [(*keys_of.with_pieces(r), keys_of.shareable_blocks(r)) for r in reqs]
+    inputs = list(map(keys_of.with_pieces, reqs))
     keys, plen, pieces, shareable = inputs[0]  # compiled code loaded (or compiled) before the clock
     IdealCounter(bs).add(keys, plen, shareable, block_expiry(pieces, len(keys), bs, names), at=0)
     counter, peak, expiry_s, add_s = IdealCounter(bs), 0, 0.0, 0.0

@@ -58,7 +58,7 @@ def check_trace(reqs, bs, keys_of: PrefixKeys | None = None) -> PrefixKeys:
         assert prompt_lens[i] == len(STREAMS.expand(r))
         k, plen = one_by_one(r)
         assert np.array_equal(k, want) and plen == prompt_lens[i]
-        k, plen, pieces = keys_of.with_pieces(r)  # the replay's arrival: keys, then tokens at admission
+        k, plen, pieces, _ = keys_of.with_pieces(r)  # the replay's arrival: keys, then tokens at admission
         assert np.array_equal(k, want) and plen == prompt_lens[i]
         tokens = sequence_tokens_of(r, pieces)
         assert tokens.dtype == np.int32

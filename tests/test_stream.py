@@ -113,8 +113,9 @@ def test_ideal_lets_go_of_keys_no_later_request_can_hit(mooncake_copies):
     keys_of.once = names.once
     kept, peak_kept = IdealCounter(bs), 0
     for k, r in enumerate(reqs):
-        keys, prompt_len, pieces = keys_of.with_pieces(r)
-        kept.add(keys, prompt_len, keys_of.shareable_blocks(r), block_expiry(pieces, len(keys), bs, names), at=k)
+        keys, prompt_len, pieces, shareable = keys_of.with_pieces(r)
+        assert shareable == keys_of.shareable_blocks(r)
+        kept.add(keys, prompt_len, shareable, block_expiry(pieces, len(keys), bs, names), at=k)
         peak_kept = max(peak_kept, len(kept.seen))
     whole = ideal_hits(reqs, bs)
     assert kept.result() == whole and whole.hit_tokens > 0
@@ -312,9 +313,10 @@ def test_an_index_made_hashes_the_trace_once(tmp_path, scans, monkeypatch):
 
 
 def test_names_by_seed_memoise_what_count_once_memoises(tmp_path):
-    """PrefixKeys asks stream.OnceNames about a request's seeds in one search (used_once); the pieces
-    it marks to memoise, and so the memo's entries and hits, are those a set of the trace's
-    used-once names (count_once) gives, on the real Mooncake trace's first 500 requests."""
+    """PrefixKeys asks stream.OnceNames about a request's seeds in one compiled call (its names'
+    hash table); the pieces it marks to memoise, and so the memo's entries and hits, and the blocks
+    it reads as shareable are those a set of the trace's used-once names (count_once) gives, on the
+    real Mooncake trace's first 500 requests."""
     from kvbench.trace.importers import convert
 
     path = str(tmp_path / "mooncake.jsonl")
@@ -323,9 +325,47 @@ def test_names_by_seed_memoise_what_count_once_memoises(tmp_path):
     by_set, by_seed = PrefixKeys(16), PrefixKeys(16)
     by_set.count_once(reqs)
     by_seed.once = SharedNames.of(reqs).once
+    some_shared = 0
     for r in reqs:
         a, b = by_set.with_pieces(r), by_seed.with_pieces(r)
         assert np.array_equal(a.pieces.memoise, b.pieces.memoise)
         assert np.array_equal(a.keys, b.keys)
+        assert a.shareable == b.shareable == by_set.shareable_blocks(r) == by_seed.shareable_blocks(r)
+        some_shared += a.shareable is not None and a.shareable > 0
     assert by_set.memo_state.tolist() == by_seed.memo_state.tolist()
     assert by_seed.memo_state[2] > 0  # Mooncake's shared hash ids are hit in the memo
+    assert some_shared > 50  # requests that share a prefix and then have their own hash ids
+
+
+@pytest.mark.parametrize("name", ["chat.jsonl", "agent.jsonl", "rag.jsonl", "best_of_n.jsonl", "mooncake_slice.jsonl"])
+def test_shareable_blocks_read_off_the_pieces_are_shareable_blocks(name):
+    """with_pieces reads a request's shareable blocks off its flattened pieces (compiled_ideal.
+    keep_shared): the same as PrefixKeys.shareable_blocks walking its segments, names asked by seed
+    or by a set, on every shipped trace (chat's and agent's answers are named: an answer used once
+    is not the prompt's own piece)."""
+    reqs = load_trace(TRACES / name)
+    for bs in (16, 64):
+        by_set, by_seed = PrefixKeys(bs), PrefixKeys(bs)
+        by_set.count_once(reqs)
+        by_seed.once = SharedNames.of(reqs).once
+        seen = set()
+        for r in reqs:
+            want = by_set.shareable_blocks(r)
+            assert by_set.with_pieces(r).shareable == by_seed.with_pieces(r).shareable == want, r.id
+            seen.add(want is None)
+        assert False in seen  # requests with pieces of their own
+
+
+def test_an_answer_used_once_is_not_its_prompts_own_piece(tmp_path):
+    """A prompt wholly shared whose named answer no other request names: every prompt block is
+    shareable (None), the answer's piece, after the prompt, counts for nothing."""
+    lines = [{"id": "a", "t": 0, "prompt": [{"shared": "sys", "len": 64}], "output_len": 40, "output": "ans-a"},
+             {"id": "b", "t": 1, "prompt": [{"shared": "sys", "len": 64}, {"unique": 32}], "output_len": 4}]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    reqs = load_trace(path)
+    keys_of = PrefixKeys(16)
+    keys_of.once = SharedNames.of(reqs).once
+    a, b = (keys_of.with_pieces(r) for r in reqs)
+    assert a.pieces.seq_lens[0] > a.prompt_len  # the answer's piece is there, used once
+    assert a.shareable is None and b.shareable == 4

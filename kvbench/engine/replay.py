@@ -269,9 +269,8 @@ class Replay:
             return radix_ideal_hits([r for _, r in chosen], bs, self.streams)
         counter, keys_of, names = IdealCounter(bs), self._keys_of, self.trace.names
         for rank, r in chosen:
-            keys, prompt_len, pieces = keys_of.with_pieces(r)
-            counter.add(keys, prompt_len, keys_of.shareable_blocks(r), block_expiry(pieces, len(keys), bs, names),
-                        at=rank)
+            keys, prompt_len, pieces, shareable = keys_of.with_pieces(r)
+            counter.add(keys, prompt_len, shareable, block_expiry(pieces, len(keys), bs, names), at=rank)
         return counter.result()
 
     def _reject_reason(self, r: Request) -> str | None:
@@ -472,9 +471,9 @@ class Replay:
             self.accounts.request(writer, rs, None)
             self._issuer.finished(index, arrival)
             return
-        keys, prompt_len, pieces = self._keys_of.with_pieces(r)
+        keys, prompt_len, pieces, shareable = self._keys_of.with_pieces(r)
         if self._ideal is not None:  # the ceiling of the requests this run admits (in order: rank = position)
-            self._ideal.add(keys, prompt_len, self._keys_of.shareable_blocks(r),
+            self._ideal.add(keys, prompt_len, shareable,
                             block_expiry(pieces, len(keys), self.cfg.block_size, self.trace.names), at=index)
         replicas = self.replicas
         if len(replicas) == 1:

@@ -207,6 +207,31 @@ def index_names(name_seeds, name_last, nk, nocc, nv):
 
 
 @numba.njit(cache=True)
+def keep_shared(seeds, lengths, literal_at, memo, pieces_at, answers, nk, nocc, by_table, out):
+    """Requests' pieces (kvbench.trace.keys._flatten's): where ``by_table``, a named stream (``memo``
+    True) whose seed the names table (``index_names``) lacks is used by one request only, and its
+    ``memo`` is cleared, in place. ``out[r]``: the prompt tokens of request r before its first piece of
+    its own (a unique stream, or a named one no other request names: memo False, not literal), -1 if
+    none: what PrefixKeys.shareable_blocks counts. A request's answer piece (``answers[r]`` > 0: its
+    last piece) is never its prompt's."""
+    for r in range(len(pieces_at) - 1):
+        end = pieces_at[r + 1]
+        prompt_end = end - 1 if answers[r] > 0 else end
+        first, pos = np.int64(-1), np.int64(0)
+        for p in range(pieces_at[r], end):
+            if memo[p]:
+                own = by_table and not nocc[_find(nk, nocc, seeds[p])]
+                if own:
+                    memo[p] = False
+            else:
+                own = literal_at[p] < 0
+            if own and first < 0 and p < prompt_end and lengths[p] > 0:
+                first = pos
+            pos += lengths[p]
+        out[r] = first
+
+
+@numba.njit(cache=True)
 def block_expiry(lengths, literal_at, seeds, nk, nocc, nv, per_piece, n_blocks, block_size):
     """ideal.block_expiry: per whole block, the expiry of the piece its last token lies in (the first
     piece whose end lies past it, as numpy.searchsorted(ends, token, "right") finds it): NEVER for

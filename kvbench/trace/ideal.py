@@ -19,8 +19,10 @@ import numpy as np
 
 from kvbench.trace.format import Request
 from kvbench.trace.keys import (
+    _NO_NAMES,
     _NO_TOKENS,
     PrefixKeys,
+    _ideal_core,
     cached_answer_len,
     cached_pieces,
     lookup_blocks,
@@ -162,12 +164,7 @@ _NO_EXPIRY = np.zeros(0, dtype=np.int64)
 _NO_LAST_USE = np.zeros(0, dtype=np.int64)
 
 
-def _core():
-    """kvbench.trace.compiled_ideal, imported on first use (numba costs ~0.2 s to import), as
-    kvbench.trace.tokens.compiled imports kvbench.trace.compiled."""
-    from kvbench.trace import compiled_ideal
-    return compiled_ideal
-
+_core = _ideal_core  # kvbench.trace.compiled_ideal, imported on first use
 
 NEVER = np.iinfo(np.int64).max  # a block_expiry that never comes: literal tokens may recur anywhere
 
@@ -191,8 +188,6 @@ def block_expiry(pieces, n_blocks: int, block_size: int, names) -> np.ndarray:
                                 np.ascontiguousarray(pieces.literal_at, dtype=np.int64), seeds, nk, nocc, nv,
                                 per_piece, int(n_blocks), int(block_size))
 
-
-_NO_NAMES = (np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint8), np.zeros(1, dtype=np.int64))
 
 
 def dense_block_ids(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -37,6 +37,7 @@ class FlatPieces(NamedTuple):
     literals: np.ndarray  # int32 [literal tokens]
     prompt_lens: np.ndarray  # int64 [requests]
     seq_lens: np.ndarray  # int64 [requests]: the prompt and a named answer's computed part
+    shareable_at: np.ndarray  # int64 [requests]: prompt tokens before its first piece of its own; -1: none
 
 
 class RequestKeys(NamedTuple):
@@ -45,6 +46,7 @@ class RequestKeys(NamedTuple):
     keys: np.ndarray  # uint64 [whole blocks of the cached sequence]
     prompt_len: int
     pieces: FlatPieces
+    shareable: int | None  # PrefixKeys.shareable_blocks of the request
 
 
 def lookup_blocks(prompt_len: int, block_size: int) -> int:
@@ -119,15 +121,16 @@ class PrefixKeys:
 
     def __call__(self, req: Request) -> tuple[np.ndarray, int]:
         """(uint64 keys of every whole block of the cached sequence, prompt length)."""
-        keys, prompt_len, _ = self.with_pieces(req)
-        return keys, prompt_len
+        got = self.with_pieces(req)
+        return got.keys, got.prompt_len
 
     def with_pieces(self, req: Request) -> RequestKeys:
-        """``self(req)``, and the request's pieces, from which ``sequence_tokens_of`` builds its tokens
-        later without expanding a segment again."""
+        """``self(req)``, the request's pieces, from which ``sequence_tokens_of`` builds its tokens
+        later without expanding a segment again, and ``shareable_blocks(req)``, read off the pieces."""
         flat = _flatten([req], self.streams, self.once)
         keys, _ = self.keys_of_pieces(*flat[:6], seq_lens=flat.seq_lens)
-        return RequestKeys(keys, int(flat.prompt_lens[0]), flat)
+        at = int(flat.shareable_at[0])
+        return RequestKeys(keys, int(flat.prompt_lens[0]), flat, at // self.block_size if at >= 0 else None)
 
     def many(self, requests: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every request's keys at once: (uint64 keys, flattened; int64 [len+1] where request i's
@@ -199,7 +202,8 @@ _NO_TOKENS = np.zeros(0, dtype=np.int32)
 def _flatten(requests: Sequence[Request], streams: TokenStreams, once: Container[str]) -> FlatPieces:
     """The requests' cached sequences as flat arrays of pieces for compiled.trace_keys (see there):
     a shared, unique or answer stream is (seed, length); literal tokens are (their place in
-    ``literals``, length). ``memoise``: a named stream other requests use too."""
+    ``literals``, length). ``memoise``: a named stream other requests use too. ``shareable_at``: as
+    PrefixKeys.shareable_blocks counts, in tokens (one compiled call, compiled_ideal.keep_shared)."""
     seeds: list[int] = []
     lengths: list[int] = []
     literal_at: list[int] = []  # -1: a stream
@@ -213,9 +217,9 @@ def _flatten(requests: Sequence[Request], streams: TokenStreams, once: Container
     # shared segment but the name's hash (stable_hash: TokenStreams.stream's seed, one rule)
     add_seed, add_length = seeds.append, lengths.append
     add_at, add_memo = literal_at.append, memoise.append
-    # stream.OnceNames answers for every seed at once (one search of its sorted seeds, not one a
-    # name): named pieces are marked True here, and their seeds asked after the loop
-    by_seed = getattr(once, "used_once", None)
+    # stream.OnceNames is asked for every seed at once (its names' hash table, in the compiled call
+    # after the loop, not one search a name): named pieces are marked True here
+    by_seed = getattr(once, "names_table", None)
     for req in requests:
         prompt_len = 0
         for i, seg in enumerate(req.prompt):
@@ -253,10 +257,23 @@ def _flatten(requests: Sequence[Request], streams: TokenStreams, once: Container
         answers.append(answer)
     prompt = np.array(prompt_lens, dtype=np.int64)
     seed_a, memo_a = np.array(seeds, dtype=np.uint64), np.array(memoise, dtype=np.bool_)
-    if by_seed is not None and memo_a.any():
-        memo_a &= ~by_seed(seed_a)
-    return FlatPieces(seed_a, np.array(lengths, dtype=np.int64),
-                      np.array(literal_at, dtype=np.int64), memo_a,
-                      np.array(pieces_at, dtype=np.int64),
+    length_a, at_a, starts_a = (np.array(x, dtype=np.int64) for x in (lengths, literal_at, pieces_at))
+    answer_a = np.array(answers, dtype=np.int64)
+    shareable_at = np.empty(len(prompt_lens), dtype=np.int64)
+    nk, nocc, _ = by_seed() if by_seed is not None else _NO_NAMES
+    _ideal_core().keep_shared(seed_a, length_a, at_a, memo_a, starts_a, answer_a, nk, nocc, by_seed is not None,
+                              shareable_at)
+    return FlatPieces(seed_a, length_a, at_a, memo_a, starts_a,
                       np.ascontiguousarray(np.concatenate(literals) if literals else _NO_TOKENS, dtype=np.int32),
-                      prompt, prompt + np.array(answers, dtype=np.int64))
+                      prompt, prompt + answer_a, shareable_at)
+
+
+_NO_NAMES = (np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint8), np.zeros(1, dtype=np.int64))
+
+
+def _ideal_core():
+    """kvbench.trace.compiled_ideal (the names' hash table's functions; ideal's counter), imported on
+    first use (numba costs ~0.2 s to import), as kvbench.trace.tokens.compiled imports
+    kvbench.trace.compiled."""
+    from kvbench.trace import compiled_ideal
+    return compiled_ideal

@@ -64,7 +64,7 @@ class Pieces:
     @classmethod
     def from_requests(cls, requests: Sequence[Request], streams: TokenStreams | None = None) -> Pieces:
         flat = _flatten(requests, streams or TokenStreams(), once_streams(requests))
-        return cls(*flat, np.fromiter((r.t for r in requests), dtype=np.float64, count=len(requests)),
+        return cls(*flat[:8], np.fromiter((r.t for r in requests), dtype=np.float64, count=len(requests)),
                    [r.session for r in requests])
 
 
@@ -217,7 +217,7 @@ def _assemble(data: bytes, req: np.ndarray, order: np.ndarray, ok: np.ndarray, a
             sessions[r] = data[a:b].decode("ascii")
     names = _bytes_view(data)
     if extra:  # after the scan's: their pieces, literal tokens, names (their bytes after the file's)
-        x_seeds, x_lengths, x_literal_at, _, x_at, x_lits, x_prompt, _ = _flatten(extra, streams, frozenset())
+        x_seeds, x_lengths, x_literal_at, _, x_at, x_lits, x_prompt, *_ = _flatten(extra, streams, frozenset())
         x_occ = np.full(len(x_seeds), -1, dtype=np.int64)
         x_req, x_a, x_b, x_seed, x_bytes = [], [], [], [], []
         at = len(data)

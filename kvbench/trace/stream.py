@@ -111,9 +111,10 @@ class OnceNames:
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and not self.shared.shared(name)
 
-    def used_once(self, seeds: np.ndarray) -> np.ndarray:
-        """bool per uint64 seed (stable_hash of a name): ``name in self`` for each, in one search."""
-        return self.shared.last_uses(seeds) < 0
+    def names_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The shared names' hash table (SharedNames.table): a seed it lacks is a name used once, which
+        kvbench.trace.keys._flatten asks of a request's every seed in one compiled call."""
+        return self.shared.table()
 
 
 class NameCounter:
