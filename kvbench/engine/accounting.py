@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.records import (
     RunWriter,
+    column_numpy,
     distribution,
     goodput,
     itl_summary,
@@ -193,10 +194,10 @@ class Accounts:
         requests, in the order they were written, and the number of rejected rows. Read one column at
         a time: a million-request run holds one column's copies at once, not the table's."""
         f = pq.ParquetFile(requests_parquet)
-        done = np.asarray(f.read(columns=["rejected"]).column(0).is_null())
+        done = column_numpy(f.read(columns=["rejected"]).column(0).is_null())
 
         def column(name: str, dtype) -> np.ndarray:
-            return np.asarray(f.read(columns=[name]).column(0).to_numpy(zero_copy_only=False)[done], dtype=dtype)
+            return np.asarray(column_numpy(f.read(columns=[name]).column(0))[done], dtype=dtype)
         lat = {c: column(c, np.float64) for c in LATENCY_COLUMNS}
         return lat, column("replica", np.int64), column("output_tokens", np.int64), int(len(done) - done.sum())
 
@@ -206,7 +207,7 @@ class Accounts:
         tokens, and the steps (steps.parquet beside ``requests_parquet``)."""
         steps = pq.read_table(os.path.join(os.path.dirname(requests_parquet), "steps.parquet"), columns=["replica"])
         return {"output_tokens": np.bincount(replica_of, weights=out_tokens, minlength=replicas).astype(np.int64),
-                "steps": np.bincount(steps.column("replica").to_numpy().astype(np.int64), minlength=replicas)}
+                "steps": np.bincount(column_numpy(steps.column("replica")).astype(np.int64), minlength=replicas)}
 
     def _tiers(self, query_tokens: int) -> dict:
         """Per-tier hits and traffic (spec §3): hit_rate_gpu + hit_rate_cpu + hit_rate_disk =

@@ -74,6 +74,66 @@ def interrupt_held() -> Iterator[None]:
             raise KeyboardInterrupt
 
 
+_NUMERIC = {pa.int64(): ("i", np.int64), pa.float64(): ("if", np.float64)}  # numpy kinds each takes as it is
+
+
+def _column(values: list, type_: pa.DataType) -> pa.Array:
+    """Python values (None: null) as an Arrow array of ``type_``, as pa.array makes it: int64,
+    float64 (a NaN stays a value) and strings are built from their buffers, since pa.array asks
+    pandas about its input and importing pandas costs a run ~0.2 s; other types, and values numpy
+    does not read as the type's (pa.array then converts them or says why not), by pa.array. (A bool
+    among an int64 column's ints is read as 0 or 1 here, where pa.array refuses it.)"""
+    n = len(values)
+    nulls = values.count(None)
+    validity = None
+    if nulls:
+        valid = np.fromiter((v is not None for v in values), dtype=np.bool_, count=n)
+        validity = pa.py_buffer(np.packbits(valid, bitorder="little"))
+    if type_ in _NUMERIC:
+        kinds, dtype = _NUMERIC[type_]
+        data = np.array([0 if v is None else v for v in values] if nulls else values)
+        if data.ndim == 1 and data.dtype.kind in kinds:
+            return pa.Array.from_buffers(type_, n, [validity, pa.py_buffer(data.astype(dtype, copy=False))],
+                                         null_count=nulls)
+    elif type_ == pa.string() and all(type(v) is str for v in values if v is not None):
+        encoded = [b"" if v is None else v.encode() for v in values]
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum([len(b) for b in encoded], out=offsets[1:])
+        if offsets[-1] < 2**31:  # (pa.string's offsets are int32)
+            return pa.Array.from_buffers(type_, n, [validity, pa.py_buffer(offsets.astype(np.int32)),
+                                                    pa.py_buffer(b"".join(encoded))], null_count=nulls)
+    return pa.array(values, type=type_)
+
+
+def column_numpy(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """An int64, float64 or bool (no nulls) column as numpy, as ``to_numpy(zero_copy_only=False)``
+    gives it (a null: NaN, an int64 column with nulls then float64), read from the column's buffers:
+    Arrow's to_numpy imports pandas (~0.2 s a run)."""
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    parts, nulls = [], False
+    for a in chunks:
+        n, off = len(a), a.offset
+        validity, data = a.buffers()[:2]
+        v: np.ndarray
+        if a.type == pa.bool_():
+            v = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=off + n, bitorder="little")[off:].astype(np.bool_)
+        elif a.type in _NUMERIC:
+            v = np.frombuffer(data, dtype=_NUMERIC[a.type][1], count=off + n)[off:]
+        else:
+            raise TypeError(f"column_numpy reads int64, float64 and bool columns, not {a.type}")
+        if a.null_count:
+            if a.type == pa.bool_():
+                raise TypeError("column_numpy reads a bool column without nulls")
+            ok = np.unpackbits(np.frombuffer(validity, dtype=np.uint8), count=off + n, bitorder="little")[off:]
+            v = np.where(ok.astype(np.bool_), v, np.nan)
+            nulls = True
+        parts.append(v)
+    if not parts:
+        return np.zeros(0, dtype=np.bool_ if column.type == pa.bool_() else _NUMERIC[column.type][1])
+    out = np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+    return out.astype(np.float64) if nulls and out.dtype != np.float64 else out
+
+
 class Table:
     """Rows buffered as tuples, flushed to a parquet file in row groups (a row is appended whole, so
     one that Ctrl-C cuts short is never half written)."""
@@ -99,8 +159,9 @@ class Table:
             if widths != {len(names)}:
                 raise ValueError(f"rows of {sorted(widths)} values for the {len(names)} columns of {self.path}")
             assert self.writer is not None  # (rows are added before close)
+            columns = [_column(list(values), field.type) for values, field in zip(zip(*buffer), self.schema)]
             with interrupt_held():
-                self.writer.write_table(pa.table(dict(zip(names, map(list, zip(*buffer)))), schema=self.schema))
+                self.writer.write_table(pa.Table.from_arrays(columns, schema=self.schema))
                 self.buffer = []
 
     def close(self) -> None:
