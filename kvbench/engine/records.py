@@ -13,7 +13,7 @@ import platform
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -77,23 +77,28 @@ def interrupt_held() -> Iterator[None]:
 _NUMERIC = {pa.int64(): ("i", np.int64), pa.float64(): ("if", np.float64)}  # numpy kinds each takes as it is
 
 
-def _column(values: list, type_: pa.DataType) -> pa.Array:
+def _column(values: Sequence, type_: pa.DataType) -> pa.Array:
     """Python values (None: null) as an Arrow array of ``type_``, as pa.array makes it: int64,
     float64 (a NaN stays a value) and strings are built from their buffers, since pa.array asks
     pandas about its input and importing pandas costs a run ~0.2 s; other types, and values numpy
     does not read as the type's (pa.array then converts them or says why not), by pa.array. (A bool
     among an int64 column's ints is read as 0 or 1 here, where pa.array refuses it.)"""
     n = len(values)
+    numeric = _NUMERIC.get(type_)
+    if numeric is not None:
+        kinds, dtype = numeric
+        data = np.array(values)
+        if data.ndim == 1 and data.dtype.kind in kinds:  # no nulls, no odd values: numpy read them all
+            return pa.Array.from_buffers(type_, n, [None, pa.py_buffer(data.astype(dtype, copy=False))], null_count=0)
     nulls = values.count(None)
     validity = None
     if nulls:
         valid = np.fromiter((v is not None for v in values), dtype=np.bool_, count=n)
         validity = pa.py_buffer(np.packbits(valid, bitorder="little"))
-    if type_ in _NUMERIC:
-        kinds, dtype = _NUMERIC[type_]
-        data = np.array([0 if v is None else v for v in values] if nulls else values)
-        if data.ndim == 1 and data.dtype.kind in kinds:
-            return pa.Array.from_buffers(type_, n, [validity, pa.py_buffer(data.astype(dtype, copy=False))],
+    if numeric is not None and nulls:
+        data = np.array([0 if v is None else v for v in values])
+        if data.ndim == 1 and data.dtype.kind in numeric[0]:
+            return pa.Array.from_buffers(type_, n, [validity, pa.py_buffer(data.astype(numeric[1], copy=False))],
                                          null_count=nulls)
     elif type_ == pa.string() and all(type(v) is str for v in values if v is not None):
         encoded = [b"" if v is None else v.encode() for v in values]
@@ -102,7 +107,7 @@ def _column(values: list, type_: pa.DataType) -> pa.Array:
         if offsets[-1] < 2**31:  # (pa.string's offsets are int32)
             return pa.Array.from_buffers(type_, n, [validity, pa.py_buffer(offsets.astype(np.int32)),
                                                     pa.py_buffer(b"".join(encoded))], null_count=nulls)
-    return pa.array(values, type=type_)
+    return pa.array(list(values), type=type_)
 
 
 def column_numpy(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -159,7 +164,7 @@ class Table:
             if widths != {len(names)}:
                 raise ValueError(f"rows of {sorted(widths)} values for the {len(names)} columns of {self.path}")
             assert self.writer is not None  # (rows are added before close)
-            columns = [_column(list(values), field.type) for values, field in zip(zip(*buffer), self.schema)]
+            columns = [_column(values, field.type) for values, field in zip(zip(*buffer), self.schema)]
             with interrupt_held():
                 self.writer.write_table(pa.Table.from_arrays(columns, schema=self.schema))
                 self.buffer = []

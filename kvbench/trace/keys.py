@@ -257,7 +257,8 @@ def _flatten(requests: Sequence[Request], streams: TokenStreams, once: Container
         answers.append(answer)
     prompt = np.array(prompt_lens, dtype=np.int64)
     seed_a, memo_a = np.array(seeds, dtype=np.uint64), np.array(memoise, dtype=np.bool_)
-    length_a, at_a, starts_a = (np.array(x, dtype=np.int64) for x in (lengths, literal_at, pieces_at))
+    length_a, at_a = np.array(lengths, dtype=np.int64), np.array(literal_at, dtype=np.int64)
+    starts_a = np.array(pieces_at, dtype=np.int64)
     answer_a = np.array(answers, dtype=np.int64)
     shareable_at = np.empty(len(prompt_lens), dtype=np.int64)
     nk, nocc, _ = by_seed() if by_seed is not None else _NO_NAMES
