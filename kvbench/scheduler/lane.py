@@ -156,6 +156,9 @@ class DecodeLane:
             self._reg_at[k] = self._cc.NEVER
             return
         self._reg_at[k] = (j + 1) * bs
+        if s.num_out < 1:  # a prompt still in prefill: the lane takes no first token, and the Python
+            self._nprep[k] = 0  # path pushes it again after each chunk; nothing prepared (the lane
+            return  # leaves a block to register unprepared to the Python path)
         base = self._pbase[k]
         if base <= j < base + self._nprep[k]:  # still within what was prepared for it
             self._pidx[k] = j - base
