@@ -330,9 +330,12 @@ class Scheduler:
         if plan.lane:  # the lane's decodes, after the others
             assert self.lane is not None
             seq_ids, starts = self.lane.decodes()
-            batch.decode_seq_ids.extend(seq_ids)
-            batch.decode_positions.extend(starts)
-            batch.decode_slots.extend(starts)
+            if batch.decode_seq_ids:
+                batch.decode_seq_ids.extend(seq_ids)
+                batch.decode_positions.extend(starts)
+                batch.decode_slots.extend(starts)
+            else:  # (the lists the lane made, taken as they are: the slots a copy of the positions)
+                batch.decode_seq_ids, batch.decode_positions, batch.decode_slots = seq_ids, starts, starts[:]
         return batch
 
     def _token_ids(self, s: Sequence, start: int, n: int) -> np.ndarray:
