@@ -161,3 +161,13 @@ print(sorted(m for m in sys.modules if m == "numba" or m.startswith("numba.") or
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_block_keys_as_an_array_are_the_lists_keys():
+    """PagedKV keeps a sequence's keys as a uint64 array under the compiled pool: block_keys gives
+    that array straight (the compiled path's and the few-block path's), the same keys as its list."""
+    toks = np.random.default_rng(7).integers(0, 2**31 - 1, 40 * 16, dtype=np.int64).astype(np.int32)
+    for n in (0, 1, 3, 12, 13, 40):  # around FEW_BLOCKS (12): both paths
+        for parent in (0, 2**64 - 1, 12345):
+            got = block_keys(toks, 16, n, parent, as_array=True)
+            assert got.dtype == np.uint64 and got.tolist() == block_keys(toks, 16, n, parent)

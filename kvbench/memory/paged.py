@@ -169,11 +169,13 @@ class PagedKV:
             bs, tokens = self.block_size, s.tokens
             assert tokens is not None  # (keys are those of known tokens)
             total = len(tokens) // bs  # every block of known tokens at once: one call per sequence
-            more = block_keys(tokens[have * bs:total * bs], bs, total - have, int(keys[-1]) if have else ROOT_KEY)
-            if isinstance(keys, list):
-                keys.extend(more)
+            as_array = not isinstance(keys, list)
+            more = block_keys(tokens[have * bs:total * bs], bs, total - have, int(keys[-1]) if have else ROOT_KEY,
+                              as_array)
+            if as_array:
+                keys = s.keys = np.concatenate([keys, more]) if have else more
             else:
-                keys = s.keys = np.concatenate([keys, np.array(more, dtype=np.uint64)])
+                keys.extend(more)
         return keys
 
     def lookup(self, s: SeqKV, num_tokens: int) -> list[int]:

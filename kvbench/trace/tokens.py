@@ -146,21 +146,23 @@ def encode_text(text: str, tokenizer=None) -> list[int]:
 
 
 def block_keys(tokens: np.ndarray, block_size: int, n_blocks: int | None = None,
-               parent: int = ROOT_KEY) -> list[int]:
-    """Chained keys of the first ``n_blocks`` full blocks of ``tokens`` (all full blocks if None)."""
+               parent: int = ROOT_KEY, as_array: bool = False):
+    """Chained keys of the first ``n_blocks`` full blocks of ``tokens`` (all full blocks if None): a
+    list of ints, or (``as_array``) a uint64 array."""
     if n_blocks is None:
         n_blocks = len(tokens) // block_size
     if n_blocks <= 0:
-        return []
+        return np.zeros(0, dtype=np.uint64) if as_array else []
     toks = np.ascontiguousarray(tokens[: n_blocks * block_size], dtype=np.int32)
     if len(toks) < n_blocks * block_size:
         raise ValueError(f"{n_blocks} blocks of {block_size} need {n_blocks * block_size} tokens, not {len(toks)}")
     if n_blocks > FEW_BLOCKS:
-        return compiled().block_keys_of(toks, n_blocks, block_size, np.uint64(parent)).tolist()
+        keys_of = compiled().block_keys_of(toks, n_blocks, block_size, np.uint64(parent))
+        return keys_of if as_array else keys_of.tolist()
     # a decode step's block or a few: the xxhash library's own xxh3 (numba's call costs ~3 us more)
     buf, step, h = toks.tobytes(), block_size * 4, xxhash.xxh3_64_intdigest
     keys = [0] * n_blocks
     key = parent
     for i in range(n_blocks):
         key = keys[i] = h(buf[i * step:(i + 1) * step], key)
-    return keys
+    return np.array(keys, dtype=np.uint64) if as_array else keys
