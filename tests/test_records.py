@@ -168,3 +168,22 @@ def test_a_sim_replay_does_not_import_pandas(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     assert pq.read_table(tmp_path / "run" / "requests.parquet").num_rows == 200
+
+
+def test_rows_read_back_as_written_dictionary_pages_for_strings_only(tmp_path):
+    """A table's rows come back as they were added (nulls, NaN, strings); only its string columns are
+    dictionary-encoded (a numeric column's values rarely repeat: encoding them cost most of a row
+    group's write)."""
+    schema = pa.schema([("id", pa.string()), ("n", pa.int64()), ("x", pa.float64()), ("s", pa.string())])
+    rows = [(f"r{i}", i if i % 7 else None, i / 3 if i % 5 else float("nan"), None if i % 3 else "sess") for i in range(50)]
+    t = Table(str(tmp_path / "t.parquet"), schema, flush_rows=16)
+    for row in rows:
+        t.add(row)
+    t.close()
+    f = pq.ParquetFile(tmp_path / "t.parquet")
+    back = list(zip(*(f.read().column(c).to_pylist() for c in schema.names)))
+    assert repr(back) == repr(rows)
+    meta = f.metadata
+    assert meta.num_row_groups == 4
+    dictionary = {schema.names[c]: meta.row_group(0).column(c).has_dictionary_page for c in range(len(schema))}
+    assert dictionary == {"id": True, "n": False, "x": False, "s": True}
