@@ -8,6 +8,7 @@ are computed during decode and cached too, so a later request that re-sends the 
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Container, Iterable, Sequence
 from typing import NamedTuple
 
@@ -272,6 +273,7 @@ def _flatten(requests: Sequence[Request], streams: TokenStreams, once: Container
 _NO_NAMES = (np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint8), np.zeros(1, dtype=np.int64))
 
 
+@functools.cache
 def _ideal_core():
     """kvbench.trace.compiled_ideal (the names' hash table's functions; ideal's counter), imported on
     first use (numba costs ~0.2 s to import), as kvbench.trace.tokens.compiled imports

@@ -18,6 +18,7 @@ for a few blocks (a decode step's) still takes the xxhash library, as numba's ca
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
 import numpy as np
@@ -39,6 +40,7 @@ def stable_hash(name: str) -> int:
     return xxhash.xxh64_intdigest(name.encode("utf-8"))
 
 
+@functools.cache  # (an import statement a call costs ~0.35 us; the hot paths ask per request)
 def compiled():
     """kvbench.trace.compiled, imported on first use (numba costs ~0.2 s and ~60 MB to import)."""
     from kvbench.trace import compiled as module
