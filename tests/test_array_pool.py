@@ -82,6 +82,39 @@ def test_same_state_as_blockpool_after_every_operation(ops, bs, n_blocks, prefix
     assert kvs[0].pool.recount() == kvs[1].pool.recount()
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, bs=st.sampled_from([1, 4, 16]), n_blocks=st.integers(8, 64), budget=st.integers(1, 300),
+       watermark=st.integers(0, 3))
+def test_an_empty_tables_admission_floor_is_exact(ops, bs, n_blocks, budget, watermark):
+    """On the compiled pool an empty table's admission floor is the very check allocate makes (its
+    prefix hits matched, hits no one holds counted): the scheduler refuses at the floor exactly the
+    admissions allocate would refuse, full-prompt or first chunk, among
+    sequences sharing prefixes, forked, freed and evicting."""
+    kv = PagedKV(n_blocks, bs)
+    assert kv.fresh_floor
+    prompts = [STREAMS.stream(f"p{k % 3}", 200) for k in range(7)]
+    prompts.append(np.concatenate([prompts[0][:100], STREAMS.stream("p-tail", 100)]))
+    seqs: list[SeqKV] = []
+    for op, k, n, _ in ops:
+        if op != "new":
+            apply_op(kv, seqs, prompts, op if op != "evict" else "free", k, n)
+            continue
+        s = SeqKV(tokens=prompts[k])
+        plen = min(len(prompts[k]), n * 5)
+        for full in (True, False):
+            floor, available = kv.admission_floor(s, plen, budget, full)
+            hits = kv.lookup(s, plen)
+            num_new = min(plen - kv.num_cached_tokens(s, hits), budget)
+            ok = kv.allocate(s, num_new, hits, watermark, must_fit=plen if full else 0)
+            assert ok == (floor <= available - watermark)
+            if not ok:  # (allocate's shortfall: at least what was missing, at most the floor's)
+                assert available < kv.last_shortfall <= floor + watermark
+                continue
+            kv.commit(s, num_new)
+            seqs.append(s)
+            break
+
+
 def test_the_index_survives_deletes_that_wrap_the_table():
     """Keys crowded into a few home slots of a small table, deleted in every order: the backward-shift
     delete must keep each remaining key reachable (a tombstone-free table that lost one would miss

@@ -273,6 +273,22 @@ class ArrayBlockPool:
                            np.asarray(tokens, dtype=np.int32), n_max, np.uint64(parent_key), out)
         return out[:n].tolist()
 
+    def fresh_need(self, keys, tokens: np.ndarray, n_max: int, parent_key: int, num_tokens: int, chunk: int,
+                   whole: bool) -> int:
+        """The blocks an empty table admitting a sequence of ``num_tokens`` tokens takes now, with its
+        prefix hits (``match(keys, tokens, n_max, parent_key)``) taken: blocks for its first ``chunk`` tokens
+        past the hits (``whole``: for all of them), plus the hits no sequence holds. One compiled call,
+        for a waiting sequence retried every step while memory is short."""
+        if not self.enable_cache or n_max <= 0:
+            rest, bs = num_tokens, self.block_size
+            return max(-(-min(rest, chunk) // bs), -(-rest // bs) if whole else 0)
+        if n_max > len(keys) or len(tokens) < n_max * self.block_size:
+            raise ValueError(f"a match of {n_max} blocks needs as many keys and {n_max * self.block_size} tokens")
+        out = self._scratch[:n_max] if n_max <= len(self._scratch) else np.empty(n_max, dtype=np.int32)
+        return self._cc.fresh_need(self._s32, self._s64, self._hk, self._hv, self.tokens,
+                                   np.asarray(keys, dtype=np.uint64), np.asarray(tokens, dtype=np.int32), n_max,
+                                   np.uint64(parent_key), out, num_tokens, chunk, whole)
+
     def touch(self, blocks: Sequence[int], next_uses=None) -> None:
         """A hit: lru orders by release only."""
 

@@ -276,6 +276,27 @@ def match(s64, hk, hv, rows, keys, tokens, n_max, parent_key, out):
 
 
 @numba.njit(cache=True)
+def fresh_need(s32, s64, hk, hv, rows, keys, tokens, n_max, parent_key, out, num_tokens, chunk, whole):
+    """The blocks an empty table takes to admit a sequence of ``num_tokens`` tokens now, its prefix hits
+    (``match``'s, written to ``out``) apart: the first ``chunk`` tokens past the hits, or (``whole``)
+    every token past them, plus the hits no one holds (they leave the evictable set). What
+    kvbench.memory.paged.PagedKV.allocate checks against the blocks available, for an empty table
+    with neither radix copies nor tiers."""
+    n = match(s64, hk, hv, rows, keys, tokens, n_max, parent_key, out)
+    bs = rows.shape[1]
+    refcnt = s32[REFCNT]
+    revived = 0
+    for j in range(n):
+        if refcnt[out[j]] == 0:
+            revived += 1
+    rest = num_tokens - n * bs
+    need = (min(rest, chunk) + bs - 1) // bs
+    if whole:
+        need = max(need, (rest + bs - 1) // bs)
+    return need + revived
+
+
+@numba.njit(cache=True)
 def add_fill(s32, c, blocks, n):
     """``n`` more tokens of KV written into each of these used blocks."""
     fill = s32[FILL]

@@ -99,6 +99,8 @@ class PagedKV:
         self.last_shortfall = 0  # after a failed allocate: the blocks it would have needed free (at least)
         self.tiers: Tiers | None = None  # the tiers behind the pool (attach_tiers)
         self.last_loaded: TierMatch | None = None  # after a successful allocate: the TierMatch it loaded, or None
+        # admission_floor exact for an empty table: the compiled pool's hash cache, nothing behind it
+        self.fresh_floor = isinstance(self.pool, ArrayBlockPool) and prefix_cache and self.radix is None
 
     def attach_tiers(self, tiers: Tiers) -> None:
         """Put a chain of tiers (kvbench.memory.tiers.Tiers) behind the pool: lookups continue into
@@ -108,6 +110,7 @@ class PagedKV:
         if self.pool.num_used or self.pool.num_cached:
             raise ValueError("attach tiers to an empty pool")  # sequences' keys change type with them
         self.tiers = tiers
+        self.fresh_floor = False  # (a lookup continues into the tiers)
         if not tiers.write_through:
             self.pool.spill = tiers.evicted
 
@@ -117,10 +120,21 @@ class PagedKV:
         return self.num_blocks * self.block_size
 
     def admission_floor(self, s: SeqKV, num_tokens: int, budget: int, full: bool = True) -> tuple[int, int]:
-        """(a lower bound on the blocks admitting ``s`` takes whatever its prefix hits, the blocks
-        available): a cheap, exact test that spares the prefix lookup while memory is plainly short.
-        ``full``: the whole sequence must fit (full-prompt admission), else its first chunk."""
+        """(a lower bound on the blocks admitting ``s`` takes, the blocks available): a cheap test that
+        spares the prefix lookup and allocation while memory is plainly short, the bound assuming every
+        block the lookup may serve is hit.
+        ``full``: the whole sequence must fit (full-prompt admission), else its first chunk.
+
+        On the compiled pool (hash mode, no tiers) an empty table's floor is exact: its prefix hits
+        matched, the blocks ``allocate`` would check for (one compiled call: a queue's head is retried
+        every step while memory is short — Mooncake: ~55,000 refusals, one lookup and allocate each)."""
         bs = self.block_size
+        if self.fresh_floor and s.tokens is not None and not s.table and not s.num_kv:
+            n_max = min(lookup_blocks(num_tokens, bs), len(s.tokens) // bs)
+            pool = self.pool
+            assert isinstance(pool, ArrayBlockPool)  # (fresh_floor's)
+            return (pool.fresh_need(self._keys(s, n_max), s.tokens, n_max, ROOT_KEY, num_tokens, budget, full),
+                    pool.num_available)
         most_hit = lookup_blocks(num_tokens, bs) * bs if self.prefix_cache else 0
         tokens = num_tokens - most_hit if full else min(budget, num_tokens - most_hit)
         return -(-tokens // bs), self.pool.num_available

@@ -211,7 +211,7 @@ class Scheduler:
             wm = self.watermark if running else 0
             floor, available = kv.admission_floor(s, s.num_tokens, budget, full)
             if floor > available - wm:
-                break  # short of memory whatever the prefix hits: spare the lookup
+                break  # short of memory (PagedKV: exact for an empty table): spare the lookup
             hits = kv.lookup(s, s.num_tokens)
             cached = kv.num_cached_tokens(s, hits)
             num_new = min(s.num_tokens - cached, budget)
