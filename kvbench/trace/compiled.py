@@ -23,6 +23,7 @@ TOKEN_LO, TOKEN_HI = 16, 32000  # kvbench.trace.tokens's, restated (tests/test_t
 # numba freezes a global into the code it caches, and its cache is stale only when this file changes
 _SPAN = _U(TOKEN_HI - TOKEN_LO)
 _GOLDEN, _M1, _M2 = _U(0x9E3779B97F4A7C15), _U(0xBF58476D1CE4E5B9), _U(0x94D049BB133111EB)
+_R32 = _U(2**32 % (TOKEN_HI - TOKEN_LO))  # 2**32 mod the span (fill_stream's remainder by halves)
 
 _P32_1, _P32_2, _P32_3 = _U(0x9E3779B1), _U(0x85EBCA77), _U(0xC2B2AE3D)
 _P64_1, _P64_2, _P64_3 = _U(0x9E3779B185EBCA87), _U(0xC2B2AE3D27D4EB4F), _U(0x165667B19E3779F9)
@@ -44,16 +45,23 @@ _WORDS = _AT[::8].copy()
 
 @numba.njit(cache=True)
 def fill_stream(out, seed, start):
-    """out[j] = token start + j of the stream whose name hashes to ``seed`` (out: int32 [n])."""
-    s = _U(seed)
+    """out[j] = token start + j of the stream whose name hashes to ``seed`` (out: int32 [n]).
+
+    The 64-bit remainder is taken from the value's 32-bit halves, x = hi * 2**32 + lo:
+    x mod m = ((hi mod m) * (2**32 mod m) + lo mod m) mod m, exact. Each remainder is then of a value
+    below 2**32 (hi reduced first for that, not for the value), which LLVM vectorises where it does
+    not a 64-bit one: ~0.7-0.8 ns a token here against ~2.7."""
+    x = _U(start + 1) * _GOLDEN + _U(seed)
     for j in range(len(out)):
-        x = _U(start + j + 1) * _GOLDEN + s
-        x ^= x >> _U(30)
-        x *= _M1
-        x ^= x >> _U(27)
-        x *= _M2
-        x ^= x >> _U(31)
-        out[j] = np.int32(x % _SPAN) + np.int32(TOKEN_LO)
+        z = x
+        z ^= z >> _U(30)
+        z *= _M1
+        z ^= z >> _U(27)
+        z *= _M2
+        z ^= z >> _U(31)
+        r = (z >> _S32) % _SPAN * _R32 + (z & _M32) % _SPAN
+        out[j] = np.int32(r % _SPAN) + np.int32(TOKEN_LO)
+        x += _GOLDEN
 
 
 # ------------------------------------------------------------------------------------ xxh3_64
