@@ -266,27 +266,28 @@ class ArrayBlockPool:
         """
         if not self.enable_cache or n_max <= 0:
             return []
+        keys, tokens, out = self._match_args(keys, tokens, n_max)
+        n = self._cc.match(self._s64, self._hk, self._hv, self.tokens, keys, tokens, n_max, np.uint64(parent_key), out)
+        return out[:n].tolist()
+
+    def _match_args(self, keys, tokens, n_max: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A match's keys and tokens as the compiled calls take them, and the array its hits go to."""
         if n_max > len(keys) or len(tokens) < n_max * self.block_size:
             raise ValueError(f"a match of {n_max} blocks needs as many keys and {n_max * self.block_size} tokens")
         out = self._scratch[:n_max] if n_max <= len(self._scratch) else np.empty(n_max, dtype=np.int32)
-        n = self._cc.match(self._s64, self._hk, self._hv, self.tokens, np.asarray(keys, dtype=np.uint64),
-                           np.asarray(tokens, dtype=np.int32), n_max, np.uint64(parent_key), out)
-        return out[:n].tolist()
+        return np.asarray(keys, dtype=np.uint64), np.asarray(tokens, dtype=np.int32), out
 
     def fresh_need(self, keys, tokens: np.ndarray, n_max: int, parent_key: int, num_tokens: int, chunk: int,
                    whole: bool) -> int:
         """The blocks an empty table admitting a sequence of ``num_tokens`` tokens takes now, with its
         prefix hits (``match(keys, tokens, n_max, parent_key)``) taken: blocks for its first ``chunk`` tokens
         past the hits (``whole``: for all of them), plus the hits no sequence holds. One compiled call,
-        for a waiting sequence retried every step while memory is short."""
-        if not self.enable_cache or n_max <= 0:
-            rest, bs = num_tokens, self.block_size
-            return max(-(-min(rest, chunk) // bs), -(-rest // bs) if whole else 0)
-        if n_max > len(keys) or len(tokens) < n_max * self.block_size:
-            raise ValueError(f"a match of {n_max} blocks needs as many keys and {n_max * self.block_size} tokens")
-        out = self._scratch[:n_max] if n_max <= len(self._scratch) else np.empty(n_max, dtype=np.int32)
-        return self._cc.fresh_need(self._s32, self._s64, self._hk, self._hv, self.tokens,
-                                   np.asarray(keys, dtype=np.uint64), np.asarray(tokens, dtype=np.int32), n_max,
+        for a waiting sequence retried every step while memory is short. (A pool without a prefix
+        cache has no hits to count: PagedKV's plain floor is exact there.)"""
+        if not self.enable_cache:
+            raise ValueError("fresh_need counts prefix hits: the pool has no prefix cache")
+        keys, tokens, out = self._match_args(keys, tokens, n_max)  # (n_max >= 0: lookup_blocks')
+        return self._cc.fresh_need(self._s32, self._s64, self._hk, self._hv, self.tokens, keys, tokens, n_max,
                                    np.uint64(parent_key), out, num_tokens, chunk, whole)
 
     def touch(self, blocks: Sequence[int], next_uses=None) -> None:

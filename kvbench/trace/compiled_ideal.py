@@ -1,7 +1,7 @@
 """The compiled cores of kvbench.trace.ideal (numba, ``cache=True``): IdealCounter's kept keys and
 their expiry, one compiled call per request (``add``), and ``block_expiry``.
 
-Imported on first use (``ideal._core()``), as kvbench.trace.compiled is. ``add`` does what a Python
+Imported on first use (``keys._ideal_core()``), as kvbench.trace.compiled is. ``add`` does what a Python
 set of keys with a heap of expiry -> key arrays did (tests/test_ideal.py holds the figures equal to
 a plain set's), in a few arrays so that a call pays numba's per-argument dispatch only a few times:
 

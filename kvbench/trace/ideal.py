@@ -62,7 +62,7 @@ class IdealCounter:
         self.private_blocks = 0  # distinct blocks never kept (they cannot hit)
         self.hit_tokens = 0
         self.prompt_tokens = 0
-        cc = _core()
+        cc = _ideal_core()
         self._tk = np.zeros(_TABLE, dtype=np.uint64)  # the kept keys: an open-addressing table
         self._occ = np.zeros(_TABLE, dtype=np.uint8)  # 1 where a slot holds a key
         self._nkey = np.zeros(_NODES, dtype=np.uint64)  # the keys to let go, as lists of nodes
@@ -92,7 +92,7 @@ class IdealCounter:
             raise ValueError(f"expires has {len(exp)} blocks, fewer than the {end} kept")
         while True:
             # keys[:m] are kept already (see _seen_prefix); keys[m:end] are kept now, new counts
-            m, new = _core().add(self._tk, self._occ, self._nkey, self._nnext, self._heap, self._c,
+            m, new = _ideal_core().add(self._tk, self._occ, self._nkey, self._nnext, self._heap, self._c,
                                   keys, exp, end, at, expiring)
             if m >= 0:
                 break
@@ -109,7 +109,7 @@ class IdealCounter:
         """Make room for ``room`` more keys: the table at most half full, and, when they are to be let
         go (``expiring``), a list node and a heap entry for each. (Nothing shrinks once let go, as a
         Python set does not.)"""
-        cc, c = _core(), self._c
+        cc, c = _ideal_core(), self._c
         size = len(self._occ)
         while 2 * (int(c[cc.N]) + room) > size:
             size *= 2
@@ -146,13 +146,13 @@ class KeptKeys:
 
     def __len__(self) -> int:
         c = self._counter
-        return int(c._c[_core().N])
+        return int(c._c[_ideal_core().N])
 
     def __contains__(self, key: object) -> bool:
         c = self._counter
         if not isinstance(key, (int, np.integer)) or not 0 <= int(key) < 2**64:
             return False
-        return bool(_core().contains(c._tk, c._occ, np.uint64(key)))
+        return bool(_ideal_core().contains(c._tk, c._occ, np.uint64(key)))
 
     def __iter__(self) -> Iterator[int]:
         c = self._counter
@@ -163,8 +163,6 @@ _TABLE, _NODES, _HEAP = 1024, 1024, 256  # IdealCounter's first sizes (grown as 
 _NO_EXPIRY = np.zeros(0, dtype=np.int64)
 _NO_LAST_USE = np.zeros(0, dtype=np.int64)
 
-
-_core = _ideal_core  # kvbench.trace.compiled_ideal, imported on first use
 
 NEVER = np.iinfo(np.int64).max  # a block_expiry that never comes: literal tokens may recur anywhere
 
@@ -184,10 +182,9 @@ def block_expiry(pieces, n_blocks: int, block_size: int, names) -> np.ndarray:
         per_piece = np.ascontiguousarray(names.last_uses(seeds), dtype=np.int64)  # (empty: no pieces)
     else:
         (nk, nocc, nv), per_piece = table(), _NO_LAST_USE
-    return _core().block_expiry(np.ascontiguousarray(pieces.lengths, dtype=np.int64),
+    return _ideal_core().block_expiry(np.ascontiguousarray(pieces.lengths, dtype=np.int64),
                                 np.ascontiguousarray(pieces.literal_at, dtype=np.int64), seeds, nk, nocc, nv,
                                 per_piece, int(n_blocks), int(block_size))
-
 
 
 def dense_block_ids(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
