@@ -43,6 +43,7 @@ CONFIGS = {
     "rag-arc": ("rag.jsonl", dict(limit=150, num_blocks=600, time_scale=0.1, cache_policy="arc")),
     "chat-closed-loop": ("chat.jsonl", dict(limit=120, num_blocks=1500, max_concurrency=8, dependent_turns=True)),
     "mooncake-slice": ("mooncake_slice.jsonl", dict(num_blocks=6000, time_scale=0.5, max_model_len=32768)),
+    "chat-length-rule": ("chat.jsonl", dict(limit=120, num_blocks=1500, time_scale=0.05, max_model_len=2048)),
 }
 
 

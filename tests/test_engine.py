@@ -190,14 +190,20 @@ def test_best_of_n_shares_prompt_blocks(tmp_path):
     assert paged["peak_slots_allocated"] * 2 < slab["peak_slots_allocated"]
 
 
-def test_requests_over_max_model_len_are_rejected_and_counted(tmp_path):
-    s = replay(str(TRACES / "chat.jsonl"), sim(max_model_len=2048), str(tmp_path / "r"))
-    req = pd.read_parquet(tmp_path / "r" / "requests.parquet")
-    assert s["rejected"] > 0 and s["rejected"] + s["completed"] == s["requests"]
-    assert (req.loc[req["rejected"].notna(), "rejected"] == "max_model_len").all()
-    # exactly the requests whose prompt + output exceed the limit, and only those
-    too_long = {r.id for r in load_trace(str(TRACES / "chat.jsonl")) if r.prompt_len + r.output_len > 2048}
-    assert set(req.loc[req["rejected"].notna(), "id"]) == too_long
+def test_requests_over_max_model_len_are_rejected_or_cut_and_counted(tmp_path):
+    trace = load_trace(str(TRACES / "chat.jsonl"))
+    for rule, refused in (("reject", lambda r: r.prompt_len + r.output_len > 2048),
+                          ("vllm", lambda r: r.prompt_len >= 2048)):
+        s = replay(str(TRACES / "chat.jsonl"), sim(max_model_len=2048, overlong=rule), str(tmp_path / rule))
+        req = pd.read_parquet(tmp_path / rule / "requests.parquet").set_index("id")
+        assert s["rejected"] > 0 and s["rejected"] + s["completed"] == s["requests"]
+        assert (req.loc[req["rejected"].notna(), "rejected"] == "max_model_len").all()
+        # exactly the requests the rule refuses, and only those; the others stop at the limit
+        assert set(req.index[req["rejected"].notna()]) == {r.id for r in trace if refused(r)}
+        ran = [r for r in trace if not refused(r)]
+        assert [req.loc[r.id, "output_tokens"] for r in ran] == [min(r.output_len, 2048 - r.prompt_len) for r in ran]
+        assert s["truncated"] == sum(r.prompt_len + r.output_len > 2048 for r in ran)
+    assert s["truncated"] > 0  # (vLLM's rule cut some)
 
 
 def _cli(*args):

@@ -64,8 +64,10 @@ REPLAY_OPTIONS: list[Opt] = [
     Opt("max_num_seqs", Count(1, MAX_NUM_SEQS), "most sequences running at once"),
     Opt("max_batched_tokens", Count(1), "token budget per engine step"),
     Opt("max_model_len", Count(1), "longest request (prompt + output) [default: the model's]"),
-    Opt("overlong", click.Choice(C.OVERLONG), "a request longer than --max-model-len: refused (reject), or, when "
-        "its prompt fits, its output cut to the length (truncate: vLLM's OpenAI server)"),
+    Opt("overlong", click.Choice(C.OVERLONG), "a request longer than --max-model-len: the replayed engine's rule "
+        "(vllm: a prompt of the limit or longer refused, a shorter one's output cut at the limit; sglang: prompt + "
+        "output over the limit refused, as SGLang without --allow-auto-truncate) or refused whenever it is over "
+        "(reject)"),
     Opt("admission", click.Choice(C.ADMISSIONS), "admit a waiting request when its whole prompt fits (vLLM >= 0.33), or its first chunk"),
     Opt("watermark", Finite(0, 1, max_open=True), "share of KV blocks kept free when admitting while others run (vLLM's watermark)"),
     Opt("admission_window", Count(0), "cache-aware admission: once --admission-threshold of the pool is held, "
@@ -333,12 +335,13 @@ def replay(trace, out, force, metadata, csv, as_json, endpoint, api, served_mode
 def _take_server_settings(opts: dict, where: str) -> None:
     """Fill the replay options a server's settings decide, where the user left them at their default
     (--like-server: a URL is asked, anything else read as a vLLM start-up log)."""
+    from kvbench.engine.lengths import engine_rule
     from kvbench.engine.server import server_settings_from_log, server_settings_from_server
 
     settings = (server_settings_from_server(where) if "://" in where else server_settings_from_log(where))
     ctx = click.get_current_context()
     taken = []
-    fields = {**settings.replay_fields(), "overlong": "truncate"}
+    fields = {**settings.replay_fields(), "overlong": engine_rule(settings.kind)}
     for name, value in fields.items():
         if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT:
             opts[name] = value
@@ -354,6 +357,9 @@ def _replay_live(trace, out, force, as_json, invocation, opts, endpoint, api, se
     from kvbench.engine.live import LiveOptions, LiveRun
 
     ctx = click.get_current_context()
+    if ctx.get_parameter_source("overlong") is not click.core.ParameterSource.DEFAULT:
+        click.echo("kvbench: note: --overlong has no effect with --endpoint: the server applies its own engine's "
+                   "length rule (config.json records which)", err=True)
     if ctx.get_parameter_source("dependent_turns") is click.core.ParameterSource.DEFAULT:
         opts["dependent_turns"] = True  # a client sends a turn once the answer it quotes is in
     cfg = ReplayConfig(**opts).validate()

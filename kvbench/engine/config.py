@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 
 from kvbench import eviction, executors, memory, scheduler
 from kvbench.engine import routing
+from kvbench.engine.lengths import OVERLONG, canonical
 from kvbench.engine.records import parse_slo
 from kvbench.engine.sizes import MAX_BLOCK_SIZE, parse_size
 from kvbench.errors import InputError
@@ -23,7 +24,6 @@ CACHE_POLICIES = tuple(memory.CACHE_POLICIES)
 EVICTIONS = ("none", *eviction.EVICTION_POLICIES)
 EXECUTORS = tuple(executors.EXECUTORS)
 SLAB_RESERVES = ("max", "exact")
-OVERLONG = ("reject", "truncate")
 PREFIX_MODES = ("hash", "radix")
 RADIX_EVICTIONS = memory.RADIX_EVICTIONS
 DEVICES = ("auto", "cuda", "cpu")
@@ -92,7 +92,7 @@ class ReplayConfig:
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
     max_model_len: int | None = None
-    overlong: str = "reject"  # a request longer than max_model_len: refused, or its output cut (vLLM's server)
+    overlong: str = "vllm"  # a request longer than max_model_len: the engine's rule (engine/lengths.py)
     admission: str = "full-prompt"
     watermark: float = 0.0
     admission_window: int = 0  # cache-aware admission (vLLM 0.34 cache_aware_admission_window): 0 is off
@@ -123,6 +123,8 @@ class ReplayConfig:
     disk_cache_policy: str = "lru"
 
     def validate(self) -> "ReplayConfig":
+        self.overlong = canonical(self.overlong)
+
         def choice(name, allowed):
             v = getattr(self, name)
             if v not in allowed:

@@ -33,6 +33,7 @@ import pandas as pd
 from kvbench import __version__
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.issuer import FrontEnd
+from kvbench.engine.lengths import engine_rule
 from kvbench.engine.server import ServerSettings
 from kvbench.errors import InputError
 from kvbench.provenance import file_sha256, now_iso
@@ -75,13 +76,15 @@ def read_live_run(run_dir: str) -> LiveRecord:
 
 def replay_config(rec: LiveRecord, clock_path: str) -> ReplayConfig:
     """The sim as the server was: its block size, usable blocks, sequence cap, token budget, maximum
-    length (outputs cut as vLLM's server cuts them), prefix caching; the requests come at the times
+    length (with the length rule of the server's engine), prefix caching; the requests come at the times
     the client issued them (no concurrency cap or dependency of its own: the issue times hold both)."""
     s = dict(rec.config["settings"])
-    fields = server_settings(rec).replay_fields()
+    server = server_settings(rec)
+    fields = server.replay_fields()
     keep = {k: s[k] for k in ("model", "seed", "prefix_cache", "block_size", "max_num_seqs", "max_batched_tokens",
                                "max_model_len", "num_blocks") if s.get(k) is not None}
-    return ReplayConfig(**{**keep, **fields, "executor": "sim", "calibration": clock_path, "overlong": "truncate",
+    return ReplayConfig(**{**keep, **fields, "executor": "sim", "calibration": clock_path,
+                           "overlong": engine_rule(server.kind),
                            "time_scale": 1.0, "max_concurrency": None, "dependent_turns": False,
                            "limit": None}).validate()
 

@@ -25,6 +25,7 @@ import numpy as np
 from kvbench.engine.accounting import Accounts
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.issuer import FrontEnd, Issuer, dependencies_in_trace_order
+from kvbench.engine.lengths import shape_lengths
 from kvbench.engine.records import RunWriter, claim_run_dir, environment, holds_run, interrupt_held
 from kvbench.engine.replica import Replica, Totals
 from kvbench.engine.routing import Router
@@ -220,16 +221,14 @@ class Replay:
 
     # -- checks before the run ----------------------------------------------------------------
     def _shape_requests(self) -> None:
-        """The requests as this run's settings shape them, per arrival position: ``--overlong
-        truncate`` cuts an output to max_model_len when the prompt fits (setup.fit_overlong's rule;
-        ``self.truncated`` counts them), and a request still longer than max_model_len is refused."""
+        """The requests as this run's length rule shapes them, per arrival position (``--overlong``,
+        engine/lengths.py: the replayed engine's rule): an admitted request's output is cut to what
+        the rule lets it generate (``self.truncated`` counts them), the others are refused."""
         plen, olen = self.trace.prompt_len, self.trace.output_len
-        cut = (plen < self.max_len) & (plen + olen > self.max_len) if self.cfg.overlong == "truncate" else \
-            np.zeros(len(plen), dtype=bool)
-        self._cut = cut
-        self._output_len = np.where(cut, self.max_len - plen, olen)
-        self.truncated = int(cut.sum())
-        self._admitted = plen + self._output_len <= self.max_len
+        self._admitted, self._output_len = shape_lengths(plen, olen, self.max_len, self.cfg.overlong)
+        self._fits_len = self._admitted.copy()  # (_admitted also loses what the limits do not issue)
+        self._cut = self._admitted & (self._output_len != olen)
+        self.truncated = int(self._cut.sum())
 
     def _request(self, pos: int) -> Request:
         """The request at arrival position ``pos``, read from the trace and shaped as _shape_requests."""
@@ -273,8 +272,9 @@ class Replay:
             counter.add(keys, prompt_len, shareable, block_expiry(pieces, len(keys), bs, names), at=rank)
         return counter.result()
 
-    def _reject_reason(self, r: Request) -> str | None:
-        if r.prompt_len + r.output_len > self.max_len:
+    def _reject_reason(self, pos: int) -> str | None:
+        """Why the request at arrival position ``pos`` is refused on arrival, or None."""
+        if not self._fits_len[pos]:
             return "max_model_len"
         return None
 
@@ -464,7 +464,7 @@ class Replay:
         rs = RequestState(req=r, arrival_s=arrival, prompt=None, position=index)
         if seen_s is not None:
             arrival = seen_s
-        reason = self._reject_reason(r)
+        reason = self._reject_reason(index)
         if reason is not None:
             rs.reject_reason = reason
             st.rejected += 1

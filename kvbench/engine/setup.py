@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvbench.engine.config import ReplayConfig
+from kvbench.engine.lengths import shape_one
 from kvbench.errors import InputError, RunError
 from kvbench.executors.presets import available_host_bytes
 from kvbench.trace.format import Request
@@ -121,18 +122,22 @@ def check_fits(r: Request, cfg: ReplayConfig, num_blocks: int, slab_reserve: int
 
 
 def fit_overlong(requests: list[Request], max_len: int, overlong: str) -> tuple[list[Request], int]:
-    """``--overlong truncate``: a request whose prompt fits ``max_len`` but whose prompt and output do
-    not generates only up to the length (vLLM's OpenAI server: get_max_tokens caps max_tokens at
-    max_model_len - prompt length); ``reject`` leaves it to be refused. -> (requests, how many cut)."""
-    if overlong != "truncate":
-        return requests, 0
+    """The requests as the engine's length rule (``--overlong``, engine/lengths.py) runs them: an
+    admitted request's output cut to what the rule lets it generate; a refused one left as it is
+    (it is refused by its length). -> (requests, how many cut)."""
     out, cut = [], 0
     for r in requests:
-        if r.prompt_len < max_len < r.prompt_len + r.output_len:
-            r = dataclasses.replace(r, output_len=max_len - r.prompt_len)
+        ok, olen = shape_one(r.prompt_len, r.output_len, max_len, overlong)
+        if ok and olen != r.output_len:
+            r = dataclasses.replace(r, output_len=olen)
             cut += 1
         out.append(r)
     return out, cut
+
+
+def admitted_by_length(r: Request, max_len: int, overlong: str) -> bool:
+    """Whether the length rule lets request ``r`` (as fit_overlong shaped it) run at all."""
+    return shape_one(r.prompt_len, r.output_len, max_len, overlong)[0]
 
 
 def check_trace_fits(requests: list[Request], cfg: ReplayConfig, num_blocks: int, max_len: int,
@@ -142,5 +147,5 @@ def check_trace_fits(requests: list[Request], cfg: ReplayConfig, num_blocks: int
     reqs, _ = fit_overlong(reqs, max_len, cfg.overlong)
     reserve = slab_reserve_tokens(reqs, cfg, max_len)
     for r in reqs:
-        if r.prompt_len + r.output_len <= max_len:
+        if admitted_by_length(r, max_len, cfg.overlong):
             check_fits(r, cfg, num_blocks, reserve, trace_path)
