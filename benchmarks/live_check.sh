@@ -11,11 +11,16 @@
 #      tell the front end's per-token cost from prefill's). CALIBRATION=mixed: the same without the
 #      prefix; CALIBRATION=rag: traces/rag.jsonl at x0.3 on a 256-block server (runs 1 and 2 of
 #      benchmarks/live/RESULTS.md; mixed is run 3, shared run 4).
-#   2. the comparison, traces/chat.jsonl at arrivals x0.25 (block 32, 128 seqs, 2048 batched tokens,
-#      max-model-len 4096), for two pools, large (16,384 blocks) and small (256): a server, N live
-#      replays each from a cold prefix cache (POST /reset_prefix_cache), then the sim like the server
-#      (--like-server its start-up log) on cal.json's clock, and on its default clock for reference
-#   3. the table (benchmarks/live/compare_runs.py: DIR/table.md) and the report (DIR/report/index.html)
+#   2. the comparison, at arrivals x0.25 (block 32, 128 seqs, 2048 batched tokens, max-model-len 4096),
+#      for two pools, large (16,384 blocks) and small (256), on two traces: traces/chat.jsonl (DIR/large,
+#      DIR/small) and a generated agent trace nothing was tuned on (DIR/agent-large, DIR/agent-small:
+#      steps that quote their task and tool results under their answers' names; its seed printed, and
+#      AGENT_SEED=S replays one): a server, N live replays of each trace from a cold prefix cache (POST
+#      /reset_prefix_cache), then the sim like the server (--like-server its start-up log) on cal.json's
+#      clock, and on its default clock for reference
+#   3. the table (benchmarks/live/compare_runs.py: DIR/table.md, with the per-request comparison: the
+#      requests whose cached tokens differ between each live run and the sim, by how much) and the report
+#      (DIR/report/index.html)
 #
 # --repeats N   live replays per pool [3; 1 with --quick]
 # --quick       a smoke run: 60 chat requests, 60 calibration requests, one repeat
@@ -66,12 +71,12 @@ MAX_LEN=4096
 POOLS=("large 16384" "small 256")
 
 CALIBRATION="${CALIBRATION:-shared}"
-TRACE=traces/chat.jsonl
 SCALE=0.25
+AGENT_SEED="${AGENT_SEED:-$(( $(date +%s) % 100000 ))}"
 if (( QUICK )); then
-    REPEATS="${REPEATS:-1}"; CAL_REQUESTS=60; LIMIT=(--limit 60)
+    REPEATS="${REPEATS:-1}"; CAL_REQUESTS=60; LIMIT=(--limit 60); AGENT_REQUESTS=40
 else
-    REPEATS="${REPEATS:-3}"; CAL_REQUESTS=150; LIMIT=()
+    REPEATS="${REPEATS:-3}"; CAL_REQUESTS=150; LIMIT=(); AGENT_REQUESTS=120
 fi
 case "$CALIBRATION" in
     mixed|shared) CAL_BLOCKS=16384; CAL_SCALE=1; CAL_LIMIT=() ;;  # the trace is generated into DIR below
@@ -79,10 +84,10 @@ case "$CALIBRATION" in
     *) echo "CALIBRATION must be rag, mixed or shared, not $CALIBRATION" >&2; exit 2 ;;
 esac
 # what the live client and the sim are both given: the same requests, arrivals and turns; a request
-# longer than max-model-len has its output cut, as vLLM's server does (one whose prompt does not fit
-# is refused by the server and by the sim alike)
-WORKLOAD=(--model tiny --time-scale "$SCALE" --overlong truncate --dependent-turns "${LIMIT[@]}")
-CAL_WORKLOAD=(--model tiny --time-scale "$CAL_SCALE" --overlong truncate --dependent-turns "${CAL_LIMIT[@]}")
+# longer than max-model-len meets vLLM's rule on both sides (the sim's default: an output that does not
+# fit is cut; a prompt that does not leave room for one token is refused)
+WORKLOAD=(--model tiny --time-scale "$SCALE" --dependent-turns "${LIMIT[@]}")
+CAL_WORKLOAD=(--model tiny --time-scale "$CAL_SCALE" --dependent-turns "${CAL_LIMIT[@]}")
 
 OUT="${OUT:-runs/live-check-$(date +%Y%m%d-%H%M%S)}"
 [ -e "$OUT" ] && { echo "$OUT exists: give a new --out" >&2; exit 2; }
@@ -93,6 +98,12 @@ if [ "$CALIBRATION" != rag ]; then
     "$KVBENCH" trace gen random --requests "$CAL_REQUESTS" "${LENS[@]}" --output-len 150 --range-ratio 0.9 \
         --rate 4 --burstiness 0.3 --seed 7 -o "$CAL_TRACE" >/dev/null
 fi
+AGENT_TRACE="$OUT/agent-trace.jsonl"
+"$KVBENCH" trace gen agent --requests "$AGENT_REQUESTS" --seed "$AGENT_SEED" --quote 0.5 --max-context 4000 \
+    -o "$AGENT_TRACE" >/dev/null
+echo "agent trace: kvbench trace gen agent --requests $AGENT_REQUESTS --seed $AGENT_SEED --quote 0.5 --max-context 4000" \
+    | tee "$OUT/agent-trace.txt" >&2
+TRACES=("chat traces/chat.jsonl" "agent $AGENT_TRACE")
 URL="http://127.0.0.1:$PORT"
 pin_client=()
 [ -n "$CLIENT_CPUS" ] && pin_client=(taskset -c "$CLIENT_CPUS")
@@ -170,12 +181,16 @@ live() {  # TRACE RUN_DIR [workload args...]
     phase_end
 }
 
-sim() {  # RUN_DIR SERVER_LOG [args...]
-    local dir="$1" log="$2"
-    shift 2
+sim() {  # TRACE RUN_DIR SERVER_LOG [args...]
+    local trace="$1" dir="$2" log="$3"
+    shift 3
     phase_begin "$dir: sim"
-    "$KVBENCH" replay "$TRACE" --like-server "$log" --out "$dir" "${WORKLOAD[@]}" "$@" </dev/null
+    "$KVBENCH" replay "$trace" --like-server "$log" --out "$dir" "${WORKLOAD[@]}" "$@" </dev/null
     phase_end
+}
+
+trace_dir() {  # TRACE_NAME POOL_NAME: where a trace's runs on a pool go
+    if [ "$1" = chat ]; then echo "$OUT/$2"; else echo "$OUT/$1-$2"; fi
 }
 
 echo "live check: $REPEATS repeat(s) per pool$( ((QUICK)) && echo ", quick"), runs in $OUT" >&2
@@ -190,21 +205,28 @@ phase_begin "calibrate"
 "$KVBENCH" calibrate --from-run "$OUT/cal/live" -o "$OUT/cal.json" 2>&1 | tee "$OUT/cal/calibrate.txt"
 phase_end
 
-# 2. the comparison, pool by pool
+# 2. the comparison, pool by pool, each trace on the same server
 for pool in "${POOLS[@]}"; do
     read -r name blocks <<<"$pool"
     start_server "$OUT/$name" "$blocks"
-    for r in $(seq "$REPEATS"); do
-        live "$TRACE" "$OUT/$name/live-$r" "${WORKLOAD[@]}"
+    for tr in "${TRACES[@]}"; do
+        read -r tname tpath <<<"$tr"
+        for r in $(seq "$REPEATS"); do
+            live "$tpath" "$(trace_dir "$tname" "$name")/live-$r" "${WORKLOAD[@]}"
+        done
     done
     stop_server "$OUT/$name/server.pid"
-    sim "$OUT/$name/sim-calibrated" "$OUT/$name/server.log" --calibration "$OUT/cal.json"
-    sim "$OUT/$name/sim-default" "$OUT/$name/server.log"
+    for tr in "${TRACES[@]}"; do
+        read -r tname tpath <<<"$tr"
+        dir="$(trace_dir "$tname" "$name")"
+        sim "$tpath" "$dir/sim-calibrated" "$OUT/$name/server.log" --calibration "$OUT/cal.json"
+        sim "$tpath" "$dir/sim-default" "$OUT/$name/server.log"
+    done
 done
 
 # 3. the table and the report
 echo "finished: $(date '+%F %T %Z') after $(( $(date +%s) - T0 ))s; uptime: $(uptime)" >>"$OUT/run.txt"
 "$PYTHON" benchmarks/live/compare_runs.py "$OUT" | tee "$OUT/table.md"
-"$KVBENCH" report "$OUT/large" "$OUT/small" --out "$OUT/report" --title "vLLM 0.32 CPU against kvbench" >&2 \
+"$KVBENCH" report "$OUT/large" "$OUT/small" "$OUT/agent-large" "$OUT/agent-small" --out "$OUT/report" --title "vLLM 0.32 CPU against kvbench" >&2 \
     || echo "kvbench report failed (the table above stands)" >&2
 echo "runs, table.md and report/ in $OUT ($(( $(date +%s) - T0 ))s)" >&2

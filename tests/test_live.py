@@ -27,7 +27,6 @@ import pytest
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.live import (
     LiveOptions,
-    PromptBuilder,
     Reply,
     replay_live,
     request_body,
@@ -160,45 +159,6 @@ def _trace(tmp_path, rows: list[dict], name: str = "t.jsonl") -> str:
     path = tmp_path / name
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
-
-
-def test_a_named_answer_is_resent_as_the_server_generated_it(tmp_path):
-    path = _trace(tmp_path, [
-        {"id": "a1", "t": 0, "output_len": 6, "output": "s/a1", "prompt": [{"shared": "sys", "len": 16}]},
-        {"id": "a2", "t": 1, "output_len": 2, "prompt": [{"shared": "sys", "len": 16},
-                                                          {"shared": "s/a1", "len": 4}, {"unique": 3}]}])
-    reqs = load_trace(path)
-    streams = TokenStreams()
-    pb = PromptBuilder(reqs, 32000, False, path)
-    # the trace's own tokens where nothing was generated: what the sim's replay expands
-    own = pb.build(reqs[1])
-    assert np.array_equal(own, streams.expand(reqs[1]))
-    assert np.array_equal(pb.build(reqs[0]), sequence_tokens(reqs[0], streams.expand(reqs[0]), streams)[:16])
-    assert pb.fallbacks == 1 and pb.resent == 0
-    pb.answer("s/a1", [901, 902, 903])  # fewer than the 4 the prompt quotes: the trace's tokens go
-    assert np.array_equal(pb.build(reqs[1]), own) and pb.fallbacks == 2
-    pb.answer("s/a1", [901, 902, 903, 904, 905, 906])
-    sent = pb.build(reqs[1])
-    assert sent[16:20].tolist() == [901, 902, 903, 904]  # the first L of the server's answer
-    assert np.array_equal(sent[:16], own[:16]) and np.array_equal(sent[20:], own[20:]) and pb.resent == 1
-
-
-def test_ids_outside_the_vocabulary_are_refused_or_remapped(tmp_path):
-    path = _trace(tmp_path, [
-        {"id": "ok", "t": 0, "output_len": 1, "prompt": [{"shared": "sys", "len": 8}]},
-        {"id": "big", "t": 0, "output_len": 1, "prompt": [{"unique": 2}, {"tokens": [40000, 7, 40000]}]}])
-    reqs = load_trace(path)
-    with pytest.raises(InputError) as e:
-        PromptBuilder(reqs, 32000, False, path).check_vocab(reqs)
-    assert str(e.value).startswith(f"{path}:2: field 'prompt[1].tokens': token id 40000")
-    assert "\n" not in str(e.value)
-    with pytest.raises(InputError, match=r"prompt\[0\]\.shared.*--remap-vocab"):  # drawn ids on a small vocab
-        PromptBuilder(reqs, 1000, False, path).check_vocab(reqs)
-    pb = PromptBuilder(reqs, 32000, True, path)
-    pb.check_vocab(reqs)  # nothing refused
-    ids = pb.build(reqs[1])
-    assert ids[2:].tolist() == [8000, 7, 8000] and ids.max() < 32000  # equal ids stay equal
-    assert np.array_equal(pb.build(reqs[0]), TokenStreams().expand(reqs[0]))  # ids below the vocab unchanged
 
 
 def test_request_bodies_for_completions_chat_and_n_samples(tmp_path):
@@ -596,6 +556,14 @@ def vllm(tmp_path_factory):
     server.kill()
 
 
+@pytest.fixture(scope="module")
+def vllm_large(tmp_path_factory):
+    """A server whose pool never evicts on the tests' traces (16,384 blocks of 32 tokens)."""
+    server = VllmServer(tmp_path_factory.mktemp("vllm-large"), NUM_GPU_BLOCKS="16384", KV_SPACE_GIB="1")
+    yield server
+    server.kill()
+
+
 def _chat_trace(tmp_path, sessions: int, turns: int, answer: int) -> list[dict]:
     """Sessions sharing a system prompt; each turn re-sends the history with the previous answers."""
     rows = []
@@ -632,7 +600,7 @@ def test_a_real_vllm_run_hits_its_prefix_cache_and_records_a_refused_request(vll
     assert got.loc["too-long", "rejected"].startswith("error: HTTP 400: ") and summary["rejected"] == 1
     ok = got.drop("too-long")
     assert ok["cached_tokens"].notna().all() and (ok["output_tokens"] == 16).all()
-    assert summary["answers_resent"] == 30 and summary["answers_not_resent"] == 0
+    assert summary["answers_resent"] == 15 and summary["answers_not_resent"] == 0  # turns 2-4 of 5 sessions
     # the server's counters and the cached tokens it reported per request tell the same hit rate
     assert summary["prefix_hit_rate"] > 0.3
     assert summary["prefix_hit_rate"] == pytest.approx(summary["client_hit_rate"])
@@ -686,3 +654,51 @@ def test_a_real_vllm_killed_mid_run_is_recorded_without_a_crash(tmp_path, client
     assert summary["complete"] and len(got) == summary["requests"] == 12
     assert summary["completed"] >= 3 and summary["errors"] >= 1
     assert got["rejected"].dropna().str.startswith("error: ").all()
+
+
+def _sim_like(trace: str, url: str, out: Path, **workload) -> tuple[dict, pd.DataFrame]:
+    """The sim with the server's settings and its engine's length rule (what --like-server URL takes)."""
+    from kvbench.engine.lengths import engine_rule
+    from kvbench.engine.replay import replay
+
+    settings = server_settings_from_server(url)
+    cfg = ReplayConfig(**settings.replay_fields(), overlong=engine_rule(settings.kind), model="tiny", **workload)
+    summary = replay(trace, cfg, str(out))
+    return summary, pd.read_parquet(out / "requests.parquet").set_index("id")
+
+
+@pytest.mark.live
+@needs_vllm
+def test_the_agent_trace_hits_as_in_the_sim_request_by_request(vllm_large, tmp_path, client_on_cpu0):
+    # agent steps quote the task and tool results under their answers' names: only prompts sent by
+    # continuation hit what the sim hits; on a pool that never evicts, request by request
+    trace = str(REPO / "traces" / "agent.jsonl")
+    workload = dict(time_scale=0.25, limit=80, dependent_turns=True)
+    summary, run_dir = _run(trace, vllm_large.url, tmp_path / "live", ReplayConfig(model="tiny", **workload))
+    live = pd.read_parquet(Path(run_dir) / "requests.parquet").set_index("id")
+    sim_summary, sim = _sim_like(trace, vllm_large.url, tmp_path / "sim", **workload)
+    assert summary["errors"] == 0 and summary["answers_not_resent"] == 0 and summary["answers_resent"] > 20
+    assert (live["output_tokens"] == sim.loc[live.index, "output_tokens"]).all()
+    differ = live.index[live["cached_tokens"] != sim.loc[live.index, "cached_tokens"]]
+    assert list(differ) == [], live.loc[differ, ["cached_tokens"]].join(sim["cached_tokens"], rsuffix="_sim")
+    assert summary["ideal_hit_rate"] == pytest.approx(summary["trace_ideal_hit_rate"])
+    assert summary["prefix_hit_rate"] == pytest.approx(sim_summary["prefix_hit_rate"])
+
+
+@pytest.mark.live
+@needs_vllm
+def test_the_length_rule_is_the_servers(vllm, tmp_path, client_on_cpu0):
+    limit = 4096  # the server's --max-model-len
+    rows = [{"id": "cut", "t": 0.0, "output_len": 40, "prompt": [{"unique": limit - 25}]},  # runs, stops at the limit
+            {"id": "one", "t": 0.1, "output_len": 8, "prompt": [{"unique": limit - 1}]},  # one token of room
+            {"id": "full", "t": 0.2, "output_len": 1, "prompt": [{"unique": limit}]},  # no room: refused
+            {"id": "fits", "t": 0.3, "output_len": 6, "prompt": [{"unique": 30}]}]
+    trace = _trace(tmp_path, rows)
+    summary, run_dir = _run(trace, vllm.url, tmp_path / "live", ReplayConfig(model="tiny", max_concurrency=1))
+    live = pd.read_parquet(Path(run_dir) / "requests.parquet").set_index("id")
+    sim_summary, sim = _sim_like(trace, vllm.url, tmp_path / "sim", max_concurrency=1)
+    assert live.loc["full", "rejected"].startswith("error: HTTP 400") and sim.loc["full", "rejected"] is not None
+    assert summary["rejected"] == sim_summary["rejected"] == 1
+    ran = ["cut", "one", "fits"]
+    assert live.loc[ran, "output_tokens"].tolist() == sim.loc[ran, "output_tokens"].tolist() == [25, 1, 6]
+    assert summary["truncated"] == sim_summary["truncated"] == 2

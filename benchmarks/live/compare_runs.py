@@ -3,7 +3,8 @@ predictions of them, pool by pool, against the goals, with the load the machine 
 
     python benchmarks/live/compare_runs.py DIR      # DIR: what live_check.sh wrote; markdown on stdout
 
-DIR holds cal/ (the calibration's live run and calibrate.txt), one folder per pool with live-1..N and
+DIR holds cal/ (the calibration's live run and calibrate.txt), one folder per pool and trace (large,
+small: the chat trace; agent-large, agent-small: the generated agent trace) with live-1..N and
 sim-calibrated, sim-default, and phases.tsv (each phase's start, end and load average). A goal is
 judged against the median of the live repeats; the repeats' own range says how far the server moves
 between two runs of the same load. A sim is paired with the live runs by the report's rule
@@ -18,6 +19,8 @@ import os
 import statistics
 import time
 from pathlib import Path
+
+import pandas as pd
 
 from kvbench.report.data import Run
 from kvbench.report.prediction import predicts
@@ -132,12 +135,37 @@ def pool_tables(out_dir: str, pool: str, ph: dict) -> tuple[list[str], list[str]
     return figures, runs, notes
 
 
+def per_request(out_dir: str, pool: str, most: int = 3) -> list[str]:
+    """Rows of the per-request table: for each live run of a pool, the served requests whose cached
+    tokens (as the server reported them) differ from the calibrated sim's, and by how much."""
+    d = os.path.join(out_dir, pool)
+    sim_path = os.path.join(d, "sim-calibrated", "requests.parquet")
+    if not os.path.exists(sim_path):
+        return []
+    sim = pd.read_parquet(sim_path).set_index("id")["cached_tokens"]
+    rows = []
+    for name in sorted(n for n in os.listdir(d) if n.startswith("live-")):
+        path = os.path.join(d, name, "requests.parquet")
+        if not os.path.exists(path):
+            continue
+        live = pd.read_parquet(path).set_index("id")
+        live = live[live["rejected"].isna() & live["cached_tokens"].notna()]["cached_tokens"]
+        both = live.index.intersection(sim.dropna().index)
+        diff = (live.loc[both] - sim.loc[both]).astype(int)
+        off = diff[diff != 0]
+        worst = off.abs().sort_values(ascending=False).index[:most]
+        named = ", ".join(f"{i}: {int(live[i])} vs {int(sim[i])}" for i in worst) or "-"
+        rows.append(f"| {pool}/{name} | {len(both)} | {len(off)} | {int(off.abs().sum()):,} | "
+                    f"{int(off.sum()):+,} | {named} |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir")
     a = ap.parse_args()
     ph = phases(a.dir)
-    pools = [p for p in ("large", "small") if os.path.isdir(os.path.join(a.dir, p))]
+    pools = [p for p in ("large", "small", "agent-large", "agent-small") if os.path.isdir(os.path.join(a.dir, p))]
     head = ["pool", "figure", "server: repeat 1 / 2 / ...", "server range", "server median"]
     head += ["predicted (cal.json)", "error", "goal", "met", "predicted (default clock)", "error", "met"]
     figures, runs, notes = [], [], []
@@ -163,6 +191,16 @@ def main() -> None:
               f"{p.get('started', '-')} | {p.get('wall_s', '-')} | {p.get('load_during', '-')} | "
               f"{p.get('load_before', '-')} | {p.get('load_after', '-')} |")
     print("\n".join(runs))
+    agent = os.path.join(a.dir, "agent-trace.txt")
+    if os.path.exists(agent):
+        print(f"\nThe agent trace: `{Path(agent).read_text().strip().removeprefix('agent trace: ')}`")
+    print("\nPer request: the served requests whose cached tokens differ between each live run and the "
+          "calibrated sim (the server's usage.prompt_tokens_details against requests.parquet):\n")
+    print("| run | requests compared | differ | total difference (tokens) | live - sim (tokens) | "
+          "largest (id: live vs sim) |")
+    print("|---|---|---|---|---|---|")
+    for pool in pools:
+        print("\n".join(per_request(a.dir, pool)))
     other = [(k, v) for k, v in ph.items() if not os.path.isdir(os.path.join(a.dir, k))]
     if other:
         print("\n| phase | started | wall (s) | load during (mean / peak) | load before | load after |\n"

@@ -20,12 +20,14 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.issuer import Issuer
+from kvbench.engine.lengths import engine_rule
+from kvbench.engine.prompts import PromptBuilder
 from kvbench.engine.records import (
     TOKEN_SCHEMA,
     RunWriter,
@@ -48,7 +50,6 @@ from kvbench.errors import InputError
 from kvbench.provenance import Invocation, file_sha256
 from kvbench.trace.format import Request, load_trace
 from kvbench.trace.ideal import ideal_hits
-from kvbench.trace.tokens import TokenStreams
 
 CONNECT_TIMEOUT_S = 10.0
 RETRY_BACKOFF_S = 0.25  # times the attempt number, before a request is sent again
@@ -89,62 +90,6 @@ class LiveOptions:
     def request_headers(self) -> dict[str, str]:
         auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         return {**auth, **self.headers}
-
-
-# -- prompts --------------------------------------------------------------------------------------
-class PromptBuilder:
-    """A request's prompt as token ids: kvbench's own streams (TokenStreams.segment, the tokens the
-    sim's replay hashes), except that a shared segment naming an earlier request's answer re-sends
-    the first L tokens the server generated for that answer, so the server can hit the blocks it
-    cached while decoding it. Where the server's answer is missing or shorter than L (an error, no
-    token ids returned), the trace's own stream is sent instead and counted in ``fallbacks``.
-
-    ``remap``: every id becomes id % vocab_size (deterministic, so equal ids stay equal and a shared
-    prefix stays shared; two ids may collide, which can only add hits where the trace has none)."""
-
-    def __init__(self, requests: list[Request], vocab_size: int, remap: bool, trace_path: str,
-                 streams: TokenStreams | None = None):
-        self.streams = streams or TokenStreams()
-        self.vocab_size = vocab_size
-        self.remap = remap
-        self.trace_path = trace_path
-        self.answer_names = {r.output for r in requests if r.output is not None}
-        self.generated: dict[str, np.ndarray] = {}
-        self.resent = 0  # answer segments sent as the server generated them
-        self.fallbacks = 0  # answer segments sent from the trace's stream
-
-    def check_vocab(self, requests: list[Request]) -> None:
-        """Refuse, before anything is sent, an id the served model does not have (it would crash a
-        vLLM CPU worker): InputError naming the trace line and the segment."""
-        if self.remap:
-            return
-        for r in requests:
-            for j, seg in enumerate(r.prompt):
-                ids = self.streams.segment(seg, r.id, j)
-                if len(ids) and int(ids.max()) >= self.vocab_size:
-                    how = "" if seg.kind == "tokens" else " (kvbench draws stream ids below 32,000)"
-                    raise InputError(f"token id {int(ids.max())} is outside the served model's vocabulary of "
-                                     f"{self.vocab_size:,}{how}: use --remap-vocab to map ids onto it",
-                                     file=self.trace_path, line=r.line, field=f"prompt[{j}].{seg.kind}")
-
-    def answer(self, name: str, tokens: list[int]) -> None:
-        """The server generated ``tokens`` for the answer called ``name``."""
-        self.generated[name] = np.asarray(tokens, dtype=np.int64)
-
-    def build(self, r: Request) -> np.ndarray:
-        parts = []
-        for j, seg in enumerate(r.prompt):
-            part = None
-            if seg.kind == "shared" and seg.name in self.answer_names:
-                got = self.generated.get(seg.name)
-                if got is not None and len(got) >= seg.length:
-                    part = got[:seg.length]
-                    self.resent += 1
-                else:
-                    self.fallbacks += 1
-            parts.append(self.streams.segment(seg, r.id, j) if part is None else part)
-        ids = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
-        return ids % self.vocab_size if self.remap else ids
 
 
 def request_body(api: str, model: str, prompt: np.ndarray, r: Request, seed: int) -> dict:
@@ -335,6 +280,8 @@ class LiveRun:
         self.warm = sorted((r for r in reqs if r.index in warm), key=lambda r: r.t)
         self.measured = sorted((r for r in reqs if r.index not in warm), key=lambda r: r.t)
         self.server = server_settings_from_server(self.root, opts.request_headers())
+        # the server applies its engine's length rule to what it is sent; config.json says which
+        self.cfg = replace(self.cfg, overlong=engine_rule(self.server.kind))
         model = opts.served_model or self.server.served_model
         if model is None:
             raise InputError(f"{self.root}/v1/models lists no model: name the one to ask for", field="--served-model")
@@ -453,8 +400,7 @@ class LiveRun:
             reply.error = f"error: the stream ended after {reply.output_tokens} of {want} tokens"
         elif cut and measured:  # the server capped the output at its max model length (vLLM's get_max_tokens)
             self.st.truncated += 1
-        if reply.error is None and r.output is not None and reply.tokens.get(0):
-            self.prompts.answer(r.output, reply.tokens[0])
+        self.prompts.answer(r, reply.tokens.get(0) if reply.error is None else None)
         if measured:
             self._record(r, reply)
         if self.on_progress is not None:
@@ -524,14 +470,22 @@ class LiveRun:
             "preemptions": None if preempt is None else int(preempt), "output_tokens": st.output_tokens,
             "num_blocks": self.server.usable_blocks, "block_size": self.block_size,
             "kv_capacity_tokens": None if self.server.usable_blocks is None else self.server.usable_blocks * self.block_size,
-            "answers_resent": self.prompts.resent, "answers_not_resent": self.prompts.fallbacks,
+            "trace_ideal_hit_rate": self._trace_ideal_hit_rate(),
+            "answers_resent": self.prompts.resent, "answers_not_resent": len(self.prompts.fallbacks),
             "metrics_scrapes": len(tl.rows), "metrics_failures": tl.failures, "wall_s": wall_s,
         })
         return s
 
     def _ideal_hit_rate(self) -> float | None:
-        """The trace's ceiling for the measured requests the server served, in trace order, at its block
-        size (a refused request is no lookup, as in the sim; re-sent answers are the tokens it cached)."""
+        """The ceiling of what was sent: the measured requests the server served, in trace order, at
+        its block size, each prompt as sent and each named answer as received (a refused request is
+        no lookup, as in the sim)."""
+        served = sorted(self.st.served, key=lambda r: r.index)
+        return self.prompts.ideal_hits(served, self.block_size).hit_rate if served else None
+
+    def _trace_ideal_hit_rate(self) -> float | None:
+        """The same requests' ceiling from the trace's own tokens (what the sim's run reports): equal to
+        the ideal of what was sent unless prompts could not continue their answers (fallbacks)."""
         served = sorted(self.st.served, key=lambda r: r.index)
         return ideal_hits(served, self.block_size, self.prompts.streams).hit_rate if served else None
 
@@ -549,14 +503,15 @@ class LiveRun:
     def _after_config(self) -> dict:
         kind = self.timeline.kind or self.server.kind
         notes = []
-        if self.prompts.fallbacks:
-            notes.append(f"{self.prompts.fallbacks} answer segment(s) were not re-sent as the server generated "
-                         "them (no or too few token ids came back): the trace's own tokens went instead, so "
-                         "the server could not hit the blocks it cached for them and hit rates are lower")
+        fallback = self.prompts.fallback_note()
+        if fallback is not None:
+            notes.append(fallback)
         return {"metrics": {"kind": kind, "names": metric_names(kind), "interval_s": self.opts.metrics_interval_s,
                             "steps_parquet": "one row per /metrics scrape: running, waiting, kv_util (the "
                                              "engine's pool use), prefix counters since the first scrape"},
-                "answers": {"resent": self.prompts.resent, "not_resent": self.prompts.fallbacks}, "notes": notes}
+                "answers": {"resent": self.prompts.resent, "not_resent": len(self.prompts.fallbacks),
+                            "not_resent_requests": [[f.request, f.answer_of] for f in self.prompts.fallbacks]},
+                "notes": notes}
 
 
 def replay_live(trace_path: str, cfg: ReplayConfig, opts: LiveOptions, out_dir: str, *, force: bool = False,
@@ -568,4 +523,4 @@ def replay_live(trace_path: str, cfg: ReplayConfig, opts: LiveOptions, out_dir: 
     return run.run(), run.out_dir
 
 
-__all__ = ["LiveOptions", "LiveRun", "PromptBuilder", "Reply", "replay_live", "request_body", "sse_data"]
+__all__ = ["LiveOptions", "LiveRun", "Reply", "replay_live", "request_body", "sse_data"]
