@@ -123,16 +123,42 @@ def build_scheduler(args):
         kv_cache_groups=[KVCacheGroupSpec(layer_names=["model.layers.0.self_attn.attn"],
                                           kv_cache_spec=spec)],
         hash_block_size=args.block_size, cache_hit_alignment_tokens=args.block_size)
+    sched_block_size = hash_block_size = args.block_size
+    args.kv_cache_groups = None
+    if args.layers:
+        # Hybrid mode (hybrid.py): vLLM's own grouping of the per-layer specs, checked, and the
+        # scheduler's KVCacheConfig built the way EngineCore._initialize_kv_caches builds it.
+        import hybrid
+        hybrid.prepare_config(vllm_config)
+        name, layers, expect = hybrid.load_layers(args.layers)
+        specs = hybrid.layer_specs(layers, args.block_size, args.kv_cache_dtype)
+        groups = hybrid.group_layers(vllm_config, specs)
+        args.kv_cache_groups = hybrid.check_groups(groups, layers, expect)
+        args.layers_name, args.num_layers = name, len(layers)
+        kv_cache_config, sched_block_size, hash_block_size = hybrid.scheduler_kv_cache_config(
+            vllm_config, groups, args.num_blocks)
+        assert vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
     sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                       structured_output_manager=StructuredOutputManager(vllm_config),
-                      block_size=args.block_size, hash_block_size=args.block_size,
+                      block_size=sched_block_size, hash_block_size=hash_block_size,
                       include_finished_set=False, log_stats=True)
+    if args.layers:
+        coord = sched.kv_cache_manager.coordinator
+        got = [type(m).__name__ for m in coord.single_type_managers]
+        assert len(got) == len(args.kv_cache_groups), got
+        if len(got) > 1:
+            assert type(coord).__name__ == "HybridKVCacheCoordinator", type(coord).__name__
+        for d, m in zip(args.kv_cache_groups, coord.single_type_managers):
+            d["manager"] = type(m).__name__
+            d["max_admission_blocks_per_request"] = m.max_admission_blocks_per_request
+        args.coordinator = type(coord).__name__
+        args.prefix_cache_retention_interval = coord.retention_interval
     sc = vllm_config.scheduler_config
     assert type(sched) is Scheduler and sc.async_scheduling is False, "async scheduling must be off"
     assert vllm_config.cache_config.block_size == args.block_size
     hash_fn = get_hash_fn_by_name(args.hash)
     init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(args.block_size, hash_fn, vllm_config.num_hash_lookahead_tokens)
+    hasher = get_request_block_hasher(hash_block_size, hash_fn, vllm_config.num_hash_lookahead_tokens)
     return sched, hasher, vllm_config
 
 
@@ -154,6 +180,11 @@ def main(argv=None):
                          "strict arrival order, as vLLM's default)")
     ap.add_argument("--cache-aware-admission-threshold", type=float, default=0.5,
                     help="vLLM 0.34's SchedulerConfig.cache_aware_admission_threshold")
+    ap.add_argument("--layers", default=None,
+                    help="hybrid mode: per-layer KV specs, a preset of hybrid.py (gpt-oss-120b, gemma-3-27b, "
+                         "llama-4-scout, deepseek-v3) or a JSON layer list; vLLM groups them itself")
+    ap.add_argument("--kv-cache-dtype", default=None, choices=["fp8"],
+                    help="hybrid mode: every layer's KV in fp8 (default: the layer list's dtype)")
     ap.add_argument("--hash", default="sha256", choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.1)
     ap.add_argument("--decode-step-ms", type=float, default=20.0)
@@ -344,6 +375,14 @@ def main(argv=None):
                    "vllm_default_block_size": getattr(type(cc), "DEFAULT_BLOCK_SIZE", None),
                    "platform": type(current_platform).__name__,
                    "prefill_ms_per_token": args.prefill_ms_per_token, "decode_step_ms": args.decode_step_ms},
+        "hybrid": None if not args.layers else {
+            "layers": args.layers, "model": args.layers_name, "num_layers": args.num_layers,
+            "kv_cache_dtype": args.kv_cache_dtype, "coordinator": args.coordinator,
+            "disable_hybrid_kv_cache_manager": sc.disable_hybrid_kv_cache_manager,
+            "kv_cache_layout": cc.kv_cache_layout,
+            "prefix_cache_retention_interval": args.prefix_cache_retention_interval,
+            "scheduler_block_size": sched.block_size, "hash_block_size": sched.hash_block_size,
+            "kv_cache_groups": args.kv_cache_groups},
         "steps_file": os.path.abspath(args.out), "requests_file": os.path.abspath(req_out),
         "wall_s": round(time.time() - t0, 1),
     }
