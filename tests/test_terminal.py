@@ -87,6 +87,117 @@ def test_a_table_that_fits_is_a_table_and_piped_output_is_whole():
     assert not any(line != line.rstrip() for line in lines)
 
 
+def _records(text: str) -> list[tuple[str, list[str]]]:
+    """A table printed as a table (its rows' cells) or one record per block (each record's name and
+    its 'label value' pairs), in the order printed."""
+    out: list[tuple[str, list[str]]] = []
+    for line in _plain(text).splitlines():
+        if line.startswith("│"):
+            cells = [c.strip() for c in line.strip("│").split("│")]
+            out.append((cells[0], cells[1:]))
+        elif line.startswith("  ") and out:
+            out[-1][1].extend(pair.strip() for pair in line.split(" · "))
+        elif line.strip():
+            out.append((line.strip(), []))
+    return out
+
+
+def test_bold_cells_are_bold_on_a_terminal_and_cells_are_never_markup():
+    for width in (80, 12):  # a table, then one block per record
+        out = _Tty()
+        print_table("t [x]", [Column("name", right=False), Column("v")], [["[bold]a[/bold]", "1"], ["b", "2"]],
+                    file=out, width=width, bold={(1, 1)})
+        text = out.getvalue()
+        assert "[bold]a[/bold]" in _plain(text) and "t [x]" in _plain(text)  # written as given, not read as markup
+        assert "\x1b[1m2\x1b[0m" in text and "\x1b[1m1" not in text, (width, text)
+    piped = io.StringIO()
+    print_table("t", [Column("name", right=False), Column("v")], [["a", "1"], ["b", "2"]], file=piped, bold={(1, 1)})
+    assert "\x1b" not in piped.getvalue()
+
+
+# the what-if's tables go through print_table too: whole at 80 columns on a terminal and when piped
+WHATIF = ["trace", "whatif", REPO / "traces" / "rag.jsonl", "--budgets", "256MiB,1GiB,64GiB", "--no-cache"]
+TIERS = ["trace", "whatif", REPO / "traces" / "chat.jsonl", "--tiers", "gpu=256MiB,1GiB,cpu=1GiB,disk=0",
+         "--policies", "lru,belady", "--no-cache"]
+
+
+def _whatif_cells(capsys, argv) -> dict[str, list[tuple[str, dict[str, str]]]]:
+    """What the what-if's tables must show, from its --json: each table's title -> its records, each
+    a name (the first cell) and the other cells by column label."""
+    from kvbench.whatif.output import column_names, versus_lru
+
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    w = json.loads(out)
+    ceiling = f"{w['ceiling']:.4f}"
+    if "tier_policy" in w:
+        return {"prefix hit rate by tier": [
+            (r["gpu"], {"cpu": r["cpu"], "policy": r["policy"], "hit gpu": f"{r['hit_rate_gpu']:.4f}",
+                        "hit cpu": f"{r['hit_rate_cpu']:.4f}", "total": f"{r['hit_rate']:.4f}", "ceiling": ceiling})
+            for r in w["rows"]]}
+    names = column_names(list(dict.fromkeys(r["policy"] for r in w["rows"])))
+    rate = {(r["budget"], r["policy"]): r["hit_rate"] for r in w["rows"]}
+    budgets = list(dict.fromkeys(r["budget"] for r in w["rows"]))
+    hits, gaps = [], []
+    for b in budgets:
+        lru, opt = rate[(b, "lru")], rate[(b, "belady")]
+        hits.append((b, {names[p]: f"{v:.4f}" for (bb, p), v in rate.items() if bb == b} | {"ceiling": ceiling}))
+        gaps.append((b, {"gap": f"{100 * (opt - lru):.2f}" if opt > lru else "none"}
+                     | {names[p]: versus_lru(v, lru, opt) for (bb, p), v in rate.items()
+                        if bb == b and p not in ("lru", "belady")}))
+    return {"prefix hit rate": hits, "each policy against lru": gaps}
+
+
+def _tables(text: str, titles) -> dict[str, list[tuple[str, list[str]]]]:
+    """The printed records of each table, by the title each follows."""
+    out: dict[str, list] = {}
+    for name, cells in _records(text):
+        title = next((t for t in titles if name.startswith(t)), None)
+        if title is not None:
+            current = out[title] = []
+        elif name and not name.startswith(("┏", "┡", "└", "block ", "points:", "rate - lru", "belady's")):
+            current.append((name, cells))
+    return out
+
+
+@pytest.mark.parametrize("argv", [WHATIF, TIERS], ids=["curve", "tiers"])
+def test_the_whatif_tables_at_80_columns_keep_every_cell_in_its_record(capsys, monkeypatch, argv):
+    """Every cell of every what-if table whole and in its own record at 80 columns (mutation: the
+    tables printed with rich at the terminal's width again -> cells cut to '0.8…')."""
+    want = _whatif_cells(capsys, argv)
+    tty = _Tty()
+    monkeypatch.setattr(sys, "stdout", tty)
+    monkeypatch.setenv("COLUMNS", "80")
+    code, _, err = run(capsys, *argv)
+    monkeypatch.undo()
+    assert code == 0, err
+    text = tty.getvalue()
+    assert "…" not in text and all(len(line) <= 80 for line in _plain(text).splitlines())
+    got = _tables(text, want)
+    assert list(got) == list(want)
+    for title, records in want.items():
+        for name, cells in records:
+            # a block holds "label cell" pairs; a table's row holds the cells in its columns' order
+            assert any(n == name and (all(f"{label} {cell}" in printed for label, cell in cells.items())
+                                      or list(cells.values()) == printed[-len(cells):])
+                       for n, printed in got[title]), (title, name, cells, got[title])
+
+
+@pytest.mark.parametrize("argv", [WHATIF, TIERS], ids=["curve", "tiers"])
+def test_the_whatif_tables_piped_are_whole(capsys, argv):
+    want = _whatif_cells(capsys, argv)
+    code, out, err = run(capsys, *argv)  # capsys: stdout is no terminal
+    assert code == 0, err
+    assert "…" not in out and not any(line != line.rstrip() for line in out.splitlines())
+    for title, records in want.items():
+        table = out.split(title, 1)[1].split("\n", 1)[1]  # the lines under the title
+        header = next(line for line in table.splitlines() if line.strip())
+        for name, cells in records:
+            assert all(label in header for label in cells), (header, cells)
+            assert any(line.split()[:1] == [name] and all(c in line for c in cells.values())
+                       for line in table.splitlines()), (title, name, cells)
+
+
 def _plain(text: str) -> str:
     import re
 

@@ -3,6 +3,7 @@
 ideal hits at a huge budget), the same hits as a PagedKV replay request by request (the two cannot
 drift apart), and the command as a user runs it: table, --json, --out files, bad input."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from kvbench.trace.keys import cached_sequence
 from kvbench.trace.tokens import TokenStreams
 from kvbench.whatif.blocktrace import prepare
 from kvbench.whatif.curve import run_points, simulate
-from kvbench.whatif.output import COLUMNS
+from kvbench.whatif.output import COLUMNS, versus_lru, versus_lru_table
 
 REPO = Path(__file__).resolve().parents[1]
 REAL = Path(__file__).resolve().parents[2] / "shared" / "traces" / "real" / "mooncake_conversation.jsonl"
@@ -170,7 +171,9 @@ def test_cli_table_json_and_out_directory(tmp_path):
     assert list(df.columns[:5]) == COLUMNS
     assert {"block_size", "model", "kv_bytes_per_token", "warmup", "trace"} <= set(df.columns)
     assert len(df) == 3 * len(CACHE_POLICIES) and set(df.policy) == set(CACHE_POLICIES)
-    assert "share of the lru -> belady gap closed" in r.stdout
+    assert "each policy against lru: hit-rate points (share of the lru -> belady gap closed)" in r.stdout
+    assert not re.search(r"-\d+%", r.stdout)  # a loss to lru is never a negative share (fifo loses at 512MiB)
+    assert "(below lru)" in r.stdout and re.search(r"\+\d+\.\d\d \(\d+%\)", r.stdout)
     gap = df.set_index(["budget_blocks", "policy"]).gap_closed
     small = df.budget_blocks.min()
     assert gap[(small, "lru")] == 0 and gap[(small, "belady")] == 1
@@ -182,7 +185,10 @@ def test_cli_table_json_and_out_directory(tmp_path):
 
     build_report([str(tmp_path / "w")], str(tmp_path / "report"))
     page = (tmp_path / "report" / "index.html").read_text()
-    assert "Share of the gap between lru and belady" in page and f"<td>{gap[(small, 'arc')]:.0%}</td>" in page
+    rate = df.set_index(["budget_blocks", "policy"]).hit_rate
+    arc_cell = versus_lru(rate[(small, "arc")], rate[(small, "lru")], rate[(small, "belady")])
+    assert f"({gap[(small, 'arc')]:.0%})" in arc_cell or "(below lru)" in arc_cell
+    assert "Each policy against lru: hit-rate points" in page and f"<td>{arc_cell}</td>" in page
     assert (df.budget_blocks == df.budget_bytes // (131072 * 16)).all()
     assert (df.hit_rate <= df.ceiling + 1e-12).all()
     assert (tmp_path / "w" / "whatif.png").stat().st_size > 10_000
@@ -195,6 +201,29 @@ def test_cli_table_json_and_out_directory(tmp_path):
     rows = {(x["budget_blocks"], x["policy"]): x for x in out["rows"]}
     assert rows[(100000, "lru")]["hit_rate"] == rows[(100000, "belady")]["hit_rate"] == out["ceiling"]
     assert rows[(100, "lru")]["budget_bytes"] == 100 * 16 * 65536
+
+
+def test_a_policy_against_lru_reads_as_points_and_a_share_of_the_gap_only_above_lru():
+    """The share of the lru -> belady gap is written only where it means something: a policy below
+    lru loses points to lru (never '-494%' of a small gap), and with no gap (belady = lru) there is
+    no share at all. Mutation: the share written below lru too -> fails."""
+    assert versus_lru(0.20, 0.10, 0.30) == "+10.00 (50%)"
+    assert versus_lru(0.10, 0.10, 0.30) == "+0.00 (0%)" and versus_lru(0.30, 0.10, 0.30) == "+20.00 (100%)"
+    assert versus_lru(0.0502, 0.1, 0.1101) == "-4.98 (below lru)"  # the share would be -494%
+    assert versus_lru(0.2, 0.3, 0.3) == "-10.00 (below lru)"  # below lru, no gap
+    assert versus_lru(0.3, 0.3, 0.3) == "+0.00" and versus_lru(0.31, 0.3, 0.3) == "+1.00"  # no gap: no share
+    assert versus_lru(0.31, 0.3, None) == "+1.00"  # no belady
+    assert versus_lru(0.300001, 0.3, 0.4) == "+<0.01 (0%)" and versus_lru(0.299999, 0.3, 0.4) == "-<0.01 (below lru)"
+    rows = [{"budget_bytes": b, "budget": label, "policy": p, "hit_rate": v}
+            for b, label, rates in ((1 << 30, "1GiB", {"lru": 0.10, "fifo": 0.05, "arc": 0.12, "belady": 0.11}),
+                                     (2 << 30, "2GiB", {"lru": 0.30, "fifo": 0.25, "arc": 0.30, "belady": 0.30}))
+            for p, v in rates.items()]
+    t = versus_lru_table(rows)
+    assert t.columns == ["budget", "gap", "fifo", "arc"]
+    assert t.rows == [["1GiB", "1.00", "-5.00 (below lru)", "+2.00 (200%)"],
+                      ["2GiB", "none", "-5.00 (below lru)", "+0.00"]]
+    assert t.best == {(0, 3), (1, 3)}
+    assert versus_lru_table([r for r in rows if r["policy"] != "belady"]) is None
 
 
 @pytest.mark.parametrize("args, field", [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 
 
@@ -23,55 +24,59 @@ def _term_width() -> int:
 
 
 def print_table(title: str, columns: list[Column], rows: list[list[str]], caption: str = "",
-                file=None, width: int | None = None) -> None:
-    """Print ``rows`` (cells as text) under ``columns``. On a terminal narrower than the table, one
-    block per row instead; piped (not a terminal), a borderless table of its full width."""
+                file=None, width: int | None = None, bold: Collection[tuple[int, int]] = ()) -> None:
+    """Print ``rows`` (cells as text, never markup) under ``columns``. On a terminal narrower than the
+    table, one block per row instead; piped (not a terminal), a borderless table of its full width.
+    ``bold``: (row, column) of cells drawn bold on a terminal (a row's best figure)."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
+
+    def cell(i: int, j: int, text: str) -> Text:
+        return Text(text, style="bold" if (i, j) in bold else "")
 
     out = file or sys.stdout
     tty = out.isatty() if hasattr(out, "isatty") else False
     need = _natural_width(columns, rows)
-    if not tty and width is None:
-        t = Table(title=title, caption=caption or None, caption_justify="left", box=box.SIMPLE_HEAD,
-                  title_justify="left")
+    if not tty and width is None:  # the title and caption as lines of their own: never wrapped to the table
+        t = Table(box=box.SIMPLE_HEAD)
         for c in columns:
-            t.add_column(c.label, justify="right" if c.right else "left", no_wrap=True, overflow="fold")
+            t.add_column(Text(c.label), justify="right" if c.right else "left", no_wrap=True, overflow="fold")
         for row in rows:
-            t.add_row(*row)
+            t.add_row(*map(Text, row))
         import io
 
         buf = io.StringIO()
-        Console(file=buf, width=max(need, len(title), 40), no_color=True, highlight=False,
-                soft_wrap=False).print(t)
-        out.write("\n".join(line.rstrip() for line in buf.getvalue().splitlines()) + "\n")
+        Console(file=buf, width=max(need, 40), no_color=True, highlight=False, soft_wrap=False).print(t)
+        lines = [title, *buf.getvalue().splitlines(), *(caption.splitlines() if caption else [])]
+        out.write("\n".join(line.rstrip() for line in lines) + "\n")
         return
     width = width or _term_width()
     console = Console(file=out, width=width, highlight=False)
     if need <= width:
-        t = Table(title=title, caption=caption or None, caption_justify="left")
+        t = Table(title=Text(title), caption=Text(caption) if caption else None, caption_justify="left")
         for c in columns:
-            t.add_column(c.label, justify="right" if c.right else "left", no_wrap=True)
-        for row in rows:
-            t.add_row(*row)
+            t.add_column(Text(c.label), justify="right" if c.right else "left", no_wrap=True)
+        for i, row in enumerate(rows):
+            t.add_row(*(cell(i, j, x) for j, x in enumerate(row)))
         console.print(t)
         return
     # too wide: one block per record, its cells packed as "label value" pairs into the width
-    console.print(f"[bold]{title}[/bold]")
-    for row in rows:
-        console.print(row[0], style="bold", soft_wrap=True, markup=False)
-        line = " "
-        for c, cell in zip(columns[1:], row[1:]):
-            pair = f"{c.label} {cell}"
+    console.print(Text(title, style="bold"))
+    for i, row in enumerate(rows):
+        console.print(cell(i, 0, row[0]), style="bold", soft_wrap=True)
+        line = Text(" ")
+        for j, (c, x) in enumerate(zip(columns[1:], row[1:]), 1):
+            pair = Text(f"{c.label} ").append(cell(i, j, x))
             if len(line) > 1 and len(line) + 3 + len(pair) > width:
-                console.print(line, soft_wrap=True, markup=False)
-                line = " "
-            line += (" · " if len(line) > 1 else " ") + pair
+                console.print(line, soft_wrap=True)
+                line = Text(" ")
+            line.append(" · " if len(line) > 1 else " ").append(pair)
         if len(line) > 1:
-            console.print(line, soft_wrap=True, markup=False)
+            console.print(line, soft_wrap=True)
     if caption:
-        console.print(caption, markup=False)
+        console.print(Text(caption))
 
 
 def _natural_width(columns: list[Column], rows: list[list[str]]) -> int:

@@ -435,20 +435,20 @@ def _budget_plan(budgets, budget_blocks, block_size: int, block_bytes: int):
 
 def _show(result, paths: list[str], as_json: bool, *tables) -> bool:
     """Note the files written, then print the result as JSON or as its tables (each ``table(result)``:
-    a rich Table, or None for none).
+    a kvbench.whatif.output.TextTable, or None for none), through the one terminal-aware printer.
     Returns whether the tables were printed (the notes after them are for a reader of tables)."""
     for path in paths:
         _note(f"wrote {path}")
     if as_json:
         click.echo(dumps(result.to_dict()))
         return False
-    from rich.console import Console
+    from kvbench.cli.console import Column, print_table
 
-    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 110)
     for table in tables:
         t = table(result)
         if t is not None:
-            console.print(t)
+            print_table(t.title, [Column(c, right=c not in t.words) for c in t.columns], t.rows, t.caption,
+                        bold=t.best)
     return True
 
 
@@ -460,6 +460,7 @@ def _whatif_stores(trace_path, spec, kv_dtype, per_token, block_size, chosen, wa
     from kvbench.jit import WHATIF_MODULES
     from kvbench.memory.policies import check_policy
     from kvbench import whatif as wi
+    from kvbench.whatif import output as wi_output
     from kvbench.whatif import tiers as wt
 
     what = "--tiers" if tiers_text is not None else "--budget-counts cache"
@@ -489,7 +490,8 @@ def _whatif_stores(trace_path, spec, kv_dtype, per_token, block_size, chosen, wa
                                  model=spec.name, kv_dtype=kv_dtype, kv_bytes_per_token=per_token,
                                  block_size=block_size, tiers=tiers, policies=chosen, tier_policy=tier_policy,
                                  offload=offload, warmup=warmup)
-        _show(result, wt.write_outputs(result, out) if out else [], as_json, wt.table)
+        _show(result, wt.write_outputs(result, out) if out else [], as_json,
+              lambda w: wi_output.tiers_table(w, wt.TIERS))
         return
     plan = _budget_plan(budgets, budget_blocks, block_size, block_bytes)
     result = wt.whatif_cache(wi.read_hashed_cached(trace_path, block_size, use_cache=use_cache), trace=trace_path,

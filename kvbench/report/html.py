@@ -159,23 +159,21 @@ def _glossary(ratios: bool) -> str:
 
 
 def _gap_table(df) -> str:
-    """What-if: the share of the lru -> belady gap each other policy closes, per budget ('' when
-    the table has no gap_closed column or no gap)."""
-    import pandas as pd
+    """What-if: each policy against lru per budget, in hit-rate points with the share of the lru ->
+    belady gap closed, as the terminal writes it (kvbench.whatif.output.versus_lru_table); '' where
+    the table has no lru, belady and another policy."""
+    from kvbench.whatif.output import VERSUS_LRU_CAPTION, versus_lru_table
 
-    if "gap_closed" not in df.columns or df["gap_closed"].isna().all():
+    if not {"budget_bytes", "policy", "hit_rate"} <= set(df.columns):
         return ""
-    others = [p for p in dict.fromkeys(df["policy"]) if p not in ("lru", "belady")]
-    heads = "".join(f"<th>{_e(x)}</th>" for x in ["budget", *others])
-    rows = []
-    for _, g in df.sort_values("budget_bytes").groupby("budget_bytes", sort=True):
-        gap = dict(zip(g["policy"], g["gap_closed"]))
-        label = g["budget"].iloc[0] if "budget" in g.columns else f"{g['budget_bytes'].iloc[0] / 2**30:g} GiB"
-        cells = "".join("<td>-</td>" if pd.isna(gap.get(p)) else f"<td>{gap[p]:.0%}</td>" for p in others)
-        rows.append(f"<tr><td>{_e(label)}</td>{cells}</tr>")
-    return ("<p>Share of the gap between lru and belady (the offline optimum) each policy closes: "
-            "(hit rate &minus; lru's) / (belady's &minus; lru's).</p>"
-            f"<div class=scroll><table><tr>{heads}</tr>{''.join(rows)}</table></div>")
+    t = versus_lru_table(df.to_dict("records"))
+    if t is None:
+        return ""
+    heads = "".join(f"<th>{_e(x)}</th>" for x in t.columns)
+    rows = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in t.rows)
+    return (f"<p>{_e(t.title[0].upper() + t.title[1:])}.</p>"
+            f"<div class=scroll><table><tr>{heads}</tr>{rows}</table></div>"
+            f"<p class=meta>{_e(VERSUS_LRU_CAPTION[0].upper() + VERSUS_LRU_CAPTION[1:])}.</p>")
 
 
 def _e(text) -> str:

@@ -1,6 +1,6 @@
 """The what-if's results and outputs: the records (``WhatIfHead``, ``WhatIf``), whatif.parquet (one row
-per budget and policy), whatif.png and whatif.json, and the terminal's tables; the frame both what-ifs
-(the curve's, the tiers') write."""
+per budget and policy), whatif.png and whatif.json, and the terminal's tables (``TextTable``: text only,
+laid out by the command's printer); the frame both what-ifs (the curve's, the tiers') write."""
 from __future__ import annotations
 
 import os
@@ -144,56 +144,123 @@ def plot(w: WhatIf, path: str) -> None:
     plt.close(fig)
 
 
-def table(w: WhatIf):
-    """A rich Table: one row per budget, one column per policy, then the ceiling."""
-    from rich.table import Table
+# --------------------------------------------------------------------------------- tables
 
+@dataclass(slots=True)
+class TextTable:
+    """A terminal table as text: what its cells say, never how wide they may be. The command prints
+    it through its terminal-aware printer (kvbench.cli.console.print_table), which lays it out at the
+    terminal's width, one row per block where it does not fit, and whole when piped."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]]  # one text per column
+    caption: str = ""
+    words: frozenset[str] = frozenset()  # columns of words, aligned left; the others hold figures
+    best: frozenset[tuple[int, int]] = frozenset()  # (row, column): the best figure of its row
+
+
+def table(w: WhatIf) -> TextTable:
+    """One row per budget, one column per policy (the best of a row marked), then the ceiling."""
     policies = list(dict.fromkeys(r["policy"] for r in w.rows))
-    t = Table(title=f"prefix hit rate: {os.path.basename(w.trace)}"
-                    + (" (radix: SGLang's node eviction)" if w.prefix_mode == "radix" else ""),
-              caption=f"block {w.block_size} tokens; {w.model} {w.kv_dtype}: "
-                      f"{w.kv_bytes_per_token:,} B of KV per token; last {w.window_requests:,} of "
-                      f"{w.requests:,} requests counted (warm-up {w.warmup:g})")
-    t.add_column("budget", justify="right", min_width=7)
-    t.add_column("blocks", justify="right")
-    for p, name in column_names(policies).items():
-        t.add_column(name, justify="right")
-    t.add_column("ceiling", justify="right", style="dim", min_width=7)
     by_budget: dict[int, dict] = {}
     for r in w.rows:
         cells = by_budget.setdefault(r["budget_bytes"], {"blocks": r["budget_blocks"], "label": r["budget"]})
         cells[r["policy"]] = r
-    for size, cells in sorted(by_budget.items()):
-        best = max(cells[p]["hit_rate"] for p in policies)
-        row = [cells["label"], f"{cells['blocks']:,}"]
-        for p in policies:
-            v = cells[p]["hit_rate"]
-            row.append(f"[bold]{v:.4f}[/bold]" if v == best else f"{v:.4f}")
-        row.append(f"{w.ceiling:.4f}")
-        t.add_row(*row)
-    return t
+    rows, best = [], set()
+    for i, (_, cells) in enumerate(sorted(by_budget.items())):
+        best |= {(i, 2 + j) for j in _best([cells[p]["hit_rate"] for p in policies])}
+        rows.append([cells["label"], f"{cells['blocks']:,}", *(f"{cells[p]['hit_rate']:.4f}" for p in policies),
+                     f"{w.ceiling:.4f}"])
+    return TextTable(f"prefix hit rate: {os.path.basename(w.trace)}"
+                     + (" (radix: SGLang's node eviction)" if w.prefix_mode == "radix" else ""),
+                     ["budget", "blocks", *column_names(policies).values(), "ceiling"], rows,
+                     caption=f"block {w.block_size} tokens; {w.model} {w.kv_dtype}: {w.kv_bytes_per_token:,} B of KV "
+                             f"per token; last {w.window_requests:,} of {w.requests:,} requests counted (warm-up "
+                             f"{w.warmup:g})", best=frozenset(best))
 
 
-def gap_table(w: WhatIf):
-    """A rich Table of the share of the lru -> belady gap each other policy closes, one row per
-    budget (a budget with no gap, where belady does no better than lru, shows a dash); None
-    without lru and belady among the policies."""
-    from rich.table import Table
+VERSUS_LRU_CAPTION = ("points: 100 x (hit rate - lru's); (13%): the share of the lru -> belady gap closed, (hit "
+                      "rate - lru's) / (belady's - lru's), given where a policy does at least as well as lru; gap: "
+                      "belady's hit rate - lru's, in points")
 
-    policies = [p for p in dict.fromkeys(r["policy"] for r in w.rows) if p not in ("lru", "belady")]
-    if not policies or not any(r.get("gap_closed") is not None for r in w.rows):
+
+def _best(values: list) -> list[int]:
+    """Where the highest of a row's figures are (None: no figure); none where they are all equal."""
+    have = [v for v in values if v is not None]
+    if len(set(have)) < 2:
+        return []
+    return [j for j, v in enumerate(values) if v == max(have)]
+
+
+def versus_lru(hit_rate: float, lru: float, belady: float | None) -> str:
+    """One policy against lru at one budget, as every table writes it: the hit-rate difference in
+    points, signed, then the share of the lru -> belady gap closed where that share means something
+    (the policy at least as good as lru, belady better than lru), or 'below lru' where the policy
+    does worse: '+1.70 (13%)', '-4.94 (below lru)', '+0.00' with no gap. A share below zero is never
+    written: over a small gap a small loss would read as -500%."""
+    text = points(hit_rate - lru)
+    if hit_rate < lru:
+        return f"{text} (below lru)"
+    if belady is not None and belady > lru:
+        return f"{text} ({(hit_rate - lru) / (belady - lru):.0%})"
+    return text
+
+
+def points(diff: float) -> str:
+    """A difference of two hit rates in percentage points, signed, two decimals; one that rounds to
+    zero without being zero is '+<0.01' or '-<0.01', so that its sign is not lost."""
+    text = f"{100 * diff:+.2f}"
+    if diff and float(text) == 0:
+        return f"{'+' if diff > 0 else '-'}<0.01"
+    return text
+
+
+def gap_table(w: WhatIf) -> TextTable | None:
+    """The curve's policies against lru (``versus_lru_table``)."""
+    return versus_lru_table(w.rows)
+
+
+def versus_lru_table(rows: Sequence[dict]) -> TextTable | None:
+    """Every policy but lru and belady against lru, one row per budget: the points gained or lost and
+    the share of the lru -> belady gap closed (``versus_lru``), with the gap itself; None without lru,
+    belady and another policy. ``rows``: what-if rows (budget_bytes, policy, hit_rate; budget, the
+    label, where they have it): a WhatIf's, or whatif.parquet's as kvbench report reads it."""
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    others = [p for p in policies if p not in ("lru", "belady")]
+    if not others or "lru" not in policies or "belady" not in policies:
         return None
-    t = Table(title="share of the lru -> belady gap closed",
-              caption="(hit rate - lru's) / (belady's - lru's) at each budget: 0% is lru, 100% belady")
-    t.add_column("budget", justify="right")
-    for name in column_names(policies).values():
-        t.add_column(name, justify="right")
-    by_budget: dict[int, dict] = {}
-    for r in w.rows:
-        by_budget.setdefault(r["budget_bytes"], {"label": r["budget"]})[r["policy"]] = r.get("gap_closed")
+    by_budget: dict[float, dict] = {}
+    for r in rows:
+        label = r.get("budget")
+        cells = by_budget.setdefault(r["budget_bytes"], {
+            "label": label if isinstance(label, str) else format_bytes(int(r["budget_bytes"]))})
+        cells[r["policy"]] = r["hit_rate"]
+    out: list[list[str]] = []
+    best = set()
     for _, cells in sorted(by_budget.items()):
-        gaps = [cells[p] for p in policies]
-        best = max((g for g in gaps if g is not None), default=None)
-        t.add_row(cells["label"], *("-" if g is None else f"[bold]{g:.0%}[/bold]" if g == best else f"{g:.0%}"
-                                    for g in gaps))
-    return t
+        lru, opt = cells.get("lru"), cells.get("belady")
+        if lru is None:
+            continue
+        best |= {(len(out), 2 + j) for j in _best([cells.get(p) for p in others])}
+        out.append([cells["label"], "-" if opt is None else f"{100 * (opt - lru):.2f}" if opt > lru else "none",
+                    *("-" if p not in cells else versus_lru(cells[p], lru, opt) for p in others)])
+    return TextTable("each policy against lru: hit-rate points (share of the lru -> belady gap closed)",
+                     ["budget", "gap", *column_names(others).values()], out, caption=VERSUS_LRU_CAPTION,
+                     best=frozenset(best))
+
+
+def tiers_table(w, tiers: Sequence[str]) -> TextTable:
+    """The tiered what-if (kvbench.whatif.tiers.TieredWhatIf): one row per (gpu, cpu, disk) sizes and
+    GPU policy, the hit rate of each tier (of ``tiers``, fastest first: the gpu and each lower tier
+    some row has), their total and the ceiling."""
+    shown = [t for t in tiers if t == "gpu" or any(r[f"{t}_blocks"] for r in w.rows)]
+    rows = [[*(r[name] for name in shown), column_names([r["policy"]])[r["policy"]],
+             *(f"{r[f'hit_rate_{name}']:.4f}" for name in shown), f"{r['hit_rate']:.4f}", f"{w.ceiling:.4f}"]
+            for r in w.rows]
+    return TextTable(f"prefix hit rate by tier: {os.path.basename(w.trace)}",
+                     [*shown, "policy", *(f"hit {name}" for name in shown), "total", "ceiling"], rows,
+                     caption=f"block {w.block_size} tokens; {w.model} {w.kv_dtype}: {w.kv_bytes_per_token:,} B of "
+                             f"KV per token; lower tiers {w.tier_policy}, {w.offload}; last {w.window_requests:,} of "
+                             f"{w.requests:,} requests counted (warm-up {w.warmup:g})",
+                     words=frozenset({"policy"}))
