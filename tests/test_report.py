@@ -509,6 +509,76 @@ def test_settings_read_as_words_and_the_figures_are_defined_on_the_page(example)
         assert f">{name}<" in glossary
 
 
+# independent axes, not levels: engine time, and a signed error whose zero is drawn inside the range
+TIME_AXES = ("engine time (s)", "seconds from the first request")
+
+
+def assert_levels_from_zero(fig, name: str) -> int:
+    """Every linear axis of ``fig`` on which levels are compared starts at zero: a value axis (not
+    categories: ticks named by run, policy or figure; not time), whose data are not signed. A log
+    axis is exempt (it compares ratios, and says 'log scale'). -> how many axes were checked."""
+    from matplotlib.ticker import FixedLocator
+
+    def categories(axis) -> bool:  # ticks placed by hand and named in words: runs, policies, figures
+        names = axis.get_major_formatter().format_ticks(axis.get_majorticklocs())
+        return isinstance(axis.get_major_locator(), FixedLocator) and not all(
+            re.fullmatch(r"[-\d.,]+", n.replace("\u2212", "-")) for n in names)
+
+    checked = 0
+    for ax in fig.axes:
+        if not ax.get_visible():
+            continue
+        for which, axis, scale, lim, shared in (("x", ax.xaxis, ax.get_xscale(), ax.get_xlim(), ax.get_shared_x_axes()),
+                                                ("y", ax.yaxis, ax.get_yscale(), ax.get_ylim(), ax.get_shared_y_axes())):
+            # a small panel's label may be left to its column's lowest panel: any sharing axes' counts
+            labels = {(a.get_xlabel() if which == "x" else a.get_ylabel()) for a in shared.get_siblings(ax)}
+            label = "/".join(sorted(labels))
+            if scale != "linear" or categories(axis) or labels & set(TIME_AXES):
+                continue
+            data = ax.dataLim.intervalx if which == "x" else ax.dataLim.intervaly
+            if np.isfinite(data).all() and data[0] < 0:  # signed: zero inside the range
+                assert lim[0] < 0 < lim[1], (name, ax.get_title(), which, lim)
+                continue
+            assert lim[0] == 0, (name, ax.get_title(), which, label, lim)
+            checked += 1
+    return checked
+
+
+def test_every_axis_that_compares_levels_starts_at_zero(example, tmp_path):
+    """TPOT p50 6.4 against 10.9 ms drawn from 6 ms looks like a chasm: every chart of the report
+    (sections, what-ifs, prediction) starts its compared axes at zero. Mutation: the latency axes'
+    zero dropped (charts._log_if_wide) -> fails on the TPOT panel."""
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from kvbench.report import prediction, whatif_charts
+
+    checked = sum(assert_levels_from_zero(fig, f"{section.slug}-{stem}") for section, stem, fig in example.figures)
+    stems = {stem for _, stem, _ in example.figures}
+    assert {"overview", "block_size", "latency", "concurrency", "timeline", "eviction"} <= stems, stems
+    # the what-if's charts, the tiered one from a table of the tiered what-if
+    tiers = tmp_path / "tiers"
+    main(["trace", "whatif", str(REPO / "traces" / "chat.jsonl"), "--tiers", "gpu=256MiB,1GiB,cpu=1GiB",
+          "--policies", "lru,belady", "--out", str(tiers)])
+    whatifs = example.inputs.whatifs + load_inputs([str(tiers)]).whatifs
+    # a live run and the sim run that predicts it (tests/data/live: a real vLLM server's run)
+    live = tmp_path / "live"
+    shutil.copytree(REPO / "tests" / "data" / "live" / "run-chat60", live)
+    replay(str(live / "trace.jsonl"), ReplayConfig(model="tiny", block_size=32, num_blocks=255, max_model_len=4096,
+                                                   time_scale=0.1, max_concurrency=16, dependent_turns=True,
+                                                   overlong="truncate"), str(tmp_path / "sim"))
+    (pair,) = prediction.pair([r for s in _inputs([str(live), str(tmp_path / "sim")]).sections for r in s.runs])
+    with matplotlib.rc_context(charts.RC):
+        more = [(f"whatif-{w.label}", (whatif_charts.whatif_tiers if whatif_charts.tiered(w.table)
+                                       else whatif_charts.whatif)(w)) for w in whatifs]
+        more.append(("prediction", prediction.chart(pair)))
+        for name, fig in more:
+            assert fig is not None, name
+            FigureCanvasAgg(fig).draw()
+            checked += assert_levels_from_zero(fig, name)
+    assert checked >= 40
+
+
 def test_a_linear_latency_axis_has_plain_ticks_from_zero_when_values_agree():
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -134,6 +134,7 @@ def chart(p: Prediction) -> Figure | None:
             t, running = binned(r.steps, "running", hold=True)
             timeline.plot(t - (t[0] if len(t) else 0), running, lw=1.2, color="black" if i == 0 else None,
                           label="measured" if i == 0 else "predicted")
+    timeline.set_ylim(bottom=0)  # measured against predicted levels: from zero
     timeline.set_title("Running sequences over time", fontsize=9)
     timeline.set_xlabel("seconds from the first request")
     timeline.legend(fontsize=7)
