@@ -468,13 +468,27 @@ def test_every_figure_the_slab_has_gets_its_ratio_and_colour(example):
     assert ("tpot_ms_p50", " down") in seen  # paged holds more sequences at once: each decodes slower
 
 
-def test_a_ratio_reads_as_a_person_says_it():
+RATIO = re.compile(r"^(0|\d{1,3}(,\d{3})*(\.\d+)?)× slab$")
+
+
+def test_a_ratio_is_written_one_way(example):
+    """Every ratio to the slab reads as the figure over the slab's, 'N× slab', never '23× lower than
+    slab' beside '0.17× slab' (mutation: 'lower than' below 0.1 again -> fails)."""
     from kvbench.report.html import _times
 
-    assert _times(2.941) == "2.94× slab" and _times(0.53) == "0.53× slab"
-    assert _times(0.00033) == "3,000× lower than slab" and _times(0.044) == "23× lower than slab"
-    assert _times(250.0) == "250× higher than slab" and _times(12345.0) == "12,000× higher than slab"
-    assert _times(0.0) == "none (vs slab)" and _times(None) == "–"
+    assert _times(2.941) == "2.94× slab" and _times(0.53) == "0.53× slab" and _times(0.17) == "0.17× slab"
+    assert _times(0.044) == "0.044× slab" and _times(0.00033) == "0.00033× slab"
+    assert _times(250.0) == "250× slab" and _times(12345.0) == "12,000× slab"
+    assert _times(0.0) == "0× slab" and _times(None) == "–"
+    for x in np.geomspace(1e-5, 1e5, 61):
+        assert RATIO.match(_times(float(x))), _times(float(x))
+    # and on the page: every ratio cell, and every other '×' a number or the column's own name
+    cells = re.findall(r"<span class='x[^']*'>([^<]*)</span>", example.page)
+    assert cells and all(RATIO.match(c) for c in cells), [c for c in cells if not RATIO.match(c)][:3]
+    text = re.sub(r"<[^>]+>", " ", example.page)
+    assert not re.search(r"lower than|higher than|times (lower|higher|fewer|more)", text)
+    for m in re.finditer(r"(\S*)×", text):
+        assert m.group(1).lstrip("(") == "" or re.fullmatch(r"\d[\d,]*(\.\d+)?", m.group(1).lstrip("(")), text[m.start() - 40:m.end() + 20]
 
 
 def test_configurations_that_cannot_differ_name_no_winner(tmp_path):

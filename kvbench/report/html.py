@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import os
+from decimal import Decimal
 from dataclasses import dataclass, field
 
 from kvbench import __version__
@@ -236,24 +237,24 @@ def _ratio(run: Run, base: Run | None, key: str) -> float | None:
     return a / b if a is not None and b not in (None, 0) else None
 
 
-def _sig2(v: float) -> str:
-    """A number to two significant digits, grouped: 3,000; 45; 1.2."""
-    r = float(f"{v:.2g}")
-    return f"{r:,.0f}" if r >= 10 else f"{r:g}"
+def _multiple(x: float) -> str:
+    """A ratio as the number a reader multiplies by: two decimals from 0.1 to 100 (2.94, 0.53),
+    two significant digits outside (0.044, 0.00033, 250, 12,000), never an exponent."""
+    text = f"{x:.2f}"
+    if 0.1 <= float(text) < 100:
+        return text
+    r = float(f"{x:.2g}")
+    if r >= 10:
+        return f"{r:,.0f}"
+    return format(Decimal(repr(r)), "f") if r else "0"
 
 
 def _times(x: float | None, base: str = BASELINE[1]) -> str:
-    """A ratio to the baseline as a reader says it: 2.94× slab, 0.53× slab; far from 1, how many
-    times higher or lower (3,000× lower than slab, not 0.00033× slab)."""
+    """A ratio to the baseline, always written one way, the figure over the baseline's: 2.94× slab,
+    0.53× slab, 0.044× slab, 250× slab (never '23× lower than slab' beside '0.17× slab')."""
     if x is None:
         return "–"
-    if x == 0:
-        return f"none (vs {base})"
-    if x < 0.1:
-        return f"{_sig2(1 / x)}× lower than {base}"
-    if x >= 100:
-        return f"{_sig2(x)}× higher than {base}"
-    return f"{x:.2f}× {base}"
+    return f"{_multiple(x)}× {base}"
 
 
 def _cell(run: Run, section: Section, key: str, fmt, up: bool, ratio: bool) -> str:
@@ -323,7 +324,7 @@ def _findings(section: Section) -> str:
         x = _ratio(best, base, "output_tok_per_s")
         items.append(f"Highest throughput: <b>{_e(best.label)}</b>, {best.metric('output_tok_per_s'):,.0f} output "
                      f"tok/s at a mean of {best.metric('mean_running') or 0:.1f} running sequences"
-                     + (f", {x:.2f}× <b>{_e(base.label)}</b> ({base.metric('mean_running') or 0:.1f} running)"
+                     + (f", {_multiple(x)}× <b>{_e(base.label)}</b> ({base.metric('mean_running') or 0:.1f} running)"
                         if x is not None else "") + ".")
     cached = [r for r in runs if r.setting("prefix_cache") and r.metric("prefix_hit_rate") is not None]
     if cached:

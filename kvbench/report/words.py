@@ -182,6 +182,6 @@ METRIC_DEFINITIONS = [
     ("KV util", "tokens held / pool capacity in tokens, weighted by step time; cached-but-unused "
      "blocks count as neither"),
     ("preemptions", "running requests sent back to wait, their KV freed, recomputed later"),
-    ("× slab", "the figure over the slab baseline's in the same group: green where better, red where "
-     "worse, uncoloured within 5%"),
+    ("× slab", "the figure over the slab baseline's in the same group (0.50× slab: half the slab's; "
+     "3.00× slab: three times it): green where better, red where worse, uncoloured within 5%"),
 ]
