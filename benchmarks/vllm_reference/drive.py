@@ -28,6 +28,10 @@ No vLLM source is modified; no vLLM function is monkeypatched. The only non-defa
     CpuPlatform.check_and_update_config; there the driver sets vllm.triton_utils.HAS_TRITON = True
     before building the config, since no kernel ever runs. With the CUDA wheel on a machine without
     a GPU the platform is UnspecifiedPlatform and nothing is set.
+Hybrid models: `--layers MODEL` (a preset of hybrid.py or a JSON layer list) replaces the one
+full-attention group by vLLM's own grouping of per-layer specs (sliding window, chunked local, MLA,
+full), built and checked by hybrid.py with the hybrid KV cache manager on; the summary's "hybrid"
+record has the groups, the coordinator and each manager's admission cap.
 Install kvbench into vLLM's venv with `pip install --no-deps -e .` (not PYTHONPATH=<repo>: the repo's
 kernels/ folder would shadow the `kernels` package that transformers probes for, in this process and
 in the subprocess where vLLM inspects the model class).

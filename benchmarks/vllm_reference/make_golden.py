@@ -8,6 +8,9 @@ Run it with kvbench's Python (it imports kvbench and the test module); drive.py 
 
     .venv/bin/python benchmarks/vllm_reference/make_golden.py --vllm-python /work/vllm034/venv/bin/python
     .venv/bin/python benchmarks/vllm_reference/make_golden.py --vllm-python ... dupkey mooncake2000
+    # hybrid models (drive.py --layers, hybrid.py): one, or all of them (~5-9 min each on 2 cores)
+    .venv/bin/python benchmarks/vllm_reference/make_golden.py --vllm-python ... hybrid-gemma-3-27b-chat50x
+    .venv/bin/python benchmarks/vllm_reference/make_golden.py --vllm-python ... hybrid
 
     # only reduce a steps file drive.py already wrote (with its .requests.jsonl and .summary.json):
     .venv/bin/python benchmarks/vllm_reference/make_golden.py --reduce STEPS.jsonl NAME
@@ -68,6 +71,26 @@ CONFIGS: dict[str, dict] = {
         "trace_spec": {"file": "vllm-0.34-dupkey-trace.jsonl"}, "vllm_num_gpu_blocks": 64},
 }
 
+# Hybrid models (hybrid.py's presets): vLLM's hybrid KV cache manager, its groups built by vLLM from
+# per-layer specs. Pools chosen so that each run preempts and its windowed groups free blocks; the
+# shipped trace is chat at 50x its rate (a queue forms: preemptions even where sliding-window groups
+# give decodes their blocks back).
+CHAT_50X = {"shipped": "chat.jsonl", "time_scale": 0.02}
+HYBRID_POOLS = {  # model -> {trace name: vLLM num_gpu_blocks}
+    "gpt-oss-120b": {"mooncake2000": 30000, "chat50x": 2000},
+    "gemma-3-27b": {"mooncake2000": 56000, "chat50x": 5000},
+    "llama-4-scout": {"mooncake2000": 72000, "chat50x": 6000},
+    "deepseek-v3": {"mooncake2000": 40000, "chat50x": 1500},
+}
+for _model, _pools in HYBRID_POOLS.items():
+    CONFIGS[f"hybrid-{_model}-mooncake2000"] = {
+        "trace": "mooncake_conversation.jsonl converted by kvbench, first 2000 requests",
+        "trace_spec": mooncake(0, 2000), "layers": _model, "vllm_num_gpu_blocks": _pools["mooncake2000"]}
+    CONFIGS[f"hybrid-{_model}-chat50x"] = {
+        "trace": "traces/chat.jsonl at 50x its rate (t x 0.02)",
+        "trace_spec": CHAT_50X, "layers": _model, "vllm_num_gpu_blocks": _pools["chat50x"]}
+HYBRID_INDEX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hybrid_goldens.json")
+
 DUPKEY_TRACE = os.path.join(DATA, "vllm-0.34-dupkey-trace.jsonl")
 
 
@@ -106,8 +129,20 @@ def reduce(steps_path: str, name: str) -> dict:
     assert (sc.get("cache_aware_admission_window") or 0) == cfg["admission_window"], sc
     if cfg["admission_window"]:
         assert sc["cache_aware_admission_threshold"] == cfg["admission_threshold"], sc
+    hybrid = summ.get("hybrid")
+    assert (hybrid or {}).get("model") == cfg.get("layers"), (hybrid, cfg.get("layers"))
+    extra = {}
+    if hybrid:
+        assert hybrid["disable_hybrid_kv_cache_manager"] is False, hybrid
+        extra["hybrid"] = {k: hybrid[k] for k in (
+            "model", "num_layers", "kv_cache_dtype", "coordinator", "kv_cache_layout",
+            "prefix_cache_retention_interval", "scheduler_block_size", "hash_block_size")}
+        extra["hybrid"]["kv_cache_groups"] = [{k: g[k] for k in (
+            "group", "kind", "window", "chunk", "spec", "manager", "num_layers", "layers", "block_size",
+            "page_size_bytes", "max_admission_blocks_per_request")} for g in hybrid["kv_cache_groups"]]
     return {
         "name": name,
+        **extra,
         "source": f"vLLM {summ['vllm_version']} Scheduler + KVCacheManager, benchmarks/vllm_reference/drive.py",
         "vllm_version": summ["vllm_version"],
         "trace": cfg["trace"], "trace_spec": cfg["trace_spec"],
@@ -154,30 +189,71 @@ def make(name: str, vllm_python: str, work: str, mooncake_path: str) -> str:
            "--decode-step-ms", str(CLOCK["decode_step_ms"]), "--out", steps,
            "--cache-aware-admission-window", str(cfg["admission_window"]),
            "--cache-aware-admission-threshold", str(cfg["admission_threshold"])]
+    if cfg.get("layers"):
+        cmd += ["--layers", cfg["layers"]]
     t0 = time.time()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    # cwd outside the checkout: the repository's kernels/ would shadow the `kernels` package
+    # transformers probes for (see README.md).
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=work)
     print(f"{name}: drive.py took {time.time() - t0:.0f} s", flush=True)
-    return write_golden(reduce(steps, name))
+    golden = reduce(steps, name)
+    out = write_golden(golden)
+    if "hybrid" in golden:
+        index_hybrid(golden, out)
+    return out
+
+
+def index_hybrid(golden: dict, path: str) -> None:
+    """Record a hybrid golden's parameters in hybrid_goldens.json (one entry per name)."""
+    index = {}
+    if os.path.exists(HYBRID_INDEX):
+        with open(HYBRID_INDEX, encoding="utf-8") as fh:
+            index = json.load(fh)
+    h, summ = golden["hybrid"], golden["summary"]
+    index.setdefault("goldens", {})[golden["name"]] = {
+        "file": os.path.relpath(path, ROOT), "model": h["model"], "trace": golden["trace"],
+        "trace_spec": golden["trace_spec"], "vllm_num_gpu_blocks": golden["vllm_num_gpu_blocks"],
+        "kvbench_num_blocks": golden["kvbench_num_blocks"], "block_size": golden["block_size"],
+        "max_num_seqs": golden["max_num_seqs"], "max_batched_tokens": golden["max_batched_tokens"],
+        "steps": golden["steps"], "preemptions": summ["preemptions"],
+        "preempted_requests": summ["preempted_requests"], "prefix_hit_rate": round(summ["prefix_hit_rate"], 4),
+        "hit_tokens": summ["hit_tokens"], "prompt_tokens": summ["prompt_tokens"],
+        "coordinator": h["coordinator"],
+        "groups": [[g["kind"], g["window"] or g["chunk"], g["num_layers"]] for g in h["kv_cache_groups"]],
+        "bytes": os.path.getsize(path)}
+    index["vllm_version"] = golden["vllm_version"]
+    index["command"] = ("python benchmarks/vllm_reference/make_golden.py --vllm-python "
+                        "/work/vllm034/venv/bin/python NAME")
+    index["goldens"] = dict(sorted(index["goldens"].items()))
+    with open(HYBRID_INDEX, "w", encoding="utf-8") as fh:
+        json.dump(index, fh, indent=1)
+        fh.write("\n")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("names", nargs="*", help=f"configurations (default: all): {', '.join(CONFIGS)}")
+    ap.add_argument("names", nargs="*", help=f"configurations (default: all but the hybrid ones; 'hybrid': "
+                                             f"all hybrid ones): {', '.join(CONFIGS)}")
     ap.add_argument("--vllm-python", help="the Python of a venv with vLLM 0.34 and kvbench")
     ap.add_argument("--mooncake", default=str(MOONCAKE), help="the real Mooncake conversation trace")
     ap.add_argument("--work", default=None, help="keep traces and steps files here (default: a temp dir)")
     ap.add_argument("--reduce", nargs=2, metavar=("STEPS", "NAME"), help="only reduce a steps file")
     args = ap.parse_args(argv)
     if args.reduce:
-        write_golden(reduce(args.reduce[0], args.reduce[1]))
+        golden = reduce(args.reduce[0], args.reduce[1])
+        out = write_golden(golden)
+        if "hybrid" in golden:
+            index_hybrid(golden, out)
         return 0
     if not args.vllm_python:
         ap.error("--vllm-python is required")
-    names = args.names or list(CONFIGS)
+    hybrid = [n for n in CONFIGS if n.startswith("hybrid-")]
+    names = [m for n in args.names for m in (hybrid if n == "hybrid" else [n])] if args.names else \
+        [n for n in CONFIGS if n not in hybrid]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
-    work = args.work or tempfile.mkdtemp(prefix="kvbench-vllm-golden-")
+    work = os.path.abspath(args.work or tempfile.mkdtemp(prefix="kvbench-vllm-golden-"))
     os.makedirs(work, exist_ok=True)
     for name in names:
         make(name, args.vllm_python, work, args.mooncake)
