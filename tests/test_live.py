@@ -677,7 +677,11 @@ def test_the_agent_trace_hits_as_in_the_sim_request_by_request(vllm_large, tmp_p
     summary, run_dir = _run(trace, vllm_large.url, tmp_path / "live", ReplayConfig(model="tiny", **workload))
     live = pd.read_parquet(Path(run_dir) / "requests.parquet").set_index("id")
     sim_summary, sim = _sim_like(trace, vllm_large.url, tmp_path / "sim", **workload)
-    assert summary["errors"] == 0 and summary["answers_not_resent"] == 0 and summary["answers_resent"] > 20
+    assert summary["answers_not_resent"] == 0 and summary["answers_resent"] > 20
+    # the requests the server refused as too long are the sim's refusals, and nothing else failed
+    assert summary["errors"] == summary["rejected"] == sim_summary["rejected"]
+    assert set(live.index[live["rejected"].notna()]) == set(sim.index[sim["rejected"].notna()])
+    live = live[live["rejected"].isna()]
     assert (live["output_tokens"] == sim.loc[live.index, "output_tokens"]).all()
     differ = live.index[live["cached_tokens"] != sim.loc[live.index, "cached_tokens"]]
     assert list(differ) == [], live.loc[differ, ["cached_tokens"]].join(sim["cached_tokens"], rsuffix="_sim")

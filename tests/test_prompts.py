@@ -75,9 +75,11 @@ def test_a_continued_answer_is_resent_as_received(tmp_path):
     assert np.array_equal(pb.build(a2), own)  # a1's answer is not back: the trace's tokens go
     assert [(f.request, f.answer_of) for f in pb.fallbacks] == [("a2", "a1")] and pb.resent == 0
     assert "a2 (answer of a1)" in pb.fallback_note()
+    pb.answer(a2, None, refused=True)  # refused (too long): it hit nothing, so it lost nothing
+    assert not pb.fallbacks and pb.fallback_note() is None
     pb.answer(a1, [901, 902, 903])  # fewer than the 4 the prompt continues: the rest goes as the trace's
     sent = pb.build(a2)
-    assert sent[16:19].tolist() == [901, 902, 903] and sent[19] == own[19] and len(pb.fallbacks) == 2
+    assert sent[16:19].tolist() == [901, 902, 903] and sent[19] == own[19] and len(pb.fallbacks) == 1
     pb2 = PromptBuilder([a1, a2], VOCAB, False, path)
     pb2.build(a1)
     pb2.answer(a1, [901, 902, 903, 904, 905, 906])

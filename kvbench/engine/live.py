@@ -400,7 +400,8 @@ class LiveRun:
             reply.error = f"error: the stream ended after {reply.output_tokens} of {want} tokens"
         elif cut and measured:  # the server capped the output at its max model length (vLLM's get_max_tokens)
             self.st.truncated += 1
-        self.prompts.answer(r, reply.tokens.get(0) if reply.error is None else None)
+        refused = reply.status is not None and 400 <= reply.status < 500
+        self.prompts.answer(r, reply.tokens.get(0) if reply.error is None else None, refused)
         if measured:
             self._record(r, reply)
         if self.on_progress is not None:

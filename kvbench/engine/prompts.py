@@ -203,8 +203,11 @@ class PromptBuilder:
         self.sent[r.id] = sent
         return sent
 
-    def answer(self, r: Request, tokens: list[int] | np.ndarray | None) -> None:
-        """``r`` came back with ``tokens`` (its choice 0; None or empty after an error)."""
+    def answer(self, r: Request, tokens: list[int] | np.ndarray | None, refused: bool = False) -> None:
+        """``r`` came back with ``tokens`` (its choice 0; None or empty after an error). A request the
+        server ``refused`` (too long) hits nothing: a fallback of its prompt lost no hit."""
+        if refused:
+            self.fallbacks = [f for f in self.fallbacks if f.request != r.id]
         got = np.asarray(tokens if tokens is not None else (), dtype=np.int64)
         self.received[r.id] = got
         sim, plen = self._sim.pop(r.id, (None, 0))
