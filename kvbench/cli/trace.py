@@ -219,27 +219,21 @@ def inspect(trace_path, block_size, prefix_mode, as_json):
 
 
 def _print_table(title: str, s) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from kvbench.cli.console import Column, print_table
 
     def dist(d: dict) -> str:
         return (f"p50 {d['p50']:.0f} · p90 {d['p90']:.0f} · p99 {d['p99']:.0f} · max {d['max']} "
                 f"· mean {d['mean']:.0f}")
 
-    table = Table(title=title, show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
-    for name, value in [
-        ("requests", f"{s.requests:,}"), ("sessions", f"{s.sessions:,}"),
-        ("samples (sum of n)", f"{s.samples:,}"), ("duration", f"{s.duration_s:,.1f} s"),
-        ("prompt tokens", f"{s.prompt_tokens:,}"), ("output tokens", f"{s.output_tokens:,}"),
-        ("prompt length", dist(s.prompt_len)), ("output length", dist(s.output_len)),
-        ("shared segments", f"{s.shared_segments:,} names, {s.shared_tokens:,} tokens"),
-        (f"ideal hit rate (block {s.block_size})", f"{s.ideal_hit_rate:.4f}"),
-    ]:
-        table.add_row(name, value)
-    width = None if sys.stdout.isatty() else 110  # rich assumes 80 columns when piped
-    Console(file=sys.stdout, width=width).print(table)
+    rows = [
+        ["requests", f"{s.requests:,}"], ["sessions", f"{s.sessions:,}"],
+        ["samples (sum of n)", f"{s.samples:,}"], ["duration", f"{s.duration_s:,.1f} s"],
+        ["prompt tokens", f"{s.prompt_tokens:,}"], ["output tokens", f"{s.output_tokens:,}"],
+        ["prompt length", dist(s.prompt_len)], ["output length", dist(s.output_len)],
+        ["shared segments", f"{s.shared_segments:,} names, {s.shared_tokens:,} tokens"],
+        [f"ideal hit rate (block {s.block_size})", f"{s.ideal_hit_rate:.4f}"],
+    ]
+    print_table(title, [Column("figure", right=False), Column("value", right=False)], rows)
 
 
 # ---------------------------------------------------------------------------------------- whatif

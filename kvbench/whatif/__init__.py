@@ -15,7 +15,8 @@ _PUBLIC = {
     "Budget": "curve", "Point": "curve", "budgets_from_blocks": "curve", "budgets_from_bytes": "curve",
     "run_points": "curve", "simulate": "curve",
     "WhatIf": "output", "WhatIfHead": "output", "format_bytes": "output", "gap_table": "output", "head": "output",
-    "table": "output", "write_outputs": "output",
+    "table": "output", "write_outputs": "output", "TextTable": "output", "tiers_table": "output",
+    "versus_lru": "output",
     "whatif": "query",
 }
 

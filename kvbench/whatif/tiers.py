@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from kvbench.trace.tokens import TokenStreams
 from kvbench.whatif import output
 from kvbench.whatif.blocktrace import BlockTrace, DenseView, HashedTrace, prepare
 from kvbench.whatif.curve import Budget, Point, gap_closed, simulate
-from kvbench.whatif.output import WhatIf, WhatIfHead, column_names, head
+from kvbench.whatif.output import WhatIf, WhatIfHead, head
 
 TIERS = ("gpu", "cpu", "disk")  # fastest first: a lookup walks them in this order
 LOWER = TIERS[1:]
@@ -361,25 +360,3 @@ def write_outputs(w: TieredWhatIf, out_dir: str) -> list[str]:
     return output.write_outputs(w, out_dir, TIER_COLUMNS, chart=False)
 
 
-def table(w: TieredWhatIf):
-    """A rich Table: one row per (gpu, cpu, disk) sizes and GPU policy: the hit rate of each tier,
-    their total and the ceiling."""
-    from rich.table import Table
-
-    shown = [t for t in TIERS if t == "gpu" or any(r[f"{t}_blocks"] for r in w.rows)]
-    t = Table(title=f"prefix hit rate by tier: {os.path.basename(w.trace)}",
-              caption=f"block {w.block_size} tokens; {w.model} {w.kv_dtype}: {w.kv_bytes_per_token:,} B of KV "
-                      f"per token; lower tiers {w.tier_policy}, {w.offload}; last {w.window_requests:,} of "
-                      f"{w.requests:,} requests counted (warm-up {w.warmup:g})")
-    for name in shown:
-        t.add_column(name, justify="right")
-    t.add_column("policy")
-    for name in shown:
-        t.add_column(f"hit {name}", justify="right")
-    t.add_column("total", justify="right", style="bold")
-    t.add_column("ceiling", justify="right", style="dim")
-    for r in w.rows:
-        t.add_row(*[r[name] for name in shown], column_names([r["policy"]])[r["policy"]],
-                  *[f"{r[f'hit_rate_{name}']:.4f}" for name in shown], f"{r['hit_rate']:.4f}",
-                  f"{w.ceiling:.4f}")
-    return t
