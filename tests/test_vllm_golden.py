@@ -87,6 +87,8 @@ def golden_files() -> list:
     for path in sorted(DATA.glob(GOLDEN_GLOB)):
         name = path.name[len("vllm-0.34-"):-len(".json.gz")]
         marks = [pytest.mark.slow] if name in SLOW else []
+        if name.startswith("hybrid-"):  # KV cache groups are not in the engine yet
+            marks.append(pytest.mark.skip(reason="hybrid KV cache groups: not yet in the engine"))
         params.append(pytest.param(path, id=name, marks=marks))
     return params
 
