@@ -42,6 +42,8 @@ class SeqKV:
     dropped: int = 0  # computed tokens evicted from the slots (token eviction)
     compacted: bool = False  # slots no longer hold positions 0..num_kv-1: never register again
     tier_match: TierMatch | None = None  # the last lookup's hits in the tiers behind the pool
+    prompt_len: int = 0  # tokens of its prompt (a sliding window caches where a resend would hit)
+    groups: Any = None  # several KV cache groups: a table per group (kvbench.memory.hybrid.GroupTables)
 
 
 @dataclass(slots=True)
@@ -110,11 +112,13 @@ class KVManager(Protocol):
         """(a lower bound on the blocks admitting ``s`` takes, the blocks available)."""
         ...
 
-    def lookup(self, s: SeqKV, num_tokens: int) -> list[int]:
-        """The cached blocks a sequence's first tokens hit (no references taken)."""
+    def lookup(self, s: SeqKV, num_tokens: int) -> Any:
+        """What a sequence's first tokens hit (no references taken): an opaque record the caller hands
+        back to ``num_cached_tokens`` and ``allocate`` (the cached blocks; per KV cache group for a
+        hybrid model)."""
         ...
 
-    def num_cached_tokens(self, s: SeqKV, hits: list[int]) -> int: ...
+    def num_cached_tokens(self, s: SeqKV, hits: Any) -> int: ...
 
     def probe_cached_tokens(self, s: SeqKV, num_tokens: int) -> int:
         """The tokens a lookup would serve from the pool now, changing nothing (no references, no
@@ -126,7 +130,7 @@ class KVManager(Protocol):
         """The share of the pool's blocks sequences hold."""
         ...
 
-    def allocate(self, s: SeqKV, num_new: int, hits: Sequence[int] = (), watermark: int = 0,
+    def allocate(self, s: SeqKV, num_new: int, hits: Any = (), watermark: int = 0,
                  must_fit: int = 0, forks: int = 0) -> bool:
         """Take the hits and blocks for ``num_new`` more tokens; False, changing nothing, if short."""
         ...

@@ -141,7 +141,7 @@ class Scheduler:
     def new_seq(self, rs: RequestState, tokens: np.ndarray | None, next_use: np.ndarray | None = None,
                 keys: list[int] | None = None, reserve: int = 0) -> Sequence:
         self._next_id += 1
-        return Sequence(tokens=tokens, next_use=next_use, keys=keys, reserve=reserve,
+        return Sequence(tokens=tokens, next_use=next_use, keys=keys, reserve=reserve, prompt_len=rs.req.prompt_len,
                         seq_id=self._next_id, rs=rs, seats=rs.req.n, num_tokens=rs.req.prompt_len,
                         out_tokens=[] if self.needs_tokens else None)
 
@@ -437,7 +437,7 @@ class Scheduler:
             if parent.tokens is not None:
                 assert rs.prompt is not None  # built with the parent's tokens (_build)
                 tokens = sequence_tokens(req, rs.prompt, self.streams, k)
-            child = Sequence(tokens=tokens,
+            child = Sequence(tokens=tokens, prompt_len=parent.prompt_len,
                              next_use=None if parent.next_use is None else parent.next_use[:shared],
                              keys=None if parent.keys is None else parent.keys[:shared],
                              seq_id=self._next_id, rs=rs, sample=k, num_tokens=parent.num_tokens,

@@ -1,0 +1,150 @@
+"""KV cache groups: a model's layers grouped by KV spec, as vLLM's hybrid KV cache manager groups them
+(``vllm/v1/core/kv_cache_planning.py``), and what a pool of them costs.
+
+Every group draws its blocks from one shared pool and keeps its own block table per sequence; a block
+id is a slot in every group's tensors, so one block costs the page of one layer times the layers of
+the largest group (``KVLayout.bytes_per_block``, vLLM's ``_get_kv_cache_bytes_per_block`` for a
+layer-outer layout).
+
+Grouping (``get_kv_cache_groups``): layers of one spec are one group when every layer has the same
+spec (a plain or an MLA model: the single-group engine); otherwise the hybrid grouping
+(``_get_kv_cache_groups_uniform_page_size``): layers bucketed by spec in order of first appearance,
+a group size of the smallest bucket (of the largest when it is under 1.5 times the smallest), each
+bucket split into cdiv(len, size) groups by striding (group i takes layers i, i + n, ...).
+``disable_hybrid`` is vLLM's ``--disable-hybrid-kv-cache-manager``: every sliding or chunked layer is
+allocated as full attention (``unify_hybrid_kv_cache_specs``), one group, the compute still windowed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from kvbench.memory.specs import LayerKV
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """Layers that share one block table per sequence: ``spec`` is each one's KV on a rank."""
+
+    spec: LayerKV
+    layers: tuple[int, ...]  # the model's layer indices, in order
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @property
+    def window(self) -> int:
+        return self.spec.window
+
+    def skipped_tokens(self, num_computed: int) -> int:
+        """Leading tokens the next token no longer attends to (vLLM ``get_num_skipped_tokens``):
+        sliding, the token at position n sees n - W + 1 .. n; chunked, its own chunk; else none."""
+        if self.kind == "sliding":
+            return max(0, num_computed - self.window + 1)
+        if self.kind == "chunked":
+            return num_computed // self.window * self.window
+        return 0
+
+    def admission_cap(self, block_size: int, in_flight_tokens: int, max_model_len: int) -> int | None:
+        """The most blocks a windowed group counts at admission (vLLM
+        ``max_admission_blocks_per_request``): the window and a step's tokens in flight (+1: the window
+        may start mid-block); None for a group that keeps every token."""
+        if self.kind == "sliding":
+            return cdiv(min(self.window - 1 + in_flight_tokens, max_model_len), block_size) + 1
+        if self.kind == "chunked":
+            return cdiv(min(self.window + in_flight_tokens, max_model_len), block_size)
+        return None
+
+    def describe(self) -> str:
+        return f"{self.spec.describe()} x {len(self.layers)}"
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The groups of a model at one block size (tokens per block, every group's)."""
+
+    groups: tuple[KVGroup, ...]
+    block_size: int
+    hybrid_disabled: bool = False
+
+    @property
+    def is_hybrid(self) -> bool:
+        """More than one group, or a window: the hybrid KV cache manager's rules (kvbench.memory.hybrid);
+        one group of full attention or MLA is the plain engine (kvbench.memory.paged)."""
+        return len(self.groups) > 1 or self.groups[0].kind in ("sliding", "chunked")
+
+    @property
+    def page_bytes(self) -> int:
+        """One layer's block (every group's layers have one page size)."""
+        return self.groups[0].spec.page_bytes(self.block_size)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """What one block of the shared pool costs: a page for each layer of the largest group."""
+        return self.page_bytes * max(len(g.layers) for g in self.groups)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes a token takes in every group at once (the layers' sum, as full attention holds it)."""
+        return sum(g.spec.bytes_per_token * len(g.layers) for g in self.groups)
+
+    def peak_blocks(self, tokens, in_flight_tokens: int, max_model_len: int):
+        """The most blocks a sequence of ``tokens`` tokens (an int or an int array) holds at once over
+        every group: all its blocks in a group that keeps every token, at most the admission cap in a
+        windowed one (its window and a step in flight)."""
+        bs = self.block_size
+        blocks = -(-tokens // bs)
+        total = 0
+        for g in self.groups:
+            cap = g.admission_cap(bs, in_flight_tokens, max_model_len)
+            total = total + (blocks if cap is None else np.minimum(blocks, cap))
+        return total
+
+    def num_blocks(self, kv_bytes: int) -> int:
+        """Blocks a pool of ``kv_bytes`` holds (vLLM: available memory // bytes per block, the null
+        block among them)."""
+        return kv_bytes // self.bytes_per_block
+
+    def describe(self) -> str:
+        """'sliding 128 x 18, full x 18 (589,824 B a block)'."""
+        return f"{', '.join(g.describe() for g in self.groups)} ({self.bytes_per_block:,} B a block)"
+
+    def to_dict(self) -> dict:
+        return {"groups": [{"kind": g.kind, "window": g.window or None, "layers": len(g.layers),
+                            "bytes_per_token": g.spec.bytes_per_token * len(g.layers),
+                            "page_bytes": g.spec.page_bytes(self.block_size)} for g in self.groups],
+                "bytes_per_block": self.bytes_per_block, "hybrid_disabled": self.hybrid_disabled}
+
+
+def group_layers(layers: list[LayerKV], block_size: int, disable_hybrid: bool = False) -> KVLayout:
+    """The KV cache groups of a model's layers (vLLM ``get_kv_cache_groups``)."""
+    if not layers:
+        raise ValueError("a model with no attention layer has no KV cache")
+    if disable_hybrid and any(s.kind == "full" for s in layers):  # unify_hybrid_kv_cache_specs
+        layers = [replace(s, kind="full", window=0) if s.kind in ("sliding", "chunked") else s for s in layers]
+    pages = {s.page_bytes(block_size) for s in layers}
+    if len(pages) > 1:
+        raise ValueError(f"layers with different page sizes ({', '.join(f'{p:,}' for p in sorted(pages))} B at "
+                         f"block {block_size}) are not modelled (vLLM pads or enlarges their blocks)")
+    buckets: dict[LayerKV, list[int]] = {}
+    for i, s in enumerate(layers):
+        buckets.setdefault(s, []).append(i)
+    if len(buckets) == 1:
+        spec, ids = next(iter(buckets.items()))
+        return KVLayout((KVGroup(spec, tuple(ids)),), block_size, disable_hybrid)
+    sizes = [len(ids) for ids in buckets.values()]
+    size = max(sizes) if max(sizes) < 1.5 * min(sizes) else min(sizes)
+    groups: list[KVGroup] = []
+    for spec, ids in buckets.items():
+        n = cdiv(len(ids), size)
+        groups.extend(KVGroup(spec, tuple(ids[i::n])) for i in range(n))
+    return KVLayout(tuple(groups), block_size, disable_hybrid)
+
+
+__all__ = ["KVGroup", "KVLayout", "cdiv", "group_layers"]

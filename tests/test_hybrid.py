@@ -1,0 +1,175 @@
+"""Several KV cache groups (kvbench.memory.groups, kvbench.memory.hybrid), held to vLLM 0.34's hybrid
+KV cache manager: its grouping of real models' layers, its planning of a pool, and the rules of its
+sliding-window and chunked-local managers on small cases whose answers vLLM's own code gave
+(benchmarks/vllm_reference/hybrid.py; the whole engine against vLLM's scheduler is
+tests/test_vllm_golden.py's hybrid goldens)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvbench.memory.contracts import SeqKV
+from kvbench.memory.groups import group_layers
+from kvbench.memory.hybrid import NULL, HybridKV
+from kvbench.memory.specs import LayerKV
+from kvbench.trace.tokens import TokenStreams
+
+ROOT = Path(__file__).resolve().parents[1]
+STREAMS = TokenStreams()
+
+
+def gpt_oss_layers(dtype_bytes: int = 2) -> list[LayerKV]:
+    """gpt-oss-120b: 36 layers alternating a 128-token sliding window and full attention, 8 x 64."""
+    return [LayerKV("sliding" if i % 2 == 0 else "full", 8, 64, dtype_bytes, 128 if i % 2 == 0 else 0)
+            for i in range(36)]
+
+
+def gemma3_layers() -> list[LayerKV]:
+    """Gemma 3 27B: 62 layers, five sliding-1024 to one full, 16 x 128."""
+    return [LayerKV("full", 16, 128, 2) if i % 6 == 5 else LayerKV("sliding", 16, 128, 2, 1024) for i in range(62)]
+
+
+def llama4_layers() -> list[LayerKV]:
+    """Llama 4 Scout: 48 layers, chunked-local 8192 on three in four, the fourth full, 8 x 128."""
+    return [LayerKV("full", 8, 128, 2) if i % 4 == 3 else LayerKV("chunked", 8, 128, 2, 8192) for i in range(48)]
+
+
+def deepseek_layers() -> list[LayerKV]:
+    return [LayerKV("mla", 1, 576, 2) for _ in range(61)]
+
+
+MODELS = {"gpt-oss-120b": gpt_oss_layers, "gemma-3-27b": gemma3_layers, "llama-4-scout": llama4_layers,
+          "deepseek-v3": deepseek_layers}
+PLANS = json.loads((ROOT / "benchmarks" / "vllm_reference" / "hybrid_groups.json").read_text())["plans"]
+
+
+def _plan(name: str, dtype: str = "auto (bf16)", disabled: bool = False) -> dict:
+    return next(p for p in PLANS if p["model"] == name and p["kv_cache_dtype"] == dtype
+                and p["disable_hybrid_kv_cache_manager"] == disabled)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("dtype,disabled", [("auto (bf16)", False), ("fp8", False), ("auto (bf16)", True)])
+def test_groups_and_the_pool_for_a_memory_are_vllms_planning(name, dtype, disabled):
+    plan = _plan(name, dtype, disabled)
+    layers = MODELS[name]()
+    if dtype == "fp8":
+        layers = [LayerKV(s.kind, s.num_kv_heads, s.head_size, 1, s.window) for s in layers]
+    layout = group_layers(layers, 16, disable_hybrid=disabled)
+    assert [(g.kind, g.window, list(g.layers)) for g in layout.groups] == \
+        [(w["kind"], w["window"] or w["chunk"] or 0, w["layers"]) for w in plan["groups"]]
+    assert layout.page_bytes == plan["groups"][0]["page_size_bytes"]
+    assert layout.bytes_per_block == plan["bytes_per_block"]
+    for row in plan["planning"]:  # vLLM's num_blocks for the memory (its null block among them)
+        assert layout.num_blocks(row["available_bytes"]) == row["num_blocks"]
+
+
+def _seq(tokens: np.ndarray) -> SeqKV:
+    return SeqKV(tokens=tokens.astype(np.int32), prompt_len=len(tokens))
+
+
+def _admit(kv: HybridKV, tokens: np.ndarray) -> tuple[int, SeqKV]:
+    """Admit a whole prompt in one step as vLLM's scheduler does; -> (hit tokens, the sequence)."""
+    s = _seq(tokens)
+    hit = kv.lookup(s, len(tokens))
+    cached = kv.num_cached_tokens(s, hit)
+    assert kv.allocate(s, len(tokens) - cached, hit, must_fit=len(tokens))
+    kv.commit(s, len(tokens) - cached)
+    return cached, s
+
+
+def _cached_positions(kv: HybridKV, s: SeqKV, g: int) -> list[int]:
+    table = kv.group_tables(s)[g]
+    return [j for j, b in enumerate(table) if b != NULL and kv.pool.key[b] is not None]
+
+
+def test_a_sliding_window_caches_only_where_a_lookup_can_end():
+    # vLLM 0.34 (gpt-oss's groups, block 16): a 500-token prompt caches the sliding group's blocks 23..30,
+    # the 8 = cdiv(127, 16) a resend needs, and every full block 0..30; a resend hits 496 tokens
+    kv = HybridKV(2000, group_layers(gpt_oss_layers(), 16))
+    a = STREAMS.stream("A", 500)
+    hit, s = _admit(kv, a)
+    assert hit == 0
+    assert _cached_positions(kv, s, 0) == list(range(23, 31)) and _cached_positions(kv, s, 1) == list(range(31))
+    kv.free(s)
+    assert _admit(kv, a)[0] == 496
+    # B shares A's first 300 tokens: the full group hits 288, the sliding group nothing there: B hits 0,
+    # and caches the window ending at that junction (blocks 10..17) beside its own prompt's end (29..36)
+    b = np.concatenate([a[:300], STREAMS.stream("B", 300)])
+    hit, s = _admit(kv, b)
+    assert hit == 0 and _cached_positions(kv, s, 0) == [*range(10, 18), *range(29, 37)]
+    kv.free(s)
+    c = np.concatenate([a[:300], STREAMS.stream("C", 40)])
+    assert _admit(kv, c)[0] == 288  # the second request to share the prefix hits it
+
+
+def test_a_chat_turn_hits_up_to_the_last_prompts_boundary():
+    kv = HybridKV(2000, group_layers(gpt_oss_layers(), 16))
+    turn1 = STREAMS.stream("t1", 700)
+    _, s = _admit(kv, turn1)
+    kv.allocate(s, 1)
+    kv.commit(s, 1)
+    kv.free(s)
+    turn2 = np.concatenate([turn1, STREAMS.stream("t2", 300)])
+    assert _admit(kv, turn2)[0] == 688  # (700 - 1) // 16 * 16
+
+
+def test_blocks_that_left_the_window_are_freed_as_the_sequence_grows():
+    kv = HybridKV(2000, group_layers(gpt_oss_layers(), 16))
+    _, s = _admit(kv, STREAMS.stream("long", 200))
+    table = kv.group_tables(s)
+    assert NULL not in table[0] and len(table[0]) == 13
+    assert kv.allocate(s, 1)  # computed 200: 73 tokens left the window, 4 whole blocks
+    assert table[0][:4] == [NULL] * 4 and NULL not in table[0][4:] and NULL not in table[1]
+    used = kv.pool.num_used
+    kv.free(s)
+    assert kv.pool.num_used == used - (len(table[0]) - 4 + len(table[1])) == 0
+
+
+def test_a_chunked_group_hits_from_its_chunk_start():
+    layers = [LayerKV("full", 2, 16, 2), LayerKV("chunked", 2, 16, 2, 64)] * 2
+    kv = HybridKV(2000, group_layers(layers, 16))
+    a = STREAMS.stream("a", 150)
+    _, s = _admit(kv, a)
+    kv.free(s)
+    assert _admit(kv, a)[0] == 144  # the full group's hit; the chunked group's from block 8 (128 / 16)
+    b = np.concatenate([a[:100], STREAMS.stream("b", 60)])
+    hit, s = _admit(kv, b)
+    assert hit == 96 and kv.group_tables(s)[1][:4] == [NULL] * 4  # chunk 64..127: blocks 0-3 never held
+
+
+def test_admission_counts_a_windowed_group_at_most_its_cap():
+    layout = group_layers(gpt_oss_layers(), 16)
+    kv = HybridKV(649, layout, max_batched_tokens=256)
+    cap = layout.groups[0].admission_cap(16, 256, 1 << 30)
+    assert cap == -(-(127 + 256) // 16) + 1 == 25
+    s = _seq(STREAMS.stream("big", 10_000))
+    hit = kv.lookup(s, 10_000)
+    # the full group needs all 625 blocks of the prompt, the sliding one at most its cap
+    assert not kv.allocate(s, 256, hit, must_fit=10_000) and kv.last_shortfall == 625 + 25
+    assert HybridKV(650, layout, max_batched_tokens=256).allocate(s, 256, hit, must_fit=10_000)
+
+
+def test_free_order_and_the_pools_counters_hold_over_a_random_mix():
+    rng = np.random.default_rng(0)
+    kv = HybridKV(400, group_layers(gemma3_layers()[:12], 16), max_batched_tokens=512)
+    seqs = []
+    for i in range(60):
+        base = STREAMS.stream(f"p{int(rng.integers(4))}", int(rng.integers(20, 300)))
+        tokens = np.concatenate([base, STREAMS.stream(f"u{i}", int(rng.integers(1, 40)))])
+        s = _seq(tokens)
+        hit = kv.lookup(s, len(tokens))
+        cached = kv.num_cached_tokens(s, hit)
+        if kv.allocate(s, len(tokens) - cached, hit, must_fit=len(tokens)):
+            kv.commit(s, len(tokens) - cached)
+            seqs.append(s)
+        if seqs and rng.random() < 0.5:
+            kv.free(seqs.pop(int(rng.integers(len(seqs)))))
+        assert kv.pool.recount()["num_used"] == kv.pool.num_used
+        assert kv.pool.recount()["tokens_live"] == kv.pool.tokens_live
+    for s in seqs:
+        kv.free(s)
+    assert kv.pool.num_used == 0 and kv.pool.tokens_live == 0
