@@ -141,6 +141,22 @@ def test_a_chunked_group_hits_from_its_chunk_start():
     assert hit == 96 and kv.group_tables(s)[1][:4] == [NULL] * 4  # chunk 64..127: blocks 0-3 never held
 
 
+def test_a_chunked_hit_needs_nothing_before_its_chunk():
+    # a running sequence past a chunk boundary frees its earlier chunk's blocks; once they are evicted,
+    # a prompt ending in the same chunk still hits: its chunked group needs only its own chunk's blocks
+    layers = [LayerKV("full", 2, 16, 2), LayerKV("chunked", 2, 16, 2, 64)] * 2
+    kv = HybridKV(20, group_layers(layers, 16))
+    a = STREAMS.stream("a", 150)
+    _, s = _admit(kv, a)
+    assert kv.allocate(s, 1) and kv.group_tables(s)[1][:8] == [NULL] * 8  # blocks 0-7 left the chunk
+    kv.commit(s, 1)
+    evicted = kv.pool.evictions
+    _admit(kv, STREAMS.stream("filler", 64))  # takes the 8 cached blocks
+    assert kv.pool.evictions == evicted + 8
+    b = np.concatenate([a[:140], STREAMS.stream("b", 30)])
+    assert kv.probe_cached_tokens(_seq(b), len(b)) == 128
+
+
 def test_admission_counts_a_windowed_group_at_most_its_cap():
     layout = group_layers(gpt_oss_layers(), 16)
     kv = HybridKV(649, layout, max_batched_tokens=256)
