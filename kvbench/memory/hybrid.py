@@ -183,31 +183,54 @@ class HybridKV:
         return keys
 
     # -- lookup ------------------------------------------------------------------------------
-    def _cached(self, s: SeqKV, g: int, j: int) -> int:
-        """The block group ``g`` caches for the sequence's block ``j``, or NULL (key, parent and tokens
-        confirmed, as BlockPool.match does)."""
-        keys = self._keys(s, g, j + 1)
-        b = self.pool.index.get(keys[j])
-        if b is None:
-            return NULL
-        parent = keys[j - 1] if j else self.roots[g]
-        if self.pool.parent[b] != parent:
-            return NULL
-        bs = self.block_size
-        assert self.pool.tokens is not None and s.tokens is not None
-        return b if np.array_equal(self.pool.tokens[b], s.tokens[j * bs:(j + 1) * bs]) else NULL
+    def _finder(self, s: SeqKV, ids: tuple[int, ...], n_max: int, strict: bool):
+        """-> f(j): the blocks the groups ``ids`` cache for the sequence's block j (one each), or None
+        unless every one does. A key is trusted when its block's parent key is the one before it; with
+        ``strict`` the block's stored tokens are compared too (``_find`` confirms its result so)."""
+        index, parent, rows = self.pool.index, self.pool.parent, self.pool.tokens
+        keys = [self._keys(s, i, n_max) for i in ids]
+        roots = [self.roots[i] for i in ids]
+        tokens, bs = s.tokens, self.block_size
+        assert tokens is not None and rows is not None
+
+        def at(j: int) -> list[int] | None:
+            got = []
+            for k, root in zip(keys, roots):
+                b = index.get(k[j])
+                if b is None or parent[b] != (k[j - 1] if j else root):
+                    return None
+                if strict and not np.array_equal(rows[b], tokens[j * bs:(j + 1) * bs]):
+                    return None
+                got.append(b)
+            return got
+        return at
 
     def _find(self, s: SeqKV, sg: _SpecGroup, max_tokens: int) -> tuple[dict[int, list[int]], int]:
-        """One spec group's hit within ``max_tokens``: (group id -> blocks by position, tokens)."""
+        """One spec group's hit within ``max_tokens``: (group id -> blocks by position, tokens). Found
+        on keys, then confirmed against the blocks' tokens (a collision makes it look again, strictly)."""
+        out, hit = self._find_with(s, sg, max_tokens, False)
+        bs, rows, tokens = self.block_size, self.pool.tokens, s.tokens
+        assert rows is not None and tokens is not None
+        for blocks in out.values():
+            pos = [j for j, b in enumerate(blocks) if b != NULL]
+            if pos and not (rows[[blocks[j] for j in pos]] == tokens[:len(blocks) * bs].reshape(-1, bs)[pos]).all():
+                return self._find_with(s, sg, max_tokens, True)
+        return out, hit
+
+    def _find_with(self, s: SeqKV, sg: _SpecGroup, max_tokens: int,
+                   strict: bool) -> tuple[dict[int, list[int]], int]:
         bs, g = self.block_size, sg.group
         n_max = max_tokens // bs
         out: dict[int, list[int]] = {i: [] for i in sg.ids}
+        if n_max <= 0:
+            return out, 0
+        at = self._finder(s, sg.ids, n_max, strict)
         if g.kind == "sliding":
             need = cdiv(g.window - 1, bs)
             run = 0
             for j in range(n_max - 1, -1, -1):
-                got = [self._cached(s, i, j) for i in sg.ids]
-                if NULL in got:
+                got = at(j)
+                if got is None:
                     run = 0
                     continue
                 run += 1
@@ -226,12 +249,12 @@ class HybridKV:
             return out, run * bs
         start = 0
         if g.kind == "chunked":
-            start = (max_tokens // g.window * g.window) // bs if max_tokens > 0 else 0
+            start = (max_tokens // g.window * g.window) // bs
             for i in sg.ids:
                 out[i] = [NULL] * start
         for j in range(start, n_max):
-            got = [self._cached(s, i, j) for i in sg.ids]
-            if NULL in got:
+            got = at(j)
+            if got is None:
                 break
             for i, b in zip(sg.ids, got):
                 out[i].append(b)
