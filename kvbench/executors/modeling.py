@@ -6,9 +6,11 @@ through block tables with kvbench.kernels (Triton on GPU, torch references on CP
 ``attention=``). Parameter names are transformers' LlamaForCausalLM / Qwen2ForCausalLM names, so a
 state dict moves between the two unchanged (the selfcheck relies on it).
 
-Not modelled: sliding-window attention (Mistral v0.1, some Qwen2 configs; windows are larger than
-our contexts in practice) and rope scaling other than Llama 3's ("llama3", read from a model folder's
-config.json; presets carry none, which changes nothing for random weights).
+Refused (``check_runnable``): sliding-window, chunked-local and MLA layers and quantized checkpoints,
+which this forward would run as something else (the sim models them; the model executor refuses a
+mixture of experts too, whose shape this module still builds densely). Not
+modelled: rope scaling other than Llama 3's ("llama3", read from a model folder's config.json; presets
+carry none, which changes nothing for random weights).
 """
 from __future__ import annotations
 
@@ -555,6 +557,19 @@ def load_weights(model: PagedLlama, folder: str) -> None:
         raise InputError(f"weights missing from the folder: {', '.join(missing[:5])}", file=folder)
 
 
+def check_runnable(spec: ModelSpec) -> None:
+    """Refuse a shape this forward would silently run as another model: it computes dense, full-attention
+    Llama-family layers from unquantized weights."""
+    why = []
+    if set(spec.kinds) != {"full"}:
+        why.append(f"{spec.describe_layers()} attention layers")
+    if spec.quant is not None:
+        why.append(f"{spec.quant.method} quantized weights")
+    if why:
+        raise InputError(f"{spec.name} has {' and '.join(why)}; the model executor runs dense, full-attention, "
+                         "unquantized models only: use --executor sim", field="--model")
+
+
 def build_model(model: str | ModelSpec = "tiny", device: torch.device | str = "cpu", seed: int = 0,
                 attention: str = "auto", dtype: torch.dtype | None = None) -> PagedLlama:
     """A preset name, a ModelSpec, or a Hugging Face folder (its safetensors weights are loaded).
@@ -562,6 +577,7 @@ def build_model(model: str | ModelSpec = "tiny", device: torch.device | str = "c
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     spec = model if isinstance(model, ModelSpec) else get_model(model)
+    check_runnable(spec)
     folder = model if isinstance(model, str) and os.path.isdir(model) else None
     scaling = None
     if folder:

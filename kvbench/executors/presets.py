@@ -1,80 +1,24 @@
 """Model shapes and GPU presets shared by the sim and model executors.
 
-A ModelSpec is the part of a Llama-family config that decides KV memory and step cost, mixture-of-experts
-(Mixtral, Qwen MoE) included. It comes from a preset name or from a Hugging Face ``config.json`` (a file
-or a model folder). A GPUSpec holds a datasheet's figures (memory in the vendor's unit, GB = 10^9 bytes;
-dense bf16 and fp8 matrix rates; memory, GPU-to-GPU and host link bandwidths); the efficiencies (the
+A ModelSpec (kvbench.executors.model_config) is the part of a config that decides KV memory and step
+cost. It comes from a preset name or from a Hugging Face ``config.json`` (a file or a model folder).
+A GPUSpec holds a datasheet's figures (memory in the vendor's unit, GB = 10^9 bytes; dense bf16 and fp8
+matrix rates; memory, GPU-to-GPU and host link bandwidths); the efficiencies (the
 achieved fraction of each peak) and fixed costs below, fitted to published measurements, turn them into
 the sim executor's default coefficients, until a calibration file replaces them with measured ones.
 """
 from __future__ import annotations
 
-import json
-import math
 import os
 from dataclasses import asdict, dataclass, replace
 
 from kvbench.errors import InputError
+from kvbench.executors.model_config import DTYPE_BYTES, ModelSpec, WeightQuant, read_hf_config
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    name: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_model_len: int
-    rope_theta: float = 500000.0
-    rms_norm_eps: float = 1e-5
-    qkv_bias: bool = False  # Qwen2 has biases on q/k/v projections
-    tie_word_embeddings: bool = False
-    architecture: str = "llama"  # llama | qwen2 | mistral (all the same block for our purposes)
-    # Mixture of experts (0 = dense): every layer's MLP is num_experts experts of moe_intermediate_size,
-    # experts_per_token of them run per token, plus an always-on shared expert (Qwen2-MoE) when
-    # shared_expert_intermediate_size > 0. intermediate_size is then unused.
-    num_experts: int = 0
-    experts_per_token: int = 0
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    def kv_bytes_per_token(self, dtype: str = "bf16") -> int:
-        """K and V of one token over all layers: layers x KV heads x head dim x 2 x dtype bytes."""
-        return self.num_layers * self.num_kv_heads * self.head_dim * 2 * DTYPE_BYTES[dtype]
-
-    def mlp_params(self, active: bool = False) -> int:
-        """One layer's MLP weights: dense gate/up/down (3 x hidden x intermediate); MoE: every expert
-        (``active``: the experts_per_token a token runs), the shared expert and its gate, the router."""
-        h = self.hidden_size
-        if not self.is_moe:
-            return 3 * h * self.intermediate_size
-        experts = self.experts_per_token if active else self.num_experts
-        shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
-        return experts * 3 * h * self.moe_intermediate_size + shared + h * self.num_experts
-
-    @property
-    def num_params(self) -> int:
-        """Every weight (all experts of a MoE), embedding and LM head included."""
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        attn = h * self.num_heads * self.head_dim * 2 + h * kv * 2
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + self.mlp_params() + 2 * h) + emb + h
-
-    def weight_bytes(self, dtype: str = "bf16") -> int:
-        return self.num_params * DTYPE_BYTES[dtype]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")  # presets' config.json
+# (re-exported: the executors and the CLI read these names from here)
+__all__ = ["DTYPE_BYTES", "GPUS", "MODELS", "SIM_MODELS", "GPUSpec", "ModelSpec", "WeightQuant", "available_host_bytes",
+           "compute_dtype", "get_gpu", "get_model"]
 
 MODELS: dict[str, ModelSpec] = {
     # A random-initialised toy that a CPU runs in seconds; GQA 4:2 like the real ones.
@@ -99,6 +43,14 @@ MODELS["qwen3-30b-a3b"] = ModelSpec("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 6144,
                                     num_experts=128, experts_per_token=8, moe_intermediate_size=768)
 MODELS["llama-3.1-8b"] = replace(MODELS["llama-3-8b"], name="llama-3.1-8b")
 MODELS["llama-3.1-70b"] = replace(MODELS["llama-3-70b"], name="llama-3.1-70b")
+# Presets only the sim runs: the models people serve with sliding-window, chunked-local and latent
+# attention and quantized weights, which the model executor's dense bf16 forward refuses
+# (modeling.check_runnable). Each is read from its published config.json (configs/: openai/gpt-oss-20b
+# and -120b, google/gemma-3-27b-it and meta-llama/Llama-4-Scout-17B-16E-Instruct (the language model
+# under text_config), deepseek-ai/DeepSeek-V3), so the parser is what they go through.
+HYBRID_PRESETS = ("gpt-oss-20b", "gpt-oss-120b", "gemma-3-27b", "llama-4-scout", "deepseek-v3")
+SIM_MODELS: dict[str, ModelSpec] = {name: read_hf_config(os.path.join(CONFIGS_DIR, f"{name}.json"), name=name)
+                                    for name in HYBRID_PRESETS}
 
 
 # What the sim's defaults add to a datasheet, fitted to published vLLM V1 measurements (H100, B200,
@@ -226,76 +178,15 @@ GPUS: dict[str, GPUSpec] = {
 }
 
 
-_POSITIVE_INT_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                        "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings",
-                        "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                        "shared_expert_intermediate_size")
-_MAY_BE_ZERO = ("num_local_experts", "num_experts", "num_experts_per_tok", "shared_expert_intermediate_size")
-
-
-def _positive_float(v, cfg_path: str, field: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise InputError(f"must be a positive number, got {v!r}", file=cfg_path, field=field)
-    return float(v)
-
-
-def _from_hf_config(path: str) -> ModelSpec:
-    cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    try:
-        with open(cfg_path, encoding="utf-8") as fh:
-            c = json.load(fh)
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 text
-        raise InputError(f"cannot read model config: {e}", file=cfg_path) from None
-    if not isinstance(c, dict):
-        raise InputError("must be a JSON object", file=cfg_path)
-    for key in _POSITIVE_INT_FIELDS:
-        v = c.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (0 if key in _MAY_BE_ZERO else 1)):
-            raise InputError(f"must be a positive integer, got {v!r}", file=cfg_path, field=key)
-    try:
-        heads = c["num_attention_heads"]
-        hidden = c["hidden_size"]
-        arch = (c.get("model_type") or "llama").lower()
-        # Mixtral names its experts num_local_experts, each of intermediate_size; Qwen MoE num_experts,
-        # each of moe_intermediate_size, plus a shared expert.
-        experts = c.get("num_local_experts") or c.get("num_experts") or 0
-        per_token = (c.get("num_experts_per_tok") or 0) if experts else 0
-        head_dim = c.get("head_dim") or hidden // heads
-        if head_dim < 1:
-            raise InputError(f"hidden_size {hidden} over {heads} heads leaves no head dimension: give head_dim",
-                             file=cfg_path, field="hidden_size")
-        if experts and not 1 <= per_token <= experts:
-            raise InputError(f"must be in [1, {experts}] for a model of {experts} experts, got {per_token!r}",
-                             file=cfg_path, field="num_experts_per_tok")
-        return ModelSpec(
-            name=os.path.basename(os.path.normpath(path)),
-            num_layers=c["num_hidden_layers"], hidden_size=hidden, num_heads=heads,
-            num_kv_heads=c.get("num_key_value_heads") or heads,  # absent or null: one per query head
-            head_dim=head_dim,
-            intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
-            max_model_len=c.get("max_position_embeddings", 4096),
-            # transformers 5 writes rope_parameters: {rope_theta: ...}; older configs a top-level key
-            rope_theta=_positive_float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta")
-                                       or 10000.0, cfg_path, "rope_theta"),
-            rms_norm_eps=_positive_float(c.get("rms_norm_eps", 1e-6), cfg_path, "rms_norm_eps"),
-            qkv_bias=bool(c.get("attention_bias", arch == "qwen2")),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            architecture=arch,
-            num_experts=experts, experts_per_token=per_token,
-            moe_intermediate_size=(c.get("moe_intermediate_size") or c["intermediate_size"]) if experts else 0,
-            shared_expert_intermediate_size=(c.get("shared_expert_intermediate_size") or 0) if experts else 0,
-        )
-    except KeyError as e:
-        raise InputError("required field missing", file=cfg_path, field=e.args[0]) from None
-
-
 def get_model(name_or_path: str) -> ModelSpec:
     """A preset by name, or the shape in a Hugging Face config.json (file or model folder)."""
     if name_or_path in MODELS:
         return MODELS[name_or_path]
+    if name_or_path in SIM_MODELS:
+        return SIM_MODELS[name_or_path]
     if os.path.exists(name_or_path):
-        return _from_hf_config(name_or_path)
-    raise InputError(f"unknown model {name_or_path!r} (presets: {', '.join(sorted(MODELS))}; "
+        return read_hf_config(name_or_path)
+    raise InputError(f"unknown model {name_or_path!r} (presets: {', '.join(sorted([*MODELS, *SIM_MODELS]))}; "
                      "or a path to a config.json or model folder)", field="--model")
 
 

@@ -14,27 +14,39 @@ layer's kernels from the host: each step pays L x layer_overhead_s more.
 
 Symbols (the model's shape; the step's StepBatch):
   L layers, h hidden size, Hq query heads, Hkv KV heads, d head dim, I MLP intermediate size, V vocab;
-  MoE: E experts of intermediate size Ie, k of them per token, a shared expert of size Is (0: none)
-  bw, bkv   bytes per weight and per KV element (bf16 2, fp8 1, fp32 4)
+  MoE: E experts of intermediate size Ie, k of them per token, shared experts of size Is (0: none) in
+  each of L_moe layers, the other L - L_moe layers dense (DeepSeek's first layers, Llama 4's interleaving)
+  bw, bkv   bytes per weight and per KV element (bf16 2, fp8 1, fp32 4); a quantized checkpoint's
+            covered weights (ModelSpec.quant) at their own bytes, scales included
   bc        bytes of the dtype activations are computed in (bf16 under fp8 weights); fp8 checkpoints
             keep the embedding and LM head in it too
   N = --tp; hq = Hq / N; hkv = Hkv / N, or 1 when N > Hkv (every GPU holds a replica, as vLLM does)
   prefill chunk i: n_i new tokens after s_i cached ones (a prefix hit or earlier chunks)
   decode j: c_j keys (its own included)
   T = sum_i n_i + #decodes (tokens computed);  S = #decodes + #chunks that end their prompt (sampled)
-  kv = 2 L hkv d bkv (bytes of one token's K and V on one GPU)
+  kv = 2 L hkv d bkv (bytes of one token's K and V on one GPU): the sum of ModelSpec.kv_layers(bkv, N);
+       an MLA layer keeps one latent of r + p values on every GPU (r kv_lora_rank, p qk_rope_head_dim)
+  Layer kinds: each kind g (full, sliding window W, chunked C, mla) over its L_g layers, its kv_g (so
+  kv = sum_g kv_g); a query at position q sees keys_g(q): q + 1 (full, mla), min(q + 1, W) (sliding),
+  q mod C + 1 (chunked, position // C * C onward). model_config.AttnGroup derives MLA's FLOPs.
 
 Weights per GPU, in elements (the embedding table is not one: a step gathers only its T rows):
   W_attn = h hq d + 2 h hkv d + hq d h                  Q, K, V, O of one layer
   W_mlp(e) = 3 h I / N                                  dense
-           = 3 h Ie e / N + (3 h Is + h) / N + h E       MoE with e experts (+ shared expert, router)
+           = 3 h Ie e / N + (3 h Is + h) / N + h E       MoE with e experts (+ shared expert and Qwen's
+                                                         gate, router); MLA's W_attn: ModelSpec.attn_weights
   W_head = h V / N                                      LM head, split over the vocabulary
 
 Operations: FLOPs and bytes per GPU -> time = max(FLOPs / rate, bytes / bandwidth):
   linear     2 T L (W_attn + W_mlp(k))    |  bw L (W_attn + W_mlp(E_T))      matmul_flops | mem_bw
-             E_T = E (1 - (1 - k/E)^T): experts T tokens touch under uniform routing (dense: W_mlp)
+             E_T = E (1 - (1 - k/E)^T): experts T tokens touch under uniform routing (dense: W_mlp);
+             summed over MoE and dense layers; quantized weights read at their bytes (matmul_flops: an
+             fp8 checkpoint's fp8 rate, MXFP4 and int4 multiplied at bf16's)
   prefill    per chunk: 4 L hq d (n_i s_i + n_i (n_i + 1) / 2)  |  kv (s_i + n_i)   attn_flops | kv_bw
+             per kind: 4 L_g hq d x sum of keys_g over the chunk's queries | kv_g x keys the chunk
+             reads (sliding: min(s_i + n_i, n_i + W - 1); chunked: from s_i // C * C)
   decode     per sequence: 4 L hq d c_j  |  kv c_j                                 attn_flops | kv_bw
+             per kind: 4 L_g hq d keys_g(c_j - 1)  |  kv_g keys_g(c_j - 1)
              (every decode has the same FLOPs per byte, so the sum of their maxes is one max of sums)
   lm_head    2 S W_head  |  bc W_head, in steps that sample (S > 0)            matmul_flops | mem_bw
   kv_write   bytes only: kv T (new K/V) + bc T h (embedding rows)
@@ -56,7 +68,8 @@ links). Biases and norms are left out of the FLOPs (under 0.1% of a layer's).
 Memory per GPU (GB = 10^9 bytes, as vendors state it):
   weights     bw (L (W_attn + W_mlp(E) + 2 h) + h) + bc (h V / N (embedding) + W_head (untied))
   activations bc M (2 h + 3 I_tok / N) + 4 min(M, max_num_seqs) V   (M = --max-batched-tokens;
-              I_tok = I, or k Ie + Is for MoE; the fp32 logits of the sampled rows)
+              I_tok = I, or k Ie + Is for MoE, the larger where both kinds of layer are; the fp32
+              logits of the sampled rows)
   free        0.9 x memory - weights - activations (vLLM's gpu_memory_utilization)
 The default KV pool is N x free bytes, each token taking N x kv of them (a replicated KV head is paid
 for on every GPU). Weights and activations that do not fit, or a --kv-mem over N x free, are an
@@ -84,7 +97,10 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 
+import numpy as np
+
 from kvbench.errors import InputError
+from kvbench.executors.model_config import WEIGHT_KINDS
 from kvbench.executors.presets import (
     DTYPE_BYTES,
     GPU_MEMORY_UTILIZATION,
@@ -92,6 +108,7 @@ from kvbench.executors.presets import (
     ModelSpec,
     compute_dtype,
 )
+from kvbench.memory.specs import LayerKV
 from kvbench.memory.tiers import op_seconds
 from kvbench.scheduler.batch import StepBatch, StepResult
 
@@ -202,6 +219,9 @@ class Work:
         return sum(self.terms(c))
 
 
+_NO_DECODES = np.zeros(0, dtype=np.int64)  # the contexts of a step without windowed layers
+
+
 class StepCost:
     """A model's shape on N GPUs: the work of a step (``work``) and the memory it needs per GPU."""
 
@@ -213,10 +233,6 @@ class StepCost:
         if m.num_heads % tp:
             raise InputError(f"{m.name}'s {m.num_heads} query heads do not split over {tp} GPUs "
                              f"(choose a --tp that divides {m.num_heads})", field="--tp")
-        if m.num_kv_heads % tp and tp % m.num_kv_heads:  # vLLM: divide them, or replicate them evenly
-            raise InputError(f"{m.name}'s {m.num_kv_heads} KV heads neither split over nor replicate evenly "
-                             f"on {tp} GPUs (choose a --tp that divides or is a multiple of {m.num_kv_heads})",
-                             field="--tp")
         self.tp = n = tp
         self.dtypes = (weight_dtype, kv_dtype)
         self.eager = eager
@@ -224,22 +240,30 @@ class StepCost:
         # bytes of the dtype activations are computed in: bf16 under fp8 weights, whose checkpoints
         # (ModelOpt, llm-compressor) also keep the embedding and the LM head in bf16
         self.bc = DTYPE_BYTES[compute_dtype(weight_dtype)]
-        h, d = m.hidden_size, m.head_dim
+        # bytes of each kind of weight: a quantized checkpoint's at its bytes, the rest at bw
+        q = m.quant
+        self.kind_bytes = {k: q.bytes_per_weight if q and k in q.kinds else self.bw for k in WEIGHT_KINDS}
+        h = m.hidden_size
         self.hq = m.num_heads // n
-        self.hkv = m.num_kv_heads // n if m.num_kv_heads >= n else 1  # replicated KV heads: one per GPU
-        self.kv_tok = 2 * m.num_layers * self.hkv * d * self.bkv  # bytes per token per GPU
-        self.w_attn = h * self.hq * d + 2 * h * self.hkv * d + self.hq * d * h
+        self.hkv = m.kv_heads_per_rank(n)  # vLLM: KV heads divided, or replicated one per GPU
+        self.kv_tok = sum(layer.bytes_per_token for layer in m.kv_layers(kv_dtype, n))  # bytes per token per GPU
+        self.w_attn = m.attn_weights(n)
         self.w_head = h * m.vocab_size / n
-        self.flops_pair = 4.0 * m.num_layers * self.hq * d  # one (query, key) pair over all layers
+        moe = m.moe_layers
+        self.layer_classes = [(count, is_moe) for count, is_moe in ((moe, True), (m.num_layers - moe, False))
+                              if count]  # (layers, whether their MLP is a MoE)
+        self.groups = m.attn_groups(kv_dtype, n)
+        self.windowed = any(g.window for g in self.groups)
+        active = m.experts_per_token if m.is_moe else 0
+        # per class of layer: (layers, weights a token runs through in each)
+        self.active_weights = [(count, self.w_attn + self.mlp_weights(active, moe))
+                               for count, moe in self.layer_classes]
+        self._read_memo: dict[int, float] = {}  # tokens in a step -> bytes of weights it reads
 
     # -- weights ------------------------------------------------------------------------------
-    def mlp_weights(self, experts: float) -> float:
+    def mlp_weights(self, experts: float, moe: bool = True) -> float:
         """One layer's MLP weights on one GPU, running ``experts`` experts (dense: the MLP)."""
-        m, n, h = self.model, self.tp, self.model.hidden_size
-        if not m.is_moe:
-            return 3 * h * m.intermediate_size / n
-        shared = (3 * h * m.shared_expert_intermediate_size + h) / n if m.shared_expert_intermediate_size else 0.0
-        return 3 * h * m.moe_intermediate_size * experts / n + shared + h * m.num_experts
+        return self.model.mlp_weights(experts, self.tp, moe)
 
     def experts_touched(self, tokens: int) -> float:
         """Experts ``tokens`` tokens touch under uniform routing: E (1 - (1 - k/E)^T)."""
@@ -248,40 +272,79 @@ class StepCost:
             return 0.0
         return m.num_experts * (1.0 - (1.0 - m.experts_per_token / m.num_experts) ** tokens)
 
+    def layer_bytes(self, experts: float) -> float:
+        """Bytes of every layer's projections on one GPU, each MoE layer running ``experts`` experts:
+        quantized kinds at their bytes, the router at bw."""
+        m, b = self.model, self.kind_bytes
+        total = 0.0
+        for count, moe in self.layer_classes:
+            if m.quant is None:  # every weight bw bytes
+                total += self.bw * count * (self.w_attn + self.mlp_weights(experts, moe))
+                continue
+            if moe:
+                routed, shared, router = m.mlp_parts(experts, self.tp)
+                mlp = b["experts"] * routed + b["shared_experts"] * shared + self.bw * router
+            else:
+                mlp = b["mlp"] * self.mlp_weights(0, moe=False)
+            total += count * (b["attn"] * self.w_attn + mlp)
+        return total
+
     def weight_bytes(self) -> float:
         """Weights held by one GPU: every layer (all experts), embedding, LM head (unless tied), norms."""
         m, h = self.model, self.model.hidden_size
-        layers = m.num_layers * (self.w_attn + self.mlp_weights(m.num_experts) + 2 * h)
         emb = h * m.vocab_size / self.tp
-        return self.bw * (layers + h) + self.bc * (emb + (0 if m.tie_word_embeddings else self.w_head))
+        norms = self.bw * (m.num_layers * m.norm_weights() + h)
+        return self.layer_bytes(m.num_experts) + norms + self.bc * (emb + (0 if m.tie_word_embeddings else self.w_head))
 
     def activation_bytes(self, max_batched_tokens: int, max_num_seqs: int) -> float:
         """Peak activations of the largest step on one GPU (see the module docstring)."""
         m, h = self.model, self.model.hidden_size
-        inter = (m.experts_per_token * m.moe_intermediate_size + m.shared_expert_intermediate_size
-                 if m.is_moe else m.intermediate_size)
+        inter = max(m.experts_per_token * m.moe_intermediate_size + m.shared_expert_intermediate_size
+                    if moe else m.intermediate_size for _, moe in self.layer_classes)
         tokens = max_batched_tokens
         return (self.bc * tokens * (2 * h + 3 * inter / self.tp)
                 + 4 * min(tokens, max_num_seqs) * m.vocab_size)
 
+    def sequence_kv_bytes(self, tokens: int, max_batched_tokens: int) -> int:
+        """KV bytes one GPU holds for one sequence of ``tokens`` at most: a sliding layer keeps its
+        window and the step's new tokens, a chunked one its chunk and them (vLLM's
+        max_memory_usage_bytes, without the block rounding)."""
+        return sum(g.kv * g.tokens_held(tokens, max_batched_tokens) for g in self.groups)
+
     # -- one step -----------------------------------------------------------------------------
     def work(self, batch: StepBatch) -> Work:
-        m, kv = self.model, self.kv_tok
+        m, kv, groups = self.model, self.kv_tok, self.groups
         w = Work(tp=self.tp, pcie_bytes=float(batch.pcie_bytes), launches=m.num_layers if self.eager else 0)
         n_pre = 0
         for start, n in zip(batch.prefill_starts, batch.prefill_lens):
             n_pre += n
-            # causal: query i of the chunk sees start + i + 1 keys
-            w.prefill.append((self.flops_pair * n * (start + (n + 1) / 2), kv * (start + n)))
+            flops, read = 0.0, 0
+            for g in groups:
+                f, b = g.prefill(start, n)
+                flops += f
+                read += b
+            w.prefill.append((flops, read))
         ctx = batch.decode_context_total()
-        w.decode_flops, w.decode_bytes = self.flops_pair * ctx, float(kv * ctx)
+        contexts = np.asarray(batch.decode_slots or batch.decode_positions, dtype=np.int64) + 1 if self.windowed \
+            else _NO_DECODES
+        flops, read = 0.0, 0
+        for g in groups:
+            keys = g.decode_keys(contexts, ctx)
+            flops += g.decode_pair * keys
+            read += g.kv * keys
+        w.decode_flops, w.decode_bytes = flops, float(read)
         w.prefill_tokens, w.decode_seqs, w.context_tokens = n_pre, len(batch.decode_positions), ctx
         w.seqs = len(batch.prefill_lens) + w.decode_seqs
         t = n_pre + len(batch.decode_positions)
         if t:
-            active = m.experts_per_token if m.is_moe else 0
-            w.linear_flops = 2.0 * t * m.num_layers * (self.w_attn + self.mlp_weights(active))
-            w.linear_bytes = self.bw * m.num_layers * (self.w_attn + self.mlp_weights(self.experts_touched(t)))
+            flops = 0.0
+            for count, weights in self.active_weights:
+                flops += 2.0 * t * count * weights
+            w.linear_flops = flops
+            weights_read = self._read_memo.get(t)
+            if weights_read is None:
+                weights_read = self._read_memo[t] = self.layer_bytes(self.experts_touched(t))
+            w.linear_bytes = weights_read
         sampled = len(batch.decode_positions) + sum(batch.prefill_last)
         if sampled:
             w.lm_head_flops, w.lm_head_bytes = 2.0 * sampled * self.w_head, self.bc * self.w_head
@@ -467,6 +530,11 @@ class SimExecutor:
         """Pool bytes one token takes: its K and V on every GPU (N x kv, replicas included)."""
         return self.shape.kv_tok * self.tp
 
+    def kv_layers(self) -> list[LayerKV]:
+        """Each layer's KV on one GPU, in the dtype cached (ModelSpec.kv_layers at --tp): their bytes
+        summed are kv; the pool counts them on each of the N GPUs (kv_bytes_per_token)."""
+        return self.model.kv_layers(self.kv_dtype, self.tp)
+
     def default_kv_bytes(self) -> int:
         """The KV pool when none is asked: every GPU's memory left after weights and activations."""
         return int(self.free_per_gpu * self.tp)
@@ -551,7 +619,7 @@ def _smallest_tp(model: ModelSpec, dtypes: tuple[str, str], gpu: GPUSpec, above:
         except InputError:
             continue
         free = gpu.mem_bytes * GPU_MEMORY_UTILIZATION - s.weight_bytes() - s.activation_bytes(*act)
-        if free >= model.max_model_len * s.kv_tok:
+        if free >= s.sequence_kv_bytes(model.max_model_len, act[0]):
             return n, True
         if free > 0 and fits is None:
             fits = n
@@ -566,6 +634,10 @@ def make_sim(model: ModelSpec, gpu: GPUSpec, calibration: str | None = None, kv_
     the dtype activations are computed in (bf16 under fp8 weights, as vLLM's --kv-cache-dtype auto).
     ``eager``: no CUDA graphs (vLLM's --enforce-eager), every layer's kernel launches paid."""
     clock, raw = None, None
+    if model.quant is not None and dtype not in ("auto", "bf16", "fp16"):
+        raise InputError(f"{model.name}'s checkpoint is quantized ({model.quant.method}, its config.json's "
+                         "quantization_config): its weights are stored as that; --dtype sets an unquantized "
+                         "model's", field="--dtype")
     weight_dtype = "bf16" if dtype == "auto" else dtype
     if calibration:
         raw = read_calibration(calibration)
@@ -577,10 +649,12 @@ def make_sim(model: ModelSpec, gpu: GPUSpec, calibration: str | None = None, kv_
                 log.warning("kvbench: warning: --calibration %s: measured with %s weights; its coefficients "
                             "time %s, not the --dtype %s asked for", calibration, measured, measured, dtype)
             weight_dtype = measured or weight_dtype
-    if weight_dtype == "fp8" and gpu.peak_fp8_flops is None:
+    # what the linear layers multiply in: an fp8 checkpoint's on fp8 tensor cores; MXFP4 and int4 at bf16's
+    matmul_dtype = model.quant.matmul_dtype if model.quant is not None else weight_dtype
+    if matmul_dtype == "fp8" and gpu.peak_fp8_flops is None:
         log.warning("kvbench: warning: the %s has no fp8 tensor cores: fp8 weights are read as one byte and "
                     "multiplied at the bf16 rate, as vLLM's weight-only FP8 (Marlin) kernels do", gpu.name)
-    cost = CostModel.from_gpu(gpu, weight_dtype)
+    cost = CostModel.from_gpu(gpu, matmul_dtype)
     if raw is not None and clock is None:
         cost = cost_from_calibration(raw, calibration, cost)
         for msg in calibration_mismatches(raw, model, gpu, kv_dtype):
