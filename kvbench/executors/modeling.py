@@ -8,9 +8,9 @@ state dict moves between the two unchanged (the selfcheck relies on it).
 
 Refused (``check_runnable``): sliding-window, chunked-local and MLA layers and quantized checkpoints,
 which this forward would run as something else (the sim models them; the model executor refuses a
-mixture of experts too, whose shape this module still builds densely). Not
-modelled: rope scaling other than Llama 3's ("llama3", read from a model folder's config.json; presets
-carry none, which changes nothing for random weights).
+mixture of experts too, whose shape this module still builds densely). Not modelled: rope scaling
+other than Llama 3's ("llama3", read from a model folder's config.json; presets carry none, which
+changes nothing for random weights).
 """
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 A ModelSpec (kvbench.executors.model_config) is the part of a config that decides KV memory and step
 cost. It comes from a preset name or from a Hugging Face ``config.json`` (a file or a model folder).
 A GPUSpec holds a datasheet's figures (memory in the vendor's unit, GB = 10^9 bytes; dense bf16 and fp8
-matrix rates; memory, GPU-to-GPU and host link bandwidths); the efficiencies (the
-achieved fraction of each peak) and fixed costs below, fitted to published measurements, turn them into
-the sim executor's default coefficients, until a calibration file replaces them with measured ones.
+matrix rates; memory, GPU-to-GPU and host link bandwidths); the efficiencies (the achieved fraction of
+each peak) and fixed costs below, fitted to published measurements, turn them into the sim executor's
+default coefficients, until a calibration file replaces them with measured ones.
 """
 from __future__ import annotations
 
