@@ -16,7 +16,12 @@ same token counts and preempts the same requests, and every request hits the sam
   with 0.34's cache-aware admission on (a window of 16, from half the pool held): a queue forms, and
   waiting requests whose document is cached go first (tests/test_scheduler.py has the rule in small);
 - dupkey: five requests (tests/data/vllm-0.34-dupkey-trace.jsonl, literal tokens) on 64 blocks, where
-  vLLM's duplicate-key rule decides which blocks survive: the last request hits 16 tokens.
+  vLLM's duplicate-key rule decides which blocks survive: the last request hits 16 tokens;
+- hybrid-<model>-<trace>: vLLM's hybrid KV cache manager with the KV cache groups its own
+  get_kv_cache_groups built for gpt-oss-120b (sliding 128 + full), Gemma 3 27B (six sliding-1024
+  groups + full), Llama 4 Scout (three chunked-8192 groups + full) and DeepSeek-V3 (one MLA group),
+  on the Mooncake slice and on traces/chat.jsonl at 50x its rate, pools under pressure
+  (benchmarks/vllm_reference/README.md); kvbench replays each with --model <model>.
 
 The Mooncake-based ones need the real trace beside the checkout (../shared/traces/real) and are
 skipped without it. vLLM keeps block 0 as its null block: kvbench's num_blocks is vLLM's - 1.
@@ -42,7 +47,9 @@ MOONCAKE = ROOT.parent / "shared" / "traces" / "real" / "mooncake_conversation.j
 GOLDEN_GLOB = "vllm-0.34-*.json.gz"
 # The case that comes near ~20 s on the 2-core machine when it is busy (99,467 steps; the others take
 # 1-12 s, see benchmarks/vllm_reference/README.md): run it with -m slow, or all with -m 'slow or not slow'.
-SLOW = {"mooncake2000-8kblocks", "mooncake2000-block64", "mooncake1000-seqs32"}  # the suite keeps the main and the held-out one
+SLOW = {"mooncake2000-8kblocks", "mooncake2000-block64", "mooncake1000-seqs32",  # the suite keeps the main and the held-out one
+        "hybrid-gpt-oss-120b-mooncake2000", "hybrid-gemma-3-27b-mooncake2000",  # 25-90 s each: the suite keeps
+        "hybrid-llama-4-scout-mooncake2000"}  # each model's chat golden and DeepSeek-V3's Mooncake one
 
 
 def step_digest(sched: list, preempted: list) -> str:
@@ -87,8 +94,6 @@ def golden_files() -> list:
     for path in sorted(DATA.glob(GOLDEN_GLOB)):
         name = path.name[len("vllm-0.34-"):-len(".json.gz")]
         marks = [pytest.mark.slow] if name in SLOW else []
-        if name.startswith("hybrid-"):  # KV cache groups are not in the engine yet
-            marks.append(pytest.mark.skip(reason="hybrid KV cache groups: not yet in the engine"))
         params.append(pytest.param(path, id=name, marks=marks))
     return params
 
@@ -101,7 +106,11 @@ def replay_like_vllm(golden: dict, tmp_path: Path):
     trace = golden_trace(spec, tmp_path / "trace.jsonl")
     clock = tmp_path / "linear.json"
     clock.write_text(json.dumps(golden["clock"]))
-    cfg = ReplayConfig(executor="sim", model="llama-3-8b", calibration=str(clock),
+    model = (golden.get("hybrid") or {}).get("model", "llama-3-8b")  # a hybrid golden names its model's groups
+    # the weights of DeepSeek-V3 and Llama 4 Scout fit eight H200s; the pool is given in blocks, so the
+    # group of GPUs changes no decision
+    tp = 8 if model in ("deepseek-v3", "llama-4-scout") else 1
+    cfg = ReplayConfig(executor="sim", model=model, calibration=str(clock), tp=tp,
                        num_blocks=golden["kvbench_num_blocks"], block_size=golden["block_size"],
                        max_num_seqs=golden["max_num_seqs"], max_batched_tokens=golden["max_batched_tokens"],
                        admission_window=golden.get("admission_window", 0),

@@ -57,6 +57,9 @@ REPLAY_OPTIONS: list[Opt] = [
     Opt("tp", Count(1, C.MAX_TP), "sim: tensor parallelism, weights and KV heads over N GPUs, two all-reduces per layer"),
     Opt("kv_dtype", click.Choice(C.KV_DTYPES), "KV cache dtype (sim: fp8 halves KV bytes; the model executor keeps KV in its compute dtype)"),
     Opt("dtype", click.Choice(C.DTYPES), "sim: weight dtype, fp8 on fp8 tensor cores (auto: bf16, or a --calibration's)"),
+    Opt("disable_hybrid_kv_cache_manager", "flag", "a model with sliding-window or chunked-local layers: allocate "
+        "every layer as full attention in one KV cache group (vLLM --disable-hybrid-kv-cache-manager; the compute "
+        "stays windowed)"),
     Opt("eager", "flag", "sim: no CUDA graphs (vLLM --enforce-eager): every layer's kernel launches paid each step"),
     Opt("calibration", click.Path(dir_okay=False), "sim coefficients written by `kvbench calibrate`"),
     Opt("kv_mem", str, "KV pool size, e.g. 16GiB [default: 90% of free device memory after weights]"),

@@ -86,6 +86,9 @@ class ReplayConfig:
     kv_dtype: str = "auto"
     dtype: str = "auto"  # sim: weights in bf16 or fp8 (fp8 tensor cores where the GPU has them)
     eager: bool = False  # sim: no CUDA graphs (vLLM --enforce-eager): every layer's kernel launches paid
+    # a model with sliding-window or chunked-local layers allocated as full attention, one KV cache group
+    # (vLLM --disable-hybrid-kv-cache-manager); the compute stays windowed
+    disable_hybrid_kv_cache_manager: bool = False
     calibration: str | None = None
     kv_mem: str | None = None
     num_blocks: int | None = None

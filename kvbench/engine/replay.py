@@ -31,8 +31,10 @@ from kvbench.engine.replica import Replica, Totals
 from kvbench.engine.routing import Router
 from kvbench.engine.setup import (
     check_fits,
+    check_hybrid,
     check_model_memory,
     check_token_ids,
+    kv_layout_of,
     pool_blocks,
 )
 from kvbench.errors import InputError, RunError
@@ -130,8 +132,11 @@ class Replay:
         if cfg.executor == "model" and not self.model.is_moe:  # (the executor refuses a mixture of experts)
             check_token_ids(list(self.trace.in_trace_order()), self.model.vocab_size, self.trace_path)
         executor = make_executor(cfg, self.model)
-        self.num_blocks = pool_blocks(cfg, executor, self.model)  # per replica
-        self._block_bytes = executor.kv_bytes_per_token() * cfg.block_size
+        # the model's KV cache groups (one for a plain model; several with windows: vLLM's hybrid manager)
+        self.kv_layout = kv_layout_of(cfg, executor)
+        check_hybrid(cfg, self.kv_layout, self.model.name)
+        self.num_blocks = pool_blocks(cfg, executor, kv_layout=self.kv_layout)  # per replica
+        self._block_bytes = self.kv_layout.bytes_per_block * cfg.tp
         self.physical_blocks = self._physical_blocks()
         self._tier_bound = self._run_blocks() if cfg.tier_sizes() else None
         self.replicas = [self._replica(i, executor if i == 0 else make_executor(cfg, self.model))
@@ -169,7 +174,8 @@ class Replay:
         kv = make_kv(cfg.layout, self.num_blocks, cfg.block_size,
                      prefix_cache=cfg.prefix_cache and paged, cache_policy=cfg.cache_policy,
                      prefix_mode=cfg.prefix_mode, radix_eviction=cfg.radix_eviction,
-                     physical=self.physical_blocks)
+                     physical=self.physical_blocks, kv_layout=self.kv_layout,
+                     max_batched_tokens=cfg.max_batched_tokens, max_model_len=self.max_len)
         executor.bind_pool(self.physical_blocks or self.num_blocks, cfg.block_size)
         if cfg.tier_sizes():
             self._attach_tiers(kv, executor)
@@ -210,7 +216,7 @@ class Replay:
         cfg = self.cfg
         if cfg.layout != "paged" or cfg.eviction != "none":
             return None
-        bound = self._run_blocks()
+        bound = self._run_blocks() * len(self.kv_layout.groups)  # (every group holds a block per position)
         return bound if bound < self.num_blocks else None
 
     def _run_blocks(self) -> int:
@@ -287,13 +293,15 @@ class Replay:
             reserve = self.slab_reserve_tokens if cfg.slab_reserve == "max" else plen + olen
             need = n * -(-reserve // bs)
         else:
-            need = -(-(plen + olen) // bs) + (n - 1) * (-(-olen // bs))
+            need = (self.kv_layout.peak_blocks(plen + olen, cfg.max_batched_tokens, self.max_len)
+                    + (n - 1) * (-(-olen // bs)) * len(self.kv_layout.groups))
         bad = np.flatnonzero(self._admitted & ((n > cfg.max_num_seqs) | (need > self.num_blocks)))
         if len(bad):
             self._check_fits(self._request(int(bad[0])))
 
     def _check_fits(self, r: Request) -> None:
-        check_fits(r, self.cfg, self.num_blocks, self.slab_reserve_tokens, self.trace_path)
+        check_fits(r, self.cfg, self.num_blocks, self.slab_reserve_tokens, self.trace_path, self.kv_layout,
+                   self.max_len)
 
     def _slab_reserve_tokens(self) -> int:
         """setup.slab_reserve_tokens over the arrays: --max-model-len, else the longest admitted

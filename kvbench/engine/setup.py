@@ -9,19 +9,30 @@ from kvbench.engine.config import ReplayConfig
 from kvbench.engine.lengths import shape_one
 from kvbench.errors import InputError, RunError
 from kvbench.executors.presets import available_host_bytes
+from kvbench.memory.groups import KVLayout, group_layers
+from kvbench.memory.policies import needs_future
 from kvbench.trace.format import Request
 from kvbench.trace.tokens import TOKEN_HI
 
 KV_MEM_FRACTION = 0.9  # share of free device memory given to the KV pool when no size is asked
 
 
-def pool_blocks(cfg: ReplayConfig, executor, model) -> int:
+def kv_layout_of(cfg: ReplayConfig, executor) -> KVLayout:
+    """The model's KV cache groups at the run's block size (kvbench.memory.groups: one group for a
+    plain model; vLLM's hybrid grouping for one with windowed layers, unless
+    --disable-hybrid-kv-cache-manager)."""
+    return group_layers(executor.kv_layers(), cfg.block_size, cfg.disable_hybrid_kv_cache_manager)
+
+
+def pool_blocks(cfg: ReplayConfig, executor, model=None, kv_layout: KVLayout | None = None) -> int:
     """Blocks in the KV pool: --num-blocks (no memory check: a pool of any size, for experiments),
     else --kv-mem (refused by an executor that knows its devices cannot hold it: check_kv_bytes), else
-    the devices' memory after weights and activations."""
+    the devices' memory after weights and activations; a block costs a page for each layer of the
+    largest KV cache group (vLLM's planning: get_kv_cache_config_from_groups)."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
-    per_block = executor.kv_bytes_per_token() * cfg.block_size
+    layout = kv_layout or kv_layout_of(cfg, executor)
+    per_block = layout.bytes_per_block * cfg.tp  # (a layout is one GPU's; the pool's bytes are the group's)
     if cfg.kv_mem_bytes is not None:
         nbytes = cfg.kv_mem_bytes
         executor.check_kv_bytes(nbytes)
@@ -29,12 +40,36 @@ def pool_blocks(cfg: ReplayConfig, executor, model) -> int:
         nbytes = executor.default_kv_bytes()
     n = int(nbytes // per_block)
     if n < 1:
-        msg = (f"a KV pool of {nbytes} bytes holds no block of {per_block} bytes ({cfg.block_size} tokens "
-               f"x {executor.kv_bytes_per_token()} bytes)")
+        msg = (f"a KV pool of {nbytes} bytes holds no block of {per_block} bytes ({cfg.block_size} tokens: "
+               f"{layout.describe()})")
         if cfg.kv_mem_bytes is not None:
             raise InputError(msg, field="--kv-mem")
         raise RunError(msg, usage=True)
     return n
+
+
+def check_hybrid(cfg: ReplayConfig, layout: KVLayout, model: str) -> None:
+    """Refuse, in one line naming the option, what kvbench does not model for a model with several KV
+    cache groups or a window (kvbench.memory.hybrid follows vLLM's hybrid manager in hash mode)."""
+    if not layout.is_hybrid:
+        return
+    groups = layout.describe()
+    why = None
+    if cfg.layout == "slab":
+        why, field = "the slab baseline reserves one full-attention slab per sequence", "--layout"
+    elif cfg.prefix_cache and cfg.prefix_mode == "radix":
+        why, field = "radix mode follows SGLang's single-tree cache (its hybrid caches are not modelled)", "--prefix-mode"
+    elif cfg.eviction != "none":
+        why, field = "token eviction packs one block table", "--eviction"
+    elif cfg.tier_sizes():
+        why, field = "the prefix-cache tiers store one table's blocks", "--cpu-kv-mem"
+    elif cfg.prefix_cache and needs_future(cfg.cache_policy):
+        why, field = f"--cache-policy {cfg.cache_policy} reads one table's future", "--cache-policy"
+    elif cfg.executor == "model":
+        why, field = "the model executor runs full attention over one table", "--executor"
+    if why is not None:
+        raise InputError(f"{model} keeps its KV in groups ({groups}): {why}; use --disable-hybrid-kv-cache-manager "
+                         "to run it as full attention", field=field)
 
 
 def check_model_memory(cfg: ReplayConfig, model) -> None:
@@ -97,7 +132,8 @@ def slab_reserve_tokens(requests: list[Request], cfg: ReplayConfig, max_len: int
     return -(-longest // bs) * bs
 
 
-def check_fits(r: Request, cfg: ReplayConfig, num_blocks: int, slab_reserve: int, trace_path: str) -> None:
+def check_fits(r: Request, cfg: ReplayConfig, num_blocks: int, slab_reserve: int, trace_path: str,
+               kv_layout: KVLayout | None = None, max_len: int = 1 << 30) -> None:
     """A request that cannot fit in the empty pool would stall the replay: say so up front (RunError,
     a usage error naming the trace line). So would a request with more samples than --max-num-seqs:
     kvbench forks a request's n samples in one admission, and n counts against the cap."""
@@ -111,7 +147,11 @@ def check_fits(r: Request, cfg: ReplayConfig, num_blocks: int, slab_reserve: int
         reserve = slab_reserve if cfg.slab_reserve == "max" else r.prompt_len + r.output_len
         need = r.n * -(-reserve // bs)
     else:
-        need = -(-(r.prompt_len + r.output_len) // bs) + (r.n - 1) * (-(-r.output_len // bs))
+        groups = 1 if kv_layout is None else len(kv_layout.groups)
+        full = -(-(r.prompt_len + r.output_len) // bs)
+        peak = full if kv_layout is None else int(kv_layout.peak_blocks(r.prompt_len + r.output_len,
+                                                                        cfg.max_batched_tokens, max_len))
+        need = peak + (r.n - 1) * (-(-r.output_len // bs)) * groups
     if need > num_blocks:
         samples = f" with n={r.n} samples" if r.n > 1 else ""
         where = f"{trace_path}:{r.line}: " + ("field 'n': " if r.n > 1 else "")
@@ -141,11 +181,11 @@ def admitted_by_length(r: Request, max_len: int, overlong: str) -> bool:
 
 
 def check_trace_fits(requests: list[Request], cfg: ReplayConfig, num_blocks: int, max_len: int,
-                     trace_path: str) -> None:
+                     trace_path: str, kv_layout: KVLayout | None = None) -> None:
     """check_fits for every request a run of ``cfg`` admits (the first ``--limit`` of them)."""
     reqs = requests if cfg.limit is None else requests[:cfg.limit]
     reqs, _ = fit_overlong(reqs, max_len, cfg.overlong)
     reserve = slab_reserve_tokens(reqs, cfg, max_len)
     for r in reqs:
         if admitted_by_length(r, max_len, cfg.overlong):
-            check_fits(r, cfg, num_blocks, reserve, trace_path)
+            check_fits(r, cfg, num_blocks, reserve, trace_path, kv_layout, max_len)

@@ -11,6 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kvbench.memory.specs import LayerKV
 from kvbench.scheduler.batch import StepBatch, StepResult
 
 
@@ -27,6 +28,10 @@ class Executor(Protocol):
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V for one token over all layers (what one pool slot costs)."""
+
+    def kv_layers(self) -> list[LayerKV]:
+        """Each layer's KV cache on one device, at the dtype the executor caches in (the memory
+        layer groups them: kvbench.memory.groups)."""
 
     def default_kv_bytes(self) -> int:
         """The pool's bytes when --kv-mem and --num-blocks are not given."""

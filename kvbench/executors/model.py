@@ -255,6 +255,10 @@ class ModelExecutor:
     def kv_bytes_per_token(self) -> int:
         return self.spec.kv_bytes_per_token("fp32" if self.dtype == torch.float32 else "bf16")
 
+    def kv_layers(self) -> list:
+        """Each layer's KV on this one device, at the dtype the forward caches in."""
+        return self.spec.kv_layers("fp32" if self.dtype == torch.float32 else "bf16", 1)
+
     def default_kv_bytes(self) -> int:
         """GPU: 90% of the memory free after the weights, less what InfiniGen's partial keys may take
         (``partial_key_share`` of the pool's bytes at most); CPU: CPU_DEFAULT_KV_BYTES."""

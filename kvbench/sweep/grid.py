@@ -62,7 +62,7 @@ SHORT = {"layout": "", "block_size": "bs", "slab_reserve": "res_", "prefix_cache
          "replicas": "x", "router": "", "router_prefix_blocks": "rpb", "router_cache_weight": "rcw",
          "router_load_weight": "rlw", "router_event_delay": "red", "cpu_kv_mem": "cpu", "disk_kv_mem": "disk",
          "offload": "", "load_policy": "load_", "cpu_bw": "cpubw", "disk_bw": "diskbw", "cpu_cache_policy": "cpu_",
-         "dtype": "w_", "eager": "eager_",
+         "dtype": "w_", "eager": "eager_", "disable_hybrid_kv_cache_manager": "nohybrid_",
          "disk_cache_policy": "disk_"}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 

@@ -49,7 +49,7 @@ def preflight(configs: list[Config], requests=None, trace_path: str = "") -> Non
     request larger than every configuration's pool (where its size is known without building a
     model: --num-blocks, or the sim's) is refused too (a usage RunError); one too large for some
     configurations only is left to those runs, which fail and are reported while the others run."""
-    from kvbench.engine.setup import check_trace_fits, pool_blocks
+    from kvbench.engine.setup import check_trace_fits, kv_layout_of, pool_blocks
     from kvbench.executors import make_executor
     from kvbench.executors.presets import get_model
 
@@ -59,21 +59,25 @@ def preflight(configs: list[Config], requests=None, trace_path: str = "") -> Non
         cfg = c.cfg
         key = (cfg.executor, cfg.model, cfg.gpu, cfg.calibration, cfg.kv_dtype, cfg.device, cfg.tp,
                cfg.kv_mem_bytes, cfg.num_blocks, cfg.block_size, cfg.layout, cfg.slab_reserve,
-               cfg.max_model_len, cfg.limit, cfg.max_num_seqs)
+               cfg.max_model_len, cfg.limit, cfg.max_num_seqs, cfg.disable_hybrid_kv_cache_manager,
+               cfg.max_batched_tokens)
         if key not in checked:
             checked[key] = None
             model = get_model(cfg.model)
             num_blocks = cfg.num_blocks
+            layout = None
             if cfg.executor == "sim":
                 # cheap: reads the GPU preset and the calibration file, sizes the pool
-                num_blocks = pool_blocks(cfg, make_executor(cfg, model), model)
+                executor = make_executor(cfg, model)
+                layout = kv_layout_of(cfg, executor)
+                num_blocks = pool_blocks(cfg, executor, kv_layout=layout)
             else:  # the model executor: weights and pool must fit the device it would use
                 from kvbench.engine.setup import check_model_memory
                 check_model_memory(cfg, model)
             if requests is not None and num_blocks is not None:
                 try:
                     check_trace_fits(requests, cfg, num_blocks, cfg.max_model_len or model.max_model_len,
-                                     trace_path)
+                                     trace_path, layout)
                 except RunError as e:
                     checked[key] = e
         outcomes.append(checked[key])
