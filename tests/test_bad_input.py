@@ -175,6 +175,34 @@ def test_corpus_model_folder_config(worker, tmp_path):
                               "--out", tmp_path / "r-bin"], tmp_path), "config.json")
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "tests" / "data" / "models").glob("*.json")))
+def test_corpus_configs_kvbench_cannot_represent(worker, tmp_path, name):
+    """A Mamba or linear-attention layer, an unknown layer type or quantization, a window <= 0 or longer
+    than the model: refused naming the file and the field (each file's ``_refused_field``)."""
+    path = ROOT / "tests" / "data" / "models" / f"{name}.json"
+    field = json.loads(path.read_text())["_refused_field"]
+    r = worker.run(["replay", TRACE, "--executor", "sim", "--limit", "2", "--model", path,
+                    "--out", tmp_path / "r"], tmp_path)
+    check_refused(r, f"{name}.json", field)
+
+
+@pytest.mark.parametrize("extra,flag", [
+    (["--layout", "slab"], "--layout"), (["--prefix-mode", "radix"], "--prefix-mode"),
+    (["--eviction", "h2o"], "--eviction"), (["--cpu-kv-mem", "1GiB"], "--cpu-kv-mem"),
+    (["--cache-policy", "belady"], "--cache-policy")])
+def test_what_a_hybrid_model_cannot_run_is_refused(worker, tmp_path, extra, flag):
+    """gpt-oss keeps its KV in two groups: what kvbench does not model for groups says so, naming the
+    option and the way out (--disable-hybrid-kv-cache-manager), before the run."""
+    r = worker.run(["replay", TRACE, "--executor", "sim", "--limit", "2", "--model", "gpt-oss-120b", *extra,
+                    "--out", tmp_path / "r"], tmp_path)
+    check_refused(r, flag, "sliding 128 x 18, full x 18", "--disable-hybrid-kv-cache-manager")
+    r = worker.run(["replay", TRACE, "--executor", "sim", "--limit", "2", "--model", "gpt-oss-120b", *extra,
+                    "--disable-hybrid-kv-cache-manager", "--out", tmp_path / "r2"], tmp_path)
+    assert r["code"] == 0, r["stderr"][-300:]
+    check_refused(worker.run(["trace", "whatif", TRACE, "--model", "gemma-3-27b", "--budgets", "1GiB"], tmp_path),
+                  "--model", "sliding 1024 x 9")
+
+
 def test_model_executor_refuses_what_its_device_cannot_hold(worker, tmp_path):
     """Weights and pool that cannot fit the device the model executor would use: one line, exit 2,
     before anything is allocated (not an out-of-memory kill minutes later)."""

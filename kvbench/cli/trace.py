@@ -238,6 +238,19 @@ def _print_table(title: str, s) -> None:
 
 # ---------------------------------------------------------------------------------------- whatif
 
+def refuse_kv_groups(spec, kv_dtype: str, block_size: int) -> None:
+    """The what-if simulates one prefix cache of whole blocks: a model whose KV falls into several
+    groups (sliding windows that cache only where a lookup can end, chunked-local layers) is refused,
+    naming its groups, until the what-if learns them."""
+    from kvbench.memory.groups import group_layers
+
+    layout = group_layers(spec.kv_layers(kv_dtype, 1), block_size)
+    if layout.is_hybrid:
+        raise InputError(f"{spec.name} keeps its KV in groups ({layout.describe()}) whose windows cache only where "
+                         "a lookup can end; the what-if simulates one cache of whole blocks: measure it with "
+                         "kvbench replay (its hit rate with a pool that never evicts is the ceiling)", field="--model")
+
+
 DEFAULT_BUDGETS = "8GiB,16GiB,32GiB,64GiB,128GiB,1024GiB"
 
 
@@ -318,8 +331,8 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     Prompts are replayed one after another in trace order (no concurrency, no decode) through a
     prefix cache of each budget, evicting with each policy (the replay's own: lru, fifo, lfu, lru2,
     arc, s3fifo, prefix, learned, and belady, the offline optimum); the hit rate counts the requests
-    after the warm-up, beside the infinite-cache ceiling, and each policy's cell shows the share of
-    the lru -> belady gap it closes.
+    after the warm-up, beside the infinite-cache ceiling, and each policy is shown against lru in
+    hit-rate points, with the share of the lru -> belady gap it closes where it does not lose to lru.
     Budgets in bytes become blocks through the model's KV bytes per token
     (layers x KV heads x head dim x 2 x dtype bytes).
     """
@@ -330,6 +343,7 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     from kvbench import whatif as wi
 
     spec = get_model(model)
+    refuse_kv_groups(spec, kv_dtype, block_size)
     per_token = spec.kv_bytes_per_token(kv_dtype)
     block_bytes = per_token * block_size
     if out:  # before the work: a path that cannot hold the results is refused now

@@ -40,8 +40,10 @@ class Accounts:
     """The records and sums of one replay over its replicas (a router's predictions included)."""
 
     def __init__(self, cfg: ReplayConfig, replicas: list[Replica], router: Router, *, num_blocks: int,
-                 block_bytes: int, num_requests: int, truncated: int, slab_reserve_tokens: int):
+                 block_bytes: int, num_requests: int, truncated: int, slab_reserve_tokens: int,
+                 kv_cache_groups: str = ""):
         self.cfg, self.replicas, self.router = cfg, replicas, router
+        self.kv_cache_groups = kv_cache_groups  # the layout's description: 'sliding 128 x 18, full x 18 (...)'
         self.num_blocks, self.block_bytes = num_blocks, block_bytes
         self.num_requests, self.truncated, self.slab_reserve_tokens = num_requests, truncated, slab_reserve_tokens
         self.not_issued = 0  # requests --max-requests / --max-seconds kept from being issued
@@ -177,6 +179,7 @@ class Accounts:
             "num_blocks": self.num_blocks, "block_size": self.cfg.block_size,
             "kv_capacity_tokens": self.replicas[0].kv.capacity_tokens,
             "kv_bytes_per_token": self.replicas[0].executor.kv_bytes_per_token(),
+            "kv_bytes_per_block": self.block_bytes, "kv_cache_groups": self.kv_cache_groups,
             "cache_evictions": total(lambda r: r.kv.cache_evictions),
             "cow_copies": total(lambda r: r.kv.cow_copies),
             "slab_reserve_tokens": self.slab_reserve_tokens if self.cfg.layout == "slab" else None,

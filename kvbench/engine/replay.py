@@ -152,7 +152,8 @@ class Replay:
                 rep.kv.enable_events()
         self.accounts = Accounts(cfg, self.replicas, self.router, num_blocks=self.num_blocks,
                                  block_bytes=self._block_bytes, num_requests=self.num_requests,
-                                 truncated=self.truncated, slab_reserve_tokens=self.slab_reserve_tokens)
+                                 truncated=self.truncated, slab_reserve_tokens=self.slab_reserve_tokens,
+                                 kv_cache_groups=self.kv_layout.describe())
         self.finished: list[RequestState] | None = None  # set to [] to keep finished requests
         # set to [] to keep every step's plan: ([(request id, sample, tokens)], [preempted request ids])
         self.step_log: list | None = None
@@ -513,6 +514,7 @@ class Replay:
         return {"settings": self.cfg.to_dict(), "max_model_len_effective": self.max_len,
                 "slab_reserve_tokens": self.slab_reserve_tokens if self.cfg.layout == "slab" else None,
                 "num_blocks": self.num_blocks, "model_spec": self.model.to_dict(),
+                "kv_cache_groups": self.kv_layout.to_dict(),
                 "trace": {"path": self.trace_label, "sha256": self.trace.sha256 or file_sha256(self.trace_path),
                           "requests": self.num_requests},
                 "files": setting_files(self.cfg.to_dict()),
