@@ -177,7 +177,8 @@ class Replay:
                      prefix_mode=cfg.prefix_mode, radix_eviction=cfg.radix_eviction,
                      physical=self.physical_blocks, kv_layout=self.kv_layout,
                      max_batched_tokens=cfg.max_batched_tokens, max_model_len=self.max_len)
-        executor.bind_pool(self.physical_blocks or self.num_blocks, cfg.block_size)
+        executor.bind_pool(self.physical_blocks or self.num_blocks, cfg.block_size,
+                           self.kv_layout.layer_groups() if self.kv_layout.is_hybrid else None)
         if cfg.tier_sizes():
             self._attach_tiers(kv, executor)
         evictor = make_evictor(cfg.eviction, kv, kv_budget=cfg.kv_budget,

@@ -45,8 +45,10 @@ class Executor(Protocol):
     def recompute_s(self, start: int, n: int, rest: int = 0) -> float:
         """What prefilling ``n`` tokens after ``start`` cached ones adds to prefilling ``rest`` more."""
 
-    def bind_pool(self, num_blocks: int, block_size: int) -> None:
-        """Allocate (model) or note (sim) a KV pool of ``num_blocks`` blocks of ``block_size`` slots."""
+    def bind_pool(self, num_blocks: int, block_size: int, layer_groups: list[int] | None = None) -> None:
+        """Allocate (model) or note (sim) a KV pool of ``num_blocks`` blocks of ``block_size`` slots.
+        ``layer_groups``: per layer, the KV cache group whose block table it reads (a batch's
+        ``group_tables``); None: one group, ``block_tables``."""
 
     def execute(self, batch: StepBatch) -> StepResult:
         """Perform the copies, run the step's forward, return its duration (and tokens)."""

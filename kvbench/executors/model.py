@@ -267,7 +267,7 @@ class ModelExecutor:
             return int(free * 0.9 / (1.0 + self.partial_key_share))
         return CPU_DEFAULT_KV_BYTES
 
-    def bind_pool(self, num_blocks: int, block_size: int) -> None:
+    def bind_pool(self, num_blocks: int, block_size: int, layer_groups: list[int] | None = None) -> None:
         self.pool = None  # free the old pool before allocating the new one
         if self.graphs is not None:
             self.graphs.graphs.clear()  # captured over the old pool

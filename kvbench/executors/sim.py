@@ -549,8 +549,8 @@ class SimExecutor:
                 f"weights and activations: lower --kv-mem, raise --tp, or use a bigger GPU (--gpu)",
                 field="--kv-mem")
 
-    def bind_pool(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
+    def bind_pool(self, num_blocks: int, block_size: int, layer_groups: list[int] | None = None) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size  # (the step's cost reads no table)
 
     def work(self, batch: StepBatch) -> Work:
         return self.shape.work(batch)

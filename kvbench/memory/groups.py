@@ -94,6 +94,14 @@ class KVLayout:
         """KV bytes a token takes in every group at once (the layers' sum, as full attention holds it)."""
         return sum(g.spec.bytes_per_token * len(g.layers) for g in self.groups)
 
+    def layer_groups(self) -> list[int]:
+        """Per layer of the model, the index of its group (whose block table the layer reads)."""
+        out = [0] * sum(len(g.layers) for g in self.groups)
+        for i, g in enumerate(self.groups):
+            for layer in g.layers:
+                out[layer] = i
+        return out
+
     def peak_blocks(self, tokens, in_flight_tokens: int, max_model_len: int):
         """The most blocks a sequence of ``tokens`` tokens (an int or an int array) holds at once over
         every group: all its blocks in a group that keeps every token, at most the admission cap in a

@@ -48,6 +48,10 @@ class StepBatch:
     decode_tokens: list[int] = field(default_factory=list)  # needs_tokens only
     decode_slots: list[int] = field(default_factory=list)  # slot index of the new token; [] = positions
     block_tables: dict[int, Sequence[int]] = field(default_factory=dict)  # needs_tokens only
+    # needs_tokens only, a model with several KV cache groups (kvbench.memory.hybrid): per sequence, its
+    # block table in each group, -1 where a window freed the block; layer l reads the table of the group
+    # the executor was bound to for it (Executor.bind_pool's layer_groups)
+    group_tables: dict[int, list[Sequence[int]]] = field(default_factory=dict)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     # Token eviction: per sequence, a bool mask over its slots (True = token kept); None = all kept.
     kept_masks: dict[int, np.ndarray] = field(default_factory=dict)

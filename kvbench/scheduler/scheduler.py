@@ -327,6 +327,8 @@ class Scheduler:
                     batch.prefill_tokens.append(self._token_ids(s, start, n))
             if tokens:
                 batch.block_tables[s.seq_id] = s.table
+                if s.groups is not None:
+                    batch.group_tables[s.seq_id] = s.groups.tables
         if plan.lane:  # the lane's decodes, after the others
             assert self.lane is not None
             seq_ids, starts = self.lane.decodes()
