@@ -17,6 +17,7 @@ import os
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.replay import Replay
 from kvbench.engine.sizes import parse_size
+from kvbench.errors import RunError
 
 MODELS = (("gpt-oss-120b", 1), ("gemma-3-27b", 1), ("llama-4-scout", 4), ("deepseek-v3", 8))
 
@@ -45,7 +46,12 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for model, tp in MODELS:
         for disabled in (False, True):
-            s, rp = run(a.trace, model, tp, per_gpu, disabled, a.out, a.time_scale, a.max_model_len)
+            try:
+                s, rp = run(a.trace, model, tp, per_gpu, disabled, a.out, a.time_scale, a.max_model_len)
+            except RunError as e:  # a request too large for this pool: the row says so
+                print(f"| {model} ({tp}) | | {'as full attention' if disabled else 'by group'} | refused: "
+                      f"{str(e).split(': ', 1)[-1]} | | | | | |", flush=True)
+                continue
             layout = rp.kv_layout
             groups = ", ".join(f"{g.kind}{' ' + str(g.window) if g.window else ''} x {len(g.layers)} "
                                f"({g.spec.bytes_per_token * len(g.layers):,} B)" for g in layout.groups)

@@ -187,7 +187,7 @@ def test_corpus_configs_kvbench_cannot_represent(worker, tmp_path, name):
 
 
 @pytest.mark.parametrize("extra,flag", [
-    (["--layout", "slab"], "--layout"), (["--prefix-mode", "radix"], "--prefix-mode"),
+    (["--prefix-mode", "radix"], "--prefix-mode"),
     (["--eviction", "h2o"], "--eviction"), (["--cpu-kv-mem", "1GiB"], "--cpu-kv-mem"),
     (["--cache-policy", "belady"], "--cache-policy")])
 def test_what_a_hybrid_model_cannot_run_is_refused(worker, tmp_path, extra, flag):

@@ -189,3 +189,20 @@ def test_free_order_and_the_pools_counters_hold_over_a_random_mix():
     for s in seqs:
         kv.free(s)
     assert kv.pool.num_used == 0 and kv.pool.tokens_live == 0
+
+
+def test_a_hybrid_slab_reserves_each_groups_slots():
+    from kvbench.memory.slab import SlabKV
+
+    layout = group_layers(gpt_oss_layers(), 16)
+    assert layout.slab_blocks(8192) == 512 + 8  # the full group's 8,192 slots, the sliding one's ring of 128
+    slab = SlabKV(1100, 16, kv_layout=layout)
+    seqs = [SeqKV(reserve=8192) for _ in range(3)]
+    assert slab.allocate(seqs[0], 200) and slab.allocate(seqs[1], 200)
+    assert not slab.allocate(seqs[2], 200)  # 1,100 blocks hold two slabs of 520
+    slab.commit_all(seqs[:2], [200, 200])
+    assert slab.stats().tokens_live == 2 * (200 + 128)  # every token in the full group, the last 128 in the window
+    slab.commit(seqs[0], 1)
+    assert slab.stats().tokens_live == 2 * 328 + 1
+    slab.free(seqs[0])
+    assert slab.stats().tokens_live == 328 and slab.stats().blocks_used == 520

@@ -293,7 +293,7 @@ class Replay:
         plen, olen, n = self.trace.prompt_len, self._output_len, self.trace.n
         if cfg.layout == "slab":
             reserve = self.slab_reserve_tokens if cfg.slab_reserve == "max" else plen + olen
-            need = n * -(-reserve // bs)
+            need = n * (self.kv_layout.slab_blocks(reserve) if self.kv_layout.is_hybrid else -(-reserve // bs))
         else:
             need = (self.kv_layout.peak_blocks(plen + olen, cfg.max_batched_tokens, self.max_len)
                     + (n - 1) * (-(-olen // bs)) * len(self.kv_layout.groups))

@@ -55,9 +55,9 @@ def check_hybrid(cfg: ReplayConfig, layout: KVLayout, model: str) -> None:
         return
     groups = layout.describe()
     why = None
-    if cfg.layout == "slab":
-        why, field = "the slab baseline reserves one full-attention slab per sequence", "--layout"
-    elif cfg.prefix_cache and cfg.prefix_mode == "radix":
+    if cfg.layout == "slab" and cfg.executor == "model":
+        why, field = "a slab holds every group in one reservation, which the model executor does not read", "--layout"
+    elif cfg.layout == "paged" and cfg.prefix_cache and cfg.prefix_mode == "radix":
         why, field = "radix mode follows SGLang's single-tree cache (its hybrid caches are not modelled)", "--prefix-mode"
     elif cfg.eviction != "none":
         why, field = "token eviction packs one block table", "--eviction"
@@ -143,9 +143,10 @@ def check_fits(r: Request, cfg: ReplayConfig, num_blocks: int, slab_reserve: int
                        f"so raise --max-num-seqs to {r.n} (vLLM would fan it out into {r.n} child requests "
                        "instead)", usage=True)
     bs = cfg.block_size
-    if cfg.layout == "slab":  # a slab for each sample, reserved at admission
+    if cfg.layout == "slab":  # a slab for each sample, reserved at admission (each group's slots)
         reserve = slab_reserve if cfg.slab_reserve == "max" else r.prompt_len + r.output_len
-        need = r.n * -(-reserve // bs)
+        need = r.n * (-(-reserve // bs) if kv_layout is None or not kv_layout.is_hybrid
+                      else int(kv_layout.slab_blocks(reserve)))
     else:
         groups = 1 if kv_layout is None else len(kv_layout.groups)
         full = -(-(r.prompt_len + r.output_len) // bs)

@@ -29,6 +29,8 @@ def make_kv(layout: str, num_blocks: int, block_size: int, *, prefix_cache: bool
         cls = LAYOUTS[layout]
     except KeyError:
         raise ValueError(f"unknown layout {layout!r} (choose from {', '.join(LAYOUTS)})") from None
+    if cls is SlabKV:
+        return SlabKV(num_blocks, block_size, kv_layout=kv_layout)
     return cls(num_blocks, block_size, prefix_cache=prefix_cache, cache_policy=cache_policy,
                prefix_mode=prefix_mode, radix_eviction=radix_eviction, physical=physical)
 

@@ -61,6 +61,11 @@ class KVGroup:
             return cdiv(min(self.window + in_flight_tokens, max_model_len), block_size)
         return None
 
+    def slab_tokens(self, reserve):
+        """The slots a slab reserves for this group's layers (an int or an int array): every token up to
+        ``reserve``, or a window's (a ring of its W slots) or a chunk's."""
+        return reserve if self.kind not in ("sliding", "chunked") else np.minimum(reserve, self.window)
+
     def describe(self) -> str:
         return f"{self.spec.describe()} x {len(self.layers)}"
 
@@ -113,6 +118,16 @@ class KVLayout:
             cap = g.admission_cap(bs, in_flight_tokens, max_model_len)
             total = total + (blocks if cap is None else np.minimum(blocks, cap))
         return total
+
+    def slab_blocks(self, reserve):
+        """The blocks of a slab of ``reserve`` tokens (an int or an int array): each group's slots
+        (KVGroup.slab_tokens) in whole blocks, summed."""
+        bs = self.block_size
+        return sum(-(-g.slab_tokens(reserve) // bs) for g in self.groups)
+
+    def slab_live(self, num_tokens: int) -> int:
+        """The slots of a slab that ``num_tokens`` tokens fill, over every group."""
+        return int(sum(g.slab_tokens(num_tokens) for g in self.groups))
 
     def num_blocks(self, kv_bytes: int) -> int:
         """Blocks a pool of ``kv_bytes`` holds (vLLM: available memory // bytes per block, the null

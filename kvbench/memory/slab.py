@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvbench.memory.contracts import Compaction, KVEvent, KVStats, SeqKV
+from kvbench.memory.groups import KVLayout
 
 if TYPE_CHECKING:
     from kvbench.memory.tiers import TierMatch, Tiers
@@ -35,9 +36,13 @@ class SlabKV:
     partial_hit_tokens = 0
     cow_copies = 0  # a fork copies into a slab of its own: counted as the batch's copies, not here
 
-    def __init__(self, num_blocks: int, block_size: int, **_ignored):
+    def __init__(self, num_blocks: int, block_size: int, kv_layout: KVLayout | None = None, **_ignored):
+        """``kv_layout``: a model with several KV cache groups reserves, per sequence, each group's
+        slots (a window's ring for a sliding group, a chunk for a chunked one; KVLayout.slab_blocks)
+        in one slab, and counts the slots its tokens fill in each group."""
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.kv_layout = kv_layout if kv_layout is not None and kv_layout.is_hybrid else None
         self._starts: list[int] = [0]  # free extents, sorted by start
         self._lens: list[int] = [num_blocks]
         self.blocks_reserved = 0
@@ -93,8 +98,9 @@ class SlabKV:
         """Reserve the sequence's slab, and one for each of the ``forks`` samples it will fork, on
         first call (a slab always holds the whole sequence, so ``must_fit`` holds by construction);
         later calls only check the tokens fit."""
+        layout = self.kv_layout
         if s.base < 0:
-            n = -(-s.reserve // self.block_size)
+            n = -(-s.reserve // self.block_size) if layout is None else int(layout.slab_blocks(s.reserve))
             want = n * (1 + forks)
             self.last_shortfall = want + watermark
             if want > self.num_blocks - self.blocks_reserved - watermark:
@@ -112,17 +118,26 @@ class SlabKV:
             s.table = range(s.base, s.base + n)
             s.fork_bases = bases[1:]
             self.blocks_reserved += want
-        if s.num_kv + num_new > len(s.table) * self.block_size:
+        if s.num_kv + num_new > (len(s.table) * self.block_size if layout is None else s.reserve):
             raise ValueError(f"sequence outgrew its slab of {s.reserve} slots")
         return True
+
+    def _live(self, num_kv: int) -> int:
+        """Slots ``num_kv`` tokens of a sequence fill (in every group of a hybrid model)."""
+        return num_kv if self.kv_layout is None else self.kv_layout.slab_live(num_kv)
 
     def commit(self, s: SeqKV, n: int) -> None:
         self.commit_all((s,), (n,))
 
     def commit_all(self, seqs, nums) -> None:
+        if self.kv_layout is None:
+            for s, n in zip(seqs, nums):
+                s.num_kv += n
+            self.tokens_live += sum(nums)
+            return
         for s, n in zip(seqs, nums):
+            self.tokens_live += self._live(s.num_kv + n) - self._live(s.num_kv)
             s.num_kv += n
-        self.tokens_live += sum(nums)
 
     def free(self, s: SeqKV) -> None:
         if s.base >= 0:
@@ -131,7 +146,7 @@ class SlabKV:
             for b in s.fork_bases:  # slabs reserved for samples not forked yet
                 self._give(b, n)
             self.blocks_reserved -= n * (1 + len(s.fork_bases))
-            self.tokens_live -= s.num_kv
+            self.tokens_live -= self._live(s.num_kv)
         s.base = -1
         s.table = []
         s.fork_bases = []
@@ -144,10 +159,10 @@ class SlabKV:
         n = len(s.table)
         child.base = s.fork_bases.pop()
         child.table = range(child.base, child.base + n)
-        nb = -(-s.num_kv // self.block_size)
+        nb = -(-self._live(s.num_kv) // self.block_size)  # (a hybrid slab: its groups' filled slots)
         self.copies.extend(zip(s.table[:nb], child.table[:nb]))
         child.num_kv = s.num_kv
-        self.tokens_live += s.num_kv
+        self.tokens_live += self._live(s.num_kv)
 
     def take_copies(self) -> list[tuple[int, int]]:
         c, self.copies = self.copies, []
