@@ -27,6 +27,11 @@ kvbench trace gen chat --requests 100 --rate 20 --seed 4 --output-len 1500 --tur
 kvbench sweep $R/long.jsonl "${SIM[@]}" --num-blocks 3000 --kv-budget 0.2 \
     --eviction none,streaming,h2o,infinigen --out $R/long-eviction -j 2 >/dev/null
 
+echo "## hybrid and MLA models: chat at 20x, 4 GiB of KV per GPU; the Mooncake slice, 16 GiB per GPU"
+python benchmarks/hybrid_table.py --out $R/hybrid-chat
+python benchmarks/hybrid_table.py --trace traces/mooncake_slice.jsonl --time-scale 1 --max-model-len 131072 \
+    --kv-mem-per-gpu 16GiB --out $R/hybrid-mooncake
+
 echo "## attention mass kept: tiny model on the CPU, first 8 requests"
 for t in agent chat; do
   kvbench sweep traces/$t.jsonl --executor model --device cpu --limit 8 \
