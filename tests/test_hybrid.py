@@ -206,3 +206,30 @@ def test_a_hybrid_slab_reserves_each_groups_slots():
     assert slab.stats().tokens_live == 2 * 328 + 1
     slab.free(seqs[0])
     assert slab.stats().tokens_live == 328 and slab.stats().blocks_used == 520
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_blocks_computed_elsewhere_are_taken_as_computed(hybrid):
+    """vLLM allocate_slots' external tokens (a KV connector's load): after the local hit, their blocks
+    are allocated holding KV and cached; a window's blocks it already left get none."""
+    from kvbench.memory.paged import PagedKV
+
+    layers = gpt_oss_layers() if hybrid else [LayerKV("full", 8, 64, 2)] * 4
+    kv = HybridKV(500, group_layers(layers, 16)) if hybrid else PagedKV(500, 16, compiled=False)
+    a = STREAMS.stream("ext", 400)
+    s = _seq(a)
+    hit = kv.lookup(s, 400)
+    assert kv.num_cached_tokens(s, hit) == 0
+    assert kv.allocate(s, 1, hit, external=399, must_fit=400)  # the prompt's KV but its last token loaded
+    assert s.num_kv == 399
+    if hybrid:
+        sliding, full = kv.group_tables(s)
+        # 399 tokens computed: the next sees 272..399, so blocks 0-16 were left before they were ever held
+        assert sliding[:17] == [NULL] * 17 and NULL not in sliding[17:] and NULL not in full
+    kv.commit(s, 1)
+    assert kv.stats().tokens_live == (400 + 128 if hybrid else 400)  # (the window's blocks hold tokens 272..399)
+    kv.free(s)
+    again = _seq(a)
+    # what was loaded is cached; but the resend's window needs block 16, which the load never held
+    # (vLLM too: a window's run must reach the hit's end), so the sliding group hits nothing
+    assert kv.num_cached_tokens(again, kv.lookup(again, 400)) == (0 if hybrid else 384)

@@ -131,8 +131,10 @@ class KVManager(Protocol):
         ...
 
     def allocate(self, s: SeqKV, num_new: int, hits: Any = (), watermark: int = 0,
-                 must_fit: int = 0, forks: int = 0) -> bool:
-        """Take the hits and blocks for ``num_new`` more tokens; False, changing nothing, if short."""
+                 must_fit: int = 0, forks: int = 0, external: int = 0) -> bool:
+        """Take the hits and blocks for ``num_new`` more tokens; False, changing nothing, if short.
+        ``external``: tokens after the hits whose KV was computed elsewhere (a KV connector's load,
+        vLLM's num_external_computed_tokens): allocated, holding KV at once, counted as computed."""
         ...
 
     def commit(self, s: SeqKV, n: int) -> None: ...

@@ -353,16 +353,21 @@ class HybridKV:
                 self.pool.release_all(freed)
 
     def allocate(self, s: SeqKV, num_new: int, hits: Any = (), watermark: int = 0,
-                 must_fit: int = 0, forks: int = 0) -> bool:
+                 must_fit: int = 0, forks: int = 0, external: int = 0) -> bool:
         """vLLM's allocate_slots over every group: the hit (a HybridHit, for an empty table) counts as
-        computed; ``must_fit``: the whole sequence must fit now (each windowed group capped); the
-        groups' blocks no longer attended to are freed first; False when short (what was freed stays
-        freed, as in vLLM)."""
+        computed, and so do ``external`` tokens after it (computed elsewhere: a KV connector's load;
+        blocks a window already left get none, vLLM allocate_external_computed_blocks);
+        ``must_fit``: the whole sequence must fit now (each windowed group capped); the groups'
+        blocks no longer attended to are freed first; False when short (what was freed stays freed,
+        as in vLLM)."""
         p, bs = self.pool, self.block_size
         st = self._state(s)
         hit = hits if isinstance(hits, HybridHit) else None
         hit_blocks = hit.blocks if hit is not None and hit.tokens else [[] for _ in self.groups]
-        computed = s.num_kv + (hit.tokens if hit is not None else 0)
+        if external and (s.num_kv or any(st.tables)):
+            raise ValueError("external tokens are taken by an empty table only")
+        local = s.num_kv + (hit.tokens if hit is not None else 0)
+        computed = local + external
         self.last_loaded = None
         if must_fit:
             need = sum(self._to_allocate(g, st, must_fit, hit_blocks[g], computed, True)
@@ -388,7 +393,12 @@ class HybridKV:
                 p.touch(held)
                 st.tables[g] = [NULL] * skipped + kept
                 st.cached[g] = len(st.tables[g])
-            s.num_kv = computed
+            s.num_kv = local
+        if external:  # positions a window already left hold no block (vLLM: the null block)
+            for g, table in enumerate(st.tables):
+                skipped = self.groups[g].skipped_tokens(computed) // bs
+                if len(table) < skipped:
+                    table.extend([NULL] * (skipped - len(table)))
         for g in shared_tails:
             table = st.tables[g]
             src = table[-1]
@@ -402,6 +412,8 @@ class HybridKV:
             more = cdiv(end, bs) - len(table)
             if more > 0:
                 p.alloc_into(table, more)
+        if external:  # their KV is in place before the forward
+            self.commit(s, external)
         if self.prefix_cache and s.tokens is not None:
             for g in range(len(self.groups)):
                 self._cache(s, st, g, end)

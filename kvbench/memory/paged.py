@@ -236,7 +236,7 @@ class PagedKV:
 
     # -- allocation --------------------------------------------------------------------------
     def allocate(self, s: SeqKV, num_new: int, hits: Sequence[int] = (), watermark: int = 0,
-                 must_fit: int = 0, forks: int = 0) -> bool:
+                 must_fit: int = 0, forks: int = 0, external: int = 0) -> bool:
         """Make the table cover ``num_kv + len(hits)*block_size + num_new`` tokens and register in the
         prefix cache the blocks those tokens fill.
 
@@ -245,7 +245,10 @@ class PagedKV:
         ``must_fit``: tokens the whole sequence needs, all of which must fit now (vLLM's
         ``full_sequence_must_fit`` admission gate) though only ``num_new`` are allocated. Returns
         False, changing nothing, when fewer than ``watermark`` blocks would remain. ``forks``: samples
-        the sequence will fork; they share its blocks, so they need none now.
+        the sequence will fork; they share its blocks, so they need none now. ``external`` (an empty
+        table only): tokens after the hits whose KV was computed elsewhere (a KV connector's load, vLLM
+        ``allocate_slots``' num_external_computed_tokens): their blocks are taken, hold KV at once and
+        are registered like computed ones.
         """
         p, bs = self.pool, self.block_size
         table = s.table
@@ -260,12 +263,14 @@ class PagedKV:
                 if total // bs > s.num_registered:  # (a block of one token is full at once)
                     self._register_upto(s, total, True)
                 return True
-        elif not table and not s.num_kv and -(-num_new // bs) + watermark > p.num_available:
+        elif not table and not s.num_kv and -(-(num_new + external) // bs) + watermark > p.num_available:
             # an admission short whatever its hits (the head of the queue, retried every step while
             # memory is short): a fresh table needs at least the new tokens' blocks, the hits' apart
             self.last_loaded = None
-            self.last_shortfall = -(-num_new // bs) + watermark
+            self.last_shortfall = -(-(num_new + external) // bs) + watermark
             return False
+        if external and (table or s.num_kv):
+            raise ValueError("external tokens are taken by an empty table only")
         n_hit = len(hits)
         fresh = not table and s.num_kv == 0
         part = s.partial_len if fresh else 0  # radix: tokens copied from a partly matching block
@@ -273,7 +278,7 @@ class PagedKV:
         n_load = len(m) if m else 0  # blocks loaded from the tiers
         self.last_loaded = None
         have = len(s.table) + n_hit
-        total = s.num_kv + (n_hit + n_load) * bs + part + num_new
+        total = s.num_kv + (n_hit + n_load) * bs + part + external + num_new
         need = max(0, -(-total // bs) - have)
         tail_shared = (num_new > 0 and s.num_kv % bs != 0 and n_hit == 0
                        and p.refcnt[s.table[-1]] > 1)
@@ -337,6 +342,8 @@ class PagedKV:
             s.num_kv += n_load * bs
             self._register(s, n_hit + n_load, through=False)
             self.last_loaded = m
+        if external:  # their KV is in place before the forward: computed, registered below
+            self.commit(s, external)
         if m is not None:
             assert self.tiers is not None
             self.tiers.declined_tokens += m.declined * bs

@@ -94,11 +94,13 @@ class SlabKV:
             del starts[i + 1], lens[i + 1]
 
     def allocate(self, s: SeqKV, num_new: int, hits: Sequence[int] = (), watermark: int = 0,
-                 must_fit: int = 0, forks: int = 0) -> bool:
+                 must_fit: int = 0, forks: int = 0, external: int = 0) -> bool:
         """Reserve the sequence's slab, and one for each of the ``forks`` samples it will fork, on
         first call (a slab always holds the whole sequence, so ``must_fit`` holds by construction);
         later calls only check the tokens fit."""
         layout = self.kv_layout
+        if external:
+            raise ValueError("a slab takes no KV computed elsewhere: it has no prefix to continue")
         if s.base < 0:
             n = -(-s.reserve // self.block_size) if layout is None else int(layout.slab_blocks(s.reserve))
             want = n * (1 + forks)
