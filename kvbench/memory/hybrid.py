@@ -56,6 +56,7 @@ class GroupTables:
     cached: list[int | None]
     keys: list[list[int] | None]
     boundary: int = 0  # the shared-prefix junction of the last lookup (vLLM shared_prefix_boundary)
+    shared: bool = False  # forked: a sample's tail may be shared with its siblings (copy on write)
 
 
 @dataclass(slots=True)
@@ -104,6 +105,9 @@ class HybridKV:
         self.pool = BlockPool(num_blocks, bs, enable_cache=prefix_cache, policy=cache_policy,
                               duplicate_keys=cache_policy == "lru")
         self.caps = [g.admission_cap(bs, max_batched_tokens, max_model_len) for g in self.groups]
+        # (group, is it sliding, its window or chunk) of the groups that free what they no longer attend
+        self._windowed = [(i, g.kind == "sliding", g.window) for i, g in enumerate(self.groups)
+                          if g.kind in ("sliding", "chunked")]
         first_full = next((i for i, g in enumerate(self.groups) if g.kind in ("full", "mla")), 0)
         self.salts = [0 if i == first_full else ((i + 1) * _SALT) & _MASK for i in range(len(self.groups))]
         self.roots = [ROOT_KEY ^ salt for salt in self.salts]
@@ -338,13 +342,13 @@ class HybridKV:
     def _drop_skipped(self, st: GroupTables, computed: int) -> None:
         """Free, group by group, the blocks no longer attended to (vLLM remove_skipped_blocks)."""
         bs = self.block_size
-        for g, grp in enumerate(self.groups):
-            skipped = grp.skipped_tokens(computed)
-            if skipped <= 0:
-                continue
+        for g, sliding, w in self._windowed:  # (KVGroup.skipped_tokens, inline: every step runs it)
+            n = min((computed - w + 1 if sliding else computed // w * w) // bs, len(st.tables[g]))
             table = st.tables[g]
+            if n <= 0 or table[n - 1] == NULL:  # nothing left the window since the last step
+                continue
             freed = []
-            for j in range(min(skipped // bs, len(table)) - 1, -1, -1):
+            for j in range(n - 1, -1, -1):
                 if table[j] == NULL:
                     break
                 freed.append(table[j])
@@ -362,6 +366,17 @@ class HybridKV:
         as in vLLM)."""
         p, bs = self.pool, self.block_size
         st = self._state(s)
+        if not (must_fit or external or st.shared) and hits == () and None not in st.cached:
+            # a running sequence's step within the blocks it holds (decodes: all but one step a block)
+            end = s.num_kv + num_new
+            if -(-end // bs) <= len(st.tables[0]):
+                self._drop_skipped(st, s.num_kv)
+                if self.prefix_cache and s.tokens is not None:
+                    full = min(end, len(s.tokens)) // bs
+                    for g, done in enumerate(st.cached):
+                        if full > done:  # type: ignore[operator]  # (not None: running)
+                            self._cache(s, st, g, end)
+                return True
         hit = hits if isinstance(hits, HybridHit) else None
         hit_blocks = hit.blocks if hit is not None and hit.tokens else [[] for _ in self.groups]
         if external and (s.num_kv or any(st.tables)):
@@ -465,8 +480,18 @@ class HybridKV:
         fill = p.fill
         live = 0
         for s, n in zip(seqs, nums):
-            st = self._state(s)
+            st = s.groups
+            assert st is not None  # (allocated before it is committed)
             start, end = s.num_kv, s.num_kv + n
+            if n == 1:  # a decode: one position in every group
+                j = start // bs
+                for table in st.tables:
+                    b = table[j]
+                    if b != NULL:
+                        fill[b] += 1
+                        live += 1
+                s.num_kv = end
+                continue
             for table in st.tables:
                 pos = start
                 while pos < end:
@@ -499,7 +524,8 @@ class HybridKV:
         for table in st.tables:
             self.pool.incref_many([b for b in table if b != NULL])
         child.groups = GroupTables([list(t) for t in st.tables], list(st.cached), [None] * len(self.groups),
-                                   st.boundary)
+                                   st.boundary, shared=True)
+        st.shared = True
         child.num_kv = s.num_kv
 
     def take_copies(self) -> list[tuple[int, int]]:
