@@ -181,6 +181,8 @@ def print_summary(summary: dict, run_dir: str) -> None:
     for key, label, fmt in HEADLINE + (TIER_HEADLINE if tiers else []) + (LIVE_HEADLINE if live else []):
         v = summary.get(key)
         rows.append([label, "-" if v is None else fmt.format(v)])
+    if summary.get("kv_cache_groups"):  # the model's KV cache groups and what a block of the pool costs
+        rows.append(["KV cache groups", summary["kv_cache_groups"]])
     if summary.get("replicas"):
         rows.append(["requests max/mean per replica", f"{summary['balance_requests_max_over_mean']:.2f}"])
         rows.append(["busy time max/mean per replica", f"{summary['balance_busy_max_over_mean']:.2f}"])
