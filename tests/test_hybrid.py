@@ -233,3 +233,19 @@ def test_blocks_computed_elsewhere_are_taken_as_computed(hybrid):
     # what was loaded is cached; but the resend's window needs block 16, which the load never held
     # (vLLM too: a window's run must reach the hit's end), so the sliding group hits nothing
     assert kv.num_cached_tokens(again, kv.lookup(again, 400)) == (0 if hybrid else 384)
+
+
+def test_a_hybrid_run_names_its_groups_and_the_report_reads_it(tmp_path):
+    from kvbench.engine.config import ReplayConfig
+    from kvbench.engine.replay import replay
+    from kvbench.report.html import build_report
+
+    cfg = ReplayConfig(executor="sim", model="gpt-oss-120b", limit=12, kv_mem="1GiB", max_model_len=8192)
+    summary = replay(str(ROOT / "traces" / "chat.jsonl"), cfg, str(tmp_path / "run"))
+    assert summary["kv_cache_groups"] == "sliding 128 x 18, full x 18 (589,824 B a block)"
+    assert summary["num_blocks"] == 1820 and summary["kv_bytes_per_block"] == 589_824  # vLLM's planning for 1 GiB
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert [(g["kind"], g["layers"], g["bytes_per_token"]) for g in config["kv_cache_groups"]["groups"]] == \
+        [("sliding", 18, 36_864), ("full", 18, 36_864)]
+    rep = build_report([str(tmp_path / "run")], str(tmp_path / "rep"))
+    assert rep.charts and not rep.skipped
