@@ -249,3 +249,17 @@ def test_a_hybrid_run_names_its_groups_and_the_report_reads_it(tmp_path):
         [("sliding", 18, 36_864), ("full", 18, 36_864)]
     rep = build_report([str(tmp_path / "run")], str(tmp_path / "rep"))
     assert rep.charts and not rep.skipped
+
+
+def test_replicas_run_a_hybrid_model_each_on_its_groups(tmp_path):
+    """Each replica keeps the model's groups; the kv-aware router's index hears the full group's keys
+    (a sliding window's are salted apart), so it predicts more hits than the windows allow."""
+    from kvbench.engine.config import ReplayConfig
+    from kvbench.engine.replay import Replay
+
+    cfg = ReplayConfig(executor="sim", model="gpt-oss-120b", limit=60, kv_mem="1GiB", max_model_len=8192,
+                       replicas=2, router="kv-aware", time_scale=0.05)
+    rp = Replay(str(ROOT / "traces" / "chat.jsonl"), cfg, str(tmp_path / "run"))
+    summary = rp.run()
+    assert all(isinstance(r.kv, HybridKV) for r in rp.replicas) and summary["completed"] == 60
+    assert 0 < summary["router_hit_blocks"] <= summary["router_predicted_blocks"]
