@@ -118,7 +118,9 @@ def recording(arch: int):
 class Spec:
     """One specialisation of one launcher. ``op``: decode (split plan for a batch of long contexts:
     split + merge kernels), decode1 (one split: the split kernel alone), prefill, weights, write_kv,
-    copy_blocks. ``table_width``: block-table columns (its stride's divisibility by 16 is specialised)."""
+    copy_blocks. ``table_width``: block-table columns (its stride's divisibility by 16 is specialised).
+    ``window``: a sliding window's tokens (0: full attention); the kernels take it unspecialised, so a
+    windowed launch has full attention's key and the grid needs no point of its own for it."""
 
     op: str
     dtype: str = "bf16"
@@ -128,10 +130,11 @@ class Spec:
     kept: bool = False
     num_kv_heads: int = 8
     table_width: int = 37
+    window: int = 0
 
     def label(self) -> str:
         return (f"{self.op} {self.dtype} D{self.head_dim} G{self.group} bs{self.block_size}"
-                + (" kept" if self.kept else ""))
+                + (" kept" if self.kept else "") + (f" W{self.window}" if self.window else ""))
 
 
 def _call(spec: Spec, mods: dict) -> None:
@@ -150,14 +153,15 @@ def _call(spec: Spec, mods: dict) -> None:
     if spec.op in ("decode", "decode1"):
         q = torch.zeros(s, hq, d, dtype=dt)
         pa.decode_attention(q, k, v, tables, lens, scale, ctx, num_splits=1 if spec.op == "decode1" else None,
-                            kept=kept)
+                            kept=kept, window=spec.window)
     elif spec.op == "weights":
         q = torch.zeros(s, hq, d, dtype=dt)
         pa.attention_weights(q, k, tables, lens, torch.zeros(s, hq), scale, ctx - 3, kept)
     elif spec.op == "prefill":
         q = torch.zeros(3 * s, hq, d, dtype=dt)
         cu = torch.arange(0, 3 * s + 1, 3, dtype=torch.int32)
-        pa.prefill_attention(q, k, v, tables, cu, torch.zeros(s, dtype=torch.int32), scale, 3, kept)
+        pa.prefill_attention(q, k, v, tables, cu, torch.zeros(s, dtype=torch.int32), scale, 3, kept,
+                             window=spec.window)
     elif spec.op == "write_kv":
         new = torch.zeros(5, hkv, d, dtype=dt)
         ops.write_kv(k, v, new, new, torch.zeros(5, dtype=torch.int64))

@@ -60,28 +60,31 @@ def copy_blocks(pool: torch.Tensor, pairs: torch.Tensor, backend: str = "auto") 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, starts: torch.Tensor, scale: float, max_q_len: int,
-                      kept: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
-    """q: [T, Hq, D] of chunks starting at ``starts`` -> out [T, Hq, D] (causal over cache, GQA)."""
+                      kept: torch.Tensor | None = None, backend: str = "auto", window: int = 0) -> torch.Tensor:
+    """q: [T, Hq, D] of chunks starting at ``starts`` -> out [T, Hq, D] (causal over cache, GQA; a query at
+    p sees p - window + 1 .. p under a sliding window, window > 0; what lies before is never read)."""
     check_kv_dtype(q, k_cache)
     if use_triton(backend, q.device):
         from kvbench.kernels import paged_attention
         return paged_attention.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, starts,
-                                                 scale, max_q_len, kept)
-    return ref.prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, starts, scale, kept)
+                                                 scale, max_q_len, kept, window=window)
+    return ref.prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, starts, scale, kept, window)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, max_seq_len: int,
                      num_splits: int | torch.Tensor | None = None, kept: torch.Tensor | None = None,
-                     backend: str = "auto", max_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [S, Hq, D] at positions seq_lens-1 -> out [S, Hq, D], lse f32 [S, Hq].
+                     backend: str = "auto", max_splits: int | None = None,
+                     window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [S, Hq, D] at positions seq_lens-1 -> out [S, Hq, D], lse f32 [S, Hq] (the last ``window``
+    positions only under a sliding window, window > 0).
     num_splits / max_splits: the split-KV plan (paged_attention.decode_attention); torch ignores it."""
     check_kv_dtype(q, k_cache)
     if use_triton(backend, q.device):
         from kvbench.kernels import paged_attention
         return paged_attention.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                max_seq_len, num_splits, kept, max_splits=max_splits)
-    return ref.decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, kept)
+                                                max_seq_len, num_splits, kept, max_splits=max_splits, window=window)
+    return ref.decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, kept, window)
 
 
 def attention_weights(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

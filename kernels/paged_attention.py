@@ -10,6 +10,15 @@ size that is not a power of two), and a tile that lies inside one block (BLOCK_S
 BLOCK_N: blocks of 64 tokens or more, or one block per sequence) reads one block-table entry, not one
 per position. Paged and slab tables run the very same code; each block size is its own compiled kernel.
 
+Sliding windows: ``window`` W > 0 lets a query at position p see p - W + 1 .. p (W tokens, itself
+included: vLLM's and transformers' convention). A program streams only from the first position its
+lowest query sees; the tiles before it are never visited, and positions before it in the first tile
+are masked out of every load, so neither their block-table entries (-1 once the KV manager freed a
+block that left the window) nor their K/V are read. W is a runtime argument the JIT does not
+specialise on (``do_not_specialize``): full attention (W = 0) and every window run one compiled
+kernel, and the window costs no extra work per score (the causal and window tests are one unsigned
+comparison, ``_visible``).
+
 GQA: one program serves every query head of a KV head, so each K/V tile is read once per group.
 Rows are padded to at least 16 (tl.dot's minimum on GPU); padded rows have q_pos = -1 and see nothing.
 Softmax runs in base 2 (exp2) with the scale folded in; lse is returned in natural log units.
@@ -33,9 +42,11 @@ _M_INIT = tl.constexpr(-1.0e30)
 def _tile_offsets(block_tables_ptr, bt_row, start, pos_ok, stride_cb, stride_ct, kv_head_off,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Element offsets (int64) [BLOCK_N] of positions start + arange(BLOCK_N) for one KV head.
-    ``start`` is a multiple of BLOCK_N; ``bt_row`` the sequence's row offset in the block table."""
+    ``start`` is a multiple of BLOCK_N; ``bt_row`` the sequence's row offset in the block table;
+    ``pos_ok``: the positions the tile reads (some position of the tile is one)."""
     if BLOCK_SIZE % BLOCK_N == 0:
-        # The tile lies inside one block: one table entry, then consecutive slots.
+        # The tile lies inside one block: one table entry, then consecutive slots. The block holds a
+        # position the caller reads, so its entry is a live block.
         blk = tl.load(block_tables_ptr + bt_row + start // BLOCK_SIZE).to(tl.int64)
         slot = (start % BLOCK_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
         return blk * stride_cb + slot * stride_ct + kv_head_off
@@ -50,25 +61,41 @@ def _tile_offsets(block_tables_ptr, bt_row, start, pos_ok, stride_cb, stride_ct,
 
 
 @triton.jit
-def _attend_range(acc, l_i, m_i, q, q_pos, lo, hi, bt_row, kept_row, kv_head,
+def _span(window):
+    """Positions a query sees back from itself, itself included: the window, or all (2^31 - 1)."""
+    return tl.where(window > 0, window, 0x7FFFFFFF).to(tl.uint32)
+
+
+@triton.jit
+def _visible(q_pos, pos, span):
+    """[M, N]: key position pos[n] is in query q_pos[m]'s causal window, i.e. 0 <= q_pos - pos < span,
+    as one unsigned comparison (a key after the query wraps to a huge distance; so does any key of a
+    padding row, q_pos = -1)."""
+    return (q_pos[:, None] - pos[None, :]).to(tl.uint32, bitcast=True) < span
+
+
+@triton.jit
+def _attend_range(acc, l_i, m_i, q, q_pos, lo, hi, span, bt_row, kept_row, kv_head,
                   k_cache_ptr, v_cache_ptr, block_tables_ptr, kept_ptr,
                   stride_cb, stride_ct, stride_ch, qk_scale,
                   HAS_KEPT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     # q: [BLOCK_M, BLOCK_D]; q_pos: [BLOCK_M] (-1 = padding row); acc: [BLOCK_M, BLOCK_D] f32;
-    # l_i, m_i: [BLOCK_M] f32 (base-2 running sum and max). lo: a multiple of BLOCK_N.
+    # l_i, m_i: [BLOCK_M] f32 (base-2 running sum and max). Positions [lo, hi) are streamed, in tiles
+    # aligned to BLOCK_N; positions before lo are neither loaded nor their table entries read.
+    # span: _span(window), what each row sees back from its own position.
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     kv_head_off = kv_head.to(tl.int64) * stride_ch
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical positions
-        pos_ok = pos < hi
+        pos_ok = (pos >= lo) & (pos < hi)
         offs = _tile_offsets(block_tables_ptr, bt_row, start, pos_ok, stride_cb, stride_ct, kv_head_off,
                              BLOCK_SIZE, BLOCK_N)
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        ok = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        ok = pos_ok[None, :] & _visible(q_pos, pos, span)
         if HAS_KEPT:
             kept = tl.load(kept_ptr + kept_row + pos, mask=pos_ok, other=0)
             ok = ok & (kept[None, :] != 0)
@@ -83,10 +110,10 @@ def _attend_range(acc, l_i, m_i, q, q_pos, lo, hi, bt_row, kept_row, kv_head,
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_ptr, starts_ptr, kept_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                    stride_cb, stride_ct, stride_ch, stride_kept, qk_scale,
+                    stride_cb, stride_ct, stride_ch, stride_kept, qk_scale, window,
                     GROUP: tl.constexpr, TOKENS: tl.constexpr, HAS_KEPT: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
@@ -106,13 +133,16 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     io_mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)
     t_abs = (q_lo + tok).to(tl.int64)
     q = tl.load(q_ptr + t_abs[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
-    # Causal: this tile's last token sees up to its own position; an empty tile streams nothing.
+    # Causal: this tile's last token sees up to its own position; an empty tile streams nothing. Under
+    # a window the tile's first token sees the furthest back.
     hi = tl.maximum(tl.max(q_pos, 0) + 1, 0)
+    lo = tl.where(window > 0, tl.maximum(start + tile * TOKENS - window + 1, 0), 0)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
     seq64 = seq.to(tl.int64)
-    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, 0, hi, seq64 * stride_bt, seq64 * stride_kept, kv_head,
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, lo, hi, _span(window), seq64 * stride_bt,
+                                  seq64 * stride_kept, kv_head,
                                   k_cache_ptr, v_cache_ptr, block_tables_ptr, kept_ptr,
                                   stride_cb, stride_ct, stride_ch, qk_scale,
                                   HAS_KEPT, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, PRECISION)
@@ -121,33 +151,37 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, splits_ptr, kept_ptr,
                          out_ptr, lse_ptr, mid_o_ptr, mid_lse_ptr,
                          stride_qs, stride_qh, stride_bt, stride_cb, stride_ct, stride_ch, stride_kept,
                          stride_os, stride_oh, stride_ls,
-                         stride_mo_s, stride_mo_h, stride_mo_p, stride_ml_s, stride_ml_h, qk_scale,
+                         stride_mo_s, stride_mo_h, stride_mo_p, stride_ml_s, stride_ml_h, qk_scale, window,
                          GROUP: tl.constexpr, HAS_KEPT: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, SINGLE_SPLIT: tl.constexpr):
     # Grid (seq, kv_head, split < max splits): the split's KV range, for all GROUP query heads of the
-    # KV head. A sequence has splits_ptr[seq] splits; programs past them return at once.
+    # KV head. A sequence has splits_ptr[seq] splits over what its query sees (under a window, the last
+    # ``window`` positions); programs past them return at once.
     # SINGLE_SPLIT: the whole context in one program, written straight to out/lse (no merge launch).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(seq_lens_ptr + seq)
+    first = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)  # the first position the query sees
     if SINGLE_SPLIT:
-        lo = 0
+        lo = first
         hi = ctx
     else:
         n_splits = tl.load(splits_ptr + seq)
         if split >= n_splits:
             return
-        # Split length rounded to whole tiles, so only the last split of a sequence has a ragged tile.
-        split_len = tl.cdiv(tl.cdiv(ctx, n_splits), BLOCK_N) * BLOCK_N
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, ctx)
+        # Split length rounded to whole tiles from the tile holding ``first``, so only the last split
+        # of a sequence has a ragged tile.
+        base = first // BLOCK_N * BLOCK_N
+        split_len = tl.cdiv(tl.cdiv(ctx - base, n_splits), BLOCK_N) * BLOCK_N
+        lo = tl.maximum(base + split * split_len, first)
+        hi = tl.minimum(base + (split + 1) * split_len, ctx)
     g = tl.arange(0, BLOCK_G)
     row_ok = g < GROUP
     head = kv_head * GROUP + g
@@ -159,8 +193,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], _M_INIT, dtype=tl.float32)
-    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, lo, hi, seq64 * stride_bt, seq64 * stride_kept, kv_head,
-                                  k_cache_ptr, v_cache_ptr, block_tables_ptr, kept_ptr,
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, lo, hi, _span(window), seq64 * stride_bt,
+                                  seq64 * stride_kept, kv_head, k_cache_ptr, v_cache_ptr, block_tables_ptr, kept_ptr,
                                   stride_cb, stride_ct, stride_ch, qk_scale,
                                   HAS_KEPT, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, PRECISION)
     # Base-2 lse of the split; -inf where the split saw no kept position (merged with weight 0).
@@ -262,11 +296,12 @@ def _common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, starts: torch.Tensor, scale: float, max_q_len: int,
-                      kept: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+                      kept: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64,
+                      window: int = 0) -> torch.Tensor:
     """Causal prefill over cached prefix + chunk; K/V of the chunk must already be written.
 
     q: [T, Hq, D]; block_tables: int32 [S, MB]; cu_seqlens_q: int32 [S+1]; starts: int32 [S];
-    kept: [S, >= max ctx] or None -> out [T, Hq, D]
+    kept: [S, >= max ctx] or None; window: a sliding window's tokens, 0 for none -> out [T, Hq, D]
     """
     c = _common(q, k_cache, v_cache, kept)
     out = torch.empty_like(q)
@@ -282,7 +317,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, starts, kept if kept is not None else starts,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), kept.stride(0) if kept is not None else 0,
-        scale * LOG2E,
+        scale * LOG2E, window,
         GROUP=group, TOKENS=tokens, HAS_KEPT=kept is not None, HEAD_DIM=c["head_dim"],
         BLOCK_SIZE=c["block_size"], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=c["block_d"],
         PRECISION=c["precision"], **tuning.launch_options("prefill", c["head_dim"], q.device))
@@ -295,13 +330,13 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block
 
 
 def _split_plan(num_splits, max_splits: int | None, seq_lens: torch.Tensor, num_kv_heads: int,
-                block_n: int) -> tuple[torch.Tensor, int]:
+                block_n: int, window: int = 0) -> tuple[torch.Tensor, int]:
     """-> (splits per sequence int32 [S] on the device, grid size >= their max)."""
     if isinstance(num_splits, torch.Tensor):
         return num_splits, int(max_splits if max_splits is not None else num_splits.max())
     if num_splits is None:  # plan from the lengths: a host read (metadata builders pass a plan instead)
-        plan = tuning.plan_decode_splits(seq_lens.tolist(), num_kv_heads, tuning.device_sms(seq_lens.device),
-                                         block_n)
+        plan = tuning.plan_decode_splits(tuning.attended_lens(seq_lens.tolist(), window), num_kv_heads,
+                                         tuning.device_sms(seq_lens.device), block_n)
         return torch.from_numpy(plan).to(seq_lens.device), int(plan.max())
     n = max(1, int(num_splits))
     return torch.full(seq_lens.shape, n, dtype=torch.int32, device=seq_lens.device), n
@@ -310,13 +345,16 @@ def _split_plan(num_splits, max_splits: int | None, seq_lens: torch.Tensor, num_
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, max_seq_len: int,
                      num_splits: int | torch.Tensor | None = None, kept: torch.Tensor | None = None,
-                     block_n: int = 64, max_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_n: int = 64, max_splits: int | None = None,
+                     window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode: one query token per sequence at position seq_lens-1.
 
     q: [S, Hq, D]; block_tables: int32 [S, MB]; seq_lens: int32 [S] -> out [S, Hq, D], lse f32 [S, Hq]
     num_splits: None (planned from seq_lens, read on the host), an int for every sequence, or int32
     [S] per sequence with ``max_splits`` >= its largest (no host read: safe under CUDA-graph capture).
     One split in all runs one kernel, writing out and lse directly; more add the merge kernel.
+    window: a sliding window's tokens (0: none); each sequence's splits then cover its last ``window``
+    positions only.
     """
     c = _common(q, k_cache, v_cache, kept)
     s_, hq, d = q.shape
@@ -325,7 +363,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lse = torch.empty(s_, hq, dtype=torch.float32, device=q.device)
     if s_ == 0:
         return out, lse
-    splits, grid_splits = _split_plan(num_splits, max_splits, seq_lens, hkv, block_n)
+    splits, grid_splits = _split_plan(num_splits, max_splits, seq_lens, hkv, block_n, window)
     single = grid_splits == 1
     # Partial results stay float32: [S, Hq, splits, D] and base-2 lse [S, Hq, splits].
     mid_o = out if single else torch.empty(s_, hq, grid_splits, d, dtype=torch.float32, device=q.device)
@@ -338,7 +376,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out, lse, mid_o, mid_lse,
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), kept.stride(0) if kept is not None else 0,
-        out.stride(0), out.stride(1), lse.stride(0), *mo_strides, *ml_strides, scale * LOG2E,
+        out.stride(0), out.stride(1), lse.stride(0), *mo_strides, *ml_strides, scale * LOG2E, window,
         GROUP=c["group"], HAS_KEPT=kept is not None, HEAD_DIM=d, BLOCK_SIZE=c["block_size"],
         BLOCK_G=max(16, triton.next_power_of_2(c["group"])), BLOCK_N=block_n, BLOCK_D=c["block_d"],
         PRECISION=c["precision"], SINGLE_SPLIT=single, **tuning.launch_options("decode", d, q.device))

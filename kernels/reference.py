@@ -6,6 +6,11 @@ sequence's logical position ``p`` lives in physical block ``block_table[p // blo
 ``p % block_size``; its slot is ``block * block_size + offset``. ``kept`` masks are per sequence over
 logical positions (True/nonzero = the token is still in the cache), so a shared block can be kept by
 one sequence and dropped by another. Scores and softmax are computed in float32 whatever the cache dtype.
+
+Sliding windows (``window`` W > 0): a query at position p sees positions p - W + 1 .. p, W tokens itself
+included (vLLM's and transformers' convention: ``kv_idx > q_idx - W``). Positions before a query's
+window are never gathered: their block-table entries may be -1 (a block the KV manager freed when it
+left the window), so the references, like the kernels, read only what some query can see.
 """
 from __future__ import annotations
 
@@ -32,10 +37,14 @@ def copy_blocks_ref(pool: torch.Tensor, pairs: torch.Tensor) -> None:
         pool[:, pairs[:, 1]] = pool[:, pairs[:, 0]]
 
 
+def slots_at(block_table: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slots of logical positions ``pos`` (int64 [n]) of one sequence. block_table: int [max_blocks] -> int64 [n]."""
+    return block_table.long()[pos // block_size] * block_size + pos % block_size
+
+
 def gather_slots(block_table: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
     """Slots of logical positions [0, ctx_len) of one sequence. block_table: int [max_blocks] -> int64 [ctx_len]."""
-    pos = torch.arange(ctx_len, device=block_table.device)
-    return block_table.long()[pos // block_size] * block_size + pos % block_size
+    return slots_at(block_table, torch.arange(ctx_len, device=block_table.device), block_size)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
@@ -57,64 +66,87 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     return out.to(q.dtype), lse.permute(0, 3, 1, 2).reshape(b, m, hq)
 
 
-def _allowed(q_pos: torch.Tensor, ctx_len: int, kept: torch.Tensor | None) -> torch.Tensor:
-    """Causal (and kept) mask. q_pos: int64 [M] -> bool [M, ctx_len]."""
-    kv_pos = torch.arange(ctx_len, device=q_pos.device)
+def window_start(pos: int, window: int) -> int:
+    """The first position a query at ``pos`` sees: 0, or pos - window + 1 under a sliding window."""
+    return max(0, pos - window + 1) if window > 0 else 0
+
+
+def _allowed(q_pos: torch.Tensor, kv_pos: torch.Tensor, kept: torch.Tensor | None, window: int) -> torch.Tensor:
+    """Causal, windowed (and kept) mask. q_pos: int64 [M]; kv_pos: int64 [N] -> bool [M, N]."""
     ok = kv_pos[None, :] <= q_pos[:, None]
+    if window > 0:
+        ok = ok & (kv_pos[None, :] > q_pos[:, None] - window)
     if kept is not None:
-        ok = ok & kept[:ctx_len].bool()[None, :]
+        ok = ok & kept[kv_pos].bool()[None, :]
     return ok
 
 
 def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, starts: torch.Tensor,
-                          scale: float, kept: torch.Tensor | None = None) -> torch.Tensor:
+                          scale: float, kept: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of prefill chunks whose K/V (cached prefix and the chunk itself) are in the cache.
 
     q: [T, Hq, D] (chunks concatenated); cu_seqlens_q: int32 [S+1]; starts: int32 [S] (tokens cached
     before each chunk); block_tables: int32 [S, max_blocks]; kept: bool/int8 [S, >= ctx] or None
-    -> out [T, Hq, D]. Query i of chunk s sits at position starts[s] + i and sees positions 0..itself.
+    -> out [T, Hq, D]. Query i of chunk s sits at position starts[s] + i and sees positions 0..itself
+    (its last ``window`` of them under a sliding window).
     """
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     cu, st = cu_seqlens_q.tolist(), starts.tolist()
     for s in range(len(st)):
         lo, hi, start = cu[s], cu[s + 1], st[s]
-        ctx = start + hi - lo
-        slots = gather_slots(block_tables[s], ctx, block_size)
-        k = k_cache.view(-1, *k_cache.shape[2:])[slots][None]  # [1, ctx, Hkv, D]
-        v = v_cache.view(-1, *v_cache.shape[2:])[slots][None]
         for t0 in range(lo, hi, _REF_Q_TILE):
             t1 = min(hi, t0 + _REF_Q_TILE)
-            q_pos = torch.arange(start + t0 - lo, start + t1 - lo, device=q.device)
-            allowed = _allowed(q_pos, ctx, None if kept is None else kept[s])
+            first, ctx = start + t0 - lo, start + t1 - lo
+            kv_pos = torch.arange(window_start(first, window), ctx, device=q.device)
+            slots = slots_at(block_tables[s], kv_pos, block_size)
+            k = k_cache.view(-1, *k_cache.shape[2:])[slots][None]  # [1, N, Hkv, D]
+            v = v_cache.view(-1, *v_cache.shape[2:])[slots][None]
+            q_pos = torch.arange(first, ctx, device=q.device)
+            allowed = _allowed(q_pos, kv_pos, None if kept is None else kept[s], window)
             out[t0:t1] = _attend(q[None, t0:t1], k, v, allowed[None], scale)[0][0]
     return out
 
 
-def _gather_padded(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """K or V of every sequence padded to max_len. cache: [NB, BS, Hkv, D] -> [S, max_len, Hkv, D]."""
+def _gather_padded(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
+                   lo: torch.Tensor | None = None, ctx: torch.Tensor | None = None) -> torch.Tensor:
+    """K or V of every sequence at positions lo .. lo + max_len - 1, padded: cache [NB, BS, Hkv, D]
+    -> [S, max_len, Hkv, D]. lo: int64 [S] (None: 0). A position at or past ``ctx`` (int [S]; None:
+    every one is read) is padding: zeros, its block-table entry never read."""
     block_size = cache.shape[1]
-    pos = torch.arange(max_len, device=cache.device)
-    nblk = (max_len + block_size - 1) // block_size
-    slots = block_tables[:, :nblk].long()[:, pos // block_size] * block_size + pos % block_size
-    # Padding rows of a block table may hold anything; their positions are masked out later.
-    slots = slots.clamp_(0, cache.shape[0] * block_size - 1)
-    return cache.view(-1, *cache.shape[2:])[slots]
+    s_ = block_tables.shape[0]
+    pos = torch.arange(max_len, device=cache.device).expand(s_, max_len)  # [S, L]
+    if lo is not None:
+        pos = pos + lo[:, None]
+    valid = torch.ones_like(pos, dtype=torch.bool) if ctx is None else pos < ctx[:, None].long()
+    # Padding rows of a block table may hold anything (-1 where a block was freed): never indexed.
+    idx = torch.where(valid, pos // block_size, 0).clamp_(max=block_tables.shape[1] - 1)
+    blocks = block_tables.long().gather(1, idx)
+    slots = (blocks * block_size + pos % block_size).clamp_(0, cache.shape[0] * block_size - 1)
+    out = cache.view(-1, *cache.shape[2:])[slots]
+    return out if ctx is None else torch.where(valid[..., None, None], out, torch.zeros((), dtype=out.dtype))
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         kept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query token per sequence at position seq_lens-1, attending to positions [0, seq_lens).
+                         kept: torch.Tensor | None = None, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query token per sequence at position seq_lens-1, attending to positions [0, seq_lens) (the
+    last ``window`` of them under a sliding window: [seq_lens - window, seq_lens)).
 
     q: [S, Hq, D]; block_tables: int32 [S, max_blocks]; seq_lens: int32 [S]; kept: [S, >= max_len] or None
     -> out [S, Hq, D], lse [S, Hq] float32.
     """
-    max_len = int(seq_lens.max()) if seq_lens.numel() else 0
-    k = _gather_padded(k_cache, block_tables, max_len)  # [S, L, Hkv, D]
-    v = _gather_padded(v_cache, block_tables, max_len)
-    allowed = _decode_allowed(seq_lens, max_len, kept)  # [S, L]
+    lens = seq_lens.long()
+    max_len = int(lens.max()) if lens.numel() else 0
+    lo = (lens - window).clamp_(min=0) if window > 0 else torch.zeros_like(lens)
+    width = int((lens - lo).max()) if lens.numel() else 0
+    k = _gather_padded(k_cache, block_tables, width, lo, lens)  # [S, L, Hkv, D]: positions lo .. lo + L - 1
+    v = _gather_padded(v_cache, block_tables, width, lo, lens)
+    pos = lo[:, None] + torch.arange(width, device=lens.device)[None, :]  # [S, L]
+    allowed = pos < lens[:, None]
+    if kept is not None:
+        allowed = allowed & kept[:, :max_len].bool().gather(1, pos.clamp(max=max(max_len - 1, 0)))
     out, lse = _attend(q[:, None], k, v, allowed[:, None], scale)
     return out[:, 0], lse[:, 0]
 

@@ -91,6 +91,11 @@ def device_sms(device: torch.device | str) -> int:
     return DEFAULT_SMS
 
 
+def attended_lens(ctx_lens, window: int) -> list[int]:
+    """What each decode attends to: its context, or at most ``window`` positions of it (0: no window)."""
+    return [min(int(n), window) for n in ctx_lens] if window > 0 else [int(n) for n in ctx_lens]
+
+
 def plan_decode_splits(ctx_lens, num_kv_heads: int, num_sms: int = DEFAULT_SMS, block_n: int = 64,
                        max_splits: int = MAX_SPLITS) -> np.ndarray:
     """Splits per sequence for a decode batch: int32 [S] from context lengths [S].

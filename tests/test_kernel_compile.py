@@ -107,6 +107,19 @@ def test_one_split_launches_no_merge_kernel():
     assert [x.kernel for x in aot.launches(Spec("decode"), 90)] == ["_decode_split_kernel", "_decode_merge_kernel"]
 
 
+@pytest.mark.parametrize("op", ["decode", "decode1", "prefill"])
+def test_a_sliding_window_launches_only_kernels_of_the_grid(op):
+    """The window is a runtime argument the JIT does not specialise on: a windowed launch (a window of
+    1, 16, 4095 or 4096 tokens, values Triton would otherwise specialise as a constant or by
+    divisibility by 16) has a full-attention launch's cache key, so the grid's kernels are the ones
+    sliding layers run (a planned decode over a short window plans fewer splits: decode1's kernel)."""
+    compiled = set(aot.spec_launch_keys(Spec(op), 90)) | set(aot.spec_launch_keys(Spec("decode1"), 90))
+    for window in (1, 16, 4095, 4096):
+        keys = aot.spec_launch_keys(Spec(op, window=window), 90)
+        assert keys and set(keys) <= compiled, window
+    assert aot.spec_launch_keys(Spec(op, window=4096), 90) == aot.spec_launch_keys(Spec(op), 90)
+
+
 # ---------------------------------------------------------------------------------------------
 # Compiling a grid: each distinct compile once (aot.launch_key), in parallel processes (aot.compile_grid)
 

@@ -199,6 +199,159 @@ def test_slab_table_with_huge_block_equals_paged():
 
 
 # ---------------------------------------------------------------------------------------------
+# Sliding windows: a query at p sees p - W + 1 .. p; blocks before the window are never read
+
+
+def _free_before_window(k_cache, v_cache, tables, firsts: list[int], block_size: int) -> list[tuple[int, int, int]]:
+    """What the hybrid KV manager leaves of a sequence whose queries see from position ``firsts[s]`` on:
+    every block wholly before it freed (table entry -1 in odd sequences) and its K/V poisoned with NaN
+    (in even ones the entry still points at the poisoned block), so a kernel that reads one either
+    dereferences -1 or turns its output NaN. -> the freed (sequence, table column, block)."""
+    freed = []
+    for s, first in enumerate(firsts):
+        for j in range(first // block_size):
+            b = int(tables[s, j])
+            k_cache[b] = float("nan")
+            v_cache[b] = float("nan")
+            if s % 2:
+                tables[s, j] = -1
+            freed.append((s, j, b))
+    return freed
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """Every address the interpreter loads from (masked-off lanes excluded), as one list of arrays."""
+    if DEV == "cuda":
+        pytest.skip("loads are watched in Triton's interpreter")
+    from triton.runtime import interpreter
+
+    seen: list[np.ndarray] = []
+    real = interpreter.InterpreterBuilder.create_masked_load
+
+    def spy(self, ptrs, mask, other, cache_policy, is_volatile):
+        addr = np.asarray(ptrs.data)
+        on = np.broadcast_to(np.asarray(mask.data, dtype=bool), addr.shape)
+        seen.append(addr[on].astype(np.uint64))
+        return real(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", spy)
+    return seen
+
+
+def _assert_never_read(seen: list[np.ndarray], freed, k_cache, v_cache, tables) -> None:
+    """No load touched a freed block's table entry or any byte of its K or V."""
+    addr = np.concatenate(seen) if seen else np.zeros(0, np.uint64)
+    assert addr.size
+    entry = tables.element_size()
+    block = k_cache[0].numel() * k_cache.element_size()
+    for s, j, b in freed:
+        at = tables.data_ptr() + (s * tables.stride(0) + j) * entry
+        assert not np.any(addr == at), f"table entry ({s}, {j}) of a freed block read"
+        for cache in (k_cache, v_cache):
+            lo = cache.data_ptr() + b * block
+            assert not np.any((addr >= lo) & (addr < lo + block)), f"freed block {b} read (sequence {s})"
+
+
+# (block size, window): a window inside one block, exactly one block, spanning blocks (not a multiple
+# of the block), and one token (a query sees only itself); tiles of 16 positions: blocks of 4 and 8
+# read an entry per position, blocks of 16 and 32 one per tile.
+WINDOWS = [(8, 3), (8, 8), (4, 11), (16, 16), (32, 21), (16, 1)]
+
+
+@pytest.mark.parametrize("block_size,window", WINDOWS)
+@pytest.mark.parametrize("num_splits", [1, 3, None], ids=["single", "split3", "planned"])
+def test_decode_with_window_matches_reference_and_reads_nothing_before_it(reads, block_size, window, num_splits):
+    gen = torch.Generator().manual_seed(block_size * 7 + window)
+    hkv, group = 2, 2
+    ctx_lens = [1, window, 2 * block_size + 3, 37, 5 * block_size + window]
+    k_cache, v_cache, tables = _paged(ctx_lens, block_size, hkv, gen)
+    # The reference without a window over the last W positions, computed before any poisoning.
+    q = torch.randn(len(ctx_lens), hkv * group, HEAD_DIM, generator=gen).to(DEV)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=DEV)
+    full_out, _ = ref.decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25)
+    kept = torch.zeros(len(ctx_lens), max(ctx_lens), dtype=torch.bool, device=DEV)
+    for s, n in enumerate(ctx_lens):
+        kept[s, max(0, n - window):n] = True
+    as_kept, as_kept_lse = ref.decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25, kept)
+    freed = _free_before_window(k_cache, v_cache, tables, [max(0, n - window) for n in ctx_lens], block_size)
+    assert freed
+    out, lse = paged_attention.decode_attention(q, k_cache, v_cache, tables, lens, 0.25, max(ctx_lens),
+                                                num_splits=num_splits, block_n=16, window=window)
+    _assert_never_read(reads, freed, k_cache, v_cache, tables)
+    exp_out, exp_lse = ref.decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25, window=window)
+    assert torch.isfinite(exp_out).all() and torch.isfinite(out).all()
+    torch.testing.assert_close(out, exp_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, exp_lse, rtol=1e-4, atol=1e-4)
+    # The window is the last W positions: the same as keeping only those (a kept mask), and not the
+    # whole context wherever the context is longer than the window.
+    torch.testing.assert_close(exp_out, as_kept, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(exp_lse, as_kept_lse, rtol=1e-5, atol=1e-5)
+    longer = lens > window
+    assert not torch.allclose(exp_out[longer], full_out[longer], atol=1e-3)
+    torch.testing.assert_close(exp_out[~longer], full_out[~longer], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size,window", WINDOWS)
+def test_prefill_with_window_matches_reference_and_reads_nothing_before_it(reads, block_size, window):
+    gen = torch.Generator().manual_seed(50 + block_size * 7 + window)
+    hkv, group = 2, 2
+    # cached tokens before each chunk; the last chunk's first query sees from a block boundary on
+    starts = [0, 2 * block_size + 5, 40, block_size + window - 1]
+    lens = [3 * block_size + 2, block_size + 5, 1, 20]
+    ctx_lens = [s + n for s, n in zip(starts, lens)]
+    k_cache, v_cache, tables = _paged(ctx_lens, block_size, hkv, gen)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(lens), hkv * group, HEAD_DIM, generator=gen).to(DEV)
+    st = torch.tensor(starts, dtype=torch.int32, device=DEV)
+    full = ref.prefill_attention_ref(q, k_cache, v_cache, tables, cu, st, 0.25)
+    # Per query, a window is a kept mask over its last W positions: check the reference row by row.
+    rows = []
+    for s, (start, n) in enumerate(zip(starts, lens)):
+        for i in range(n):
+            p = start + i
+            kept = torch.zeros(1, p + 1, dtype=torch.bool, device=DEV)
+            kept[0, max(0, p - window + 1):] = True
+            one_q = q[int(cu[s]) + i][None]
+            rows.append(ref.decode_attention_ref(one_q, k_cache, v_cache, tables[s:s + 1],
+                                                 torch.tensor([p + 1], dtype=torch.int32, device=DEV), 0.25,
+                                                 kept)[0][0])
+    by_row = torch.stack(rows)
+    freed = _free_before_window(k_cache, v_cache, tables, [max(0, s - window + 1) for s in starts], block_size)
+    assert freed
+    got = paged_attention.prefill_attention(q, k_cache, v_cache, tables, cu, st, 0.25, max(lens),
+                                            block_m=16, block_n=16, window=window)
+    _assert_never_read(reads, freed, k_cache, v_cache, tables)
+    exp = ref.prefill_attention_ref(q, k_cache, v_cache, tables, cu, st, 0.25, window=window)
+    assert torch.isfinite(exp).all() and torch.isfinite(got).all()
+    torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(exp, by_row, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(exp, full, atol=1e-3)
+
+
+def test_window_of_a_whole_context_changes_nothing():
+    """W at least the context: the windowed kernels give full attention's result bit for bit."""
+    gen = torch.Generator().manual_seed(77)
+    ctx_lens = [9, 30]
+    k_cache, v_cache, tables = _paged(ctx_lens, 4, 2, gen)
+    q = torch.randn(2, 4, HEAD_DIM, generator=gen).to(DEV)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=DEV)
+    for window in (30, 31, 1000):
+        got = paged_attention.decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 30, num_splits=2,
+                                               block_n=16, window=window)
+        want = paged_attention.decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 30, num_splits=2,
+                                                block_n=16)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_windowed_decode_plans_splits_over_the_window():
+    """A planned windowed decode splits what it attends to, not the whole context."""
+    assert tuning.attended_lens([100, 5000, 3], 128) == [100, 128, 3]
+    assert tuning.attended_lens([100, 5000], 0) == [100, 5000]
+    assert tuning.plan_decode_splits(tuning.attended_lens([32768], 128), 8)[0] == 1
+
+
+# ---------------------------------------------------------------------------------------------
 # Decode design: per-sequence splits, the single-split path, fp8 refused
 
 
