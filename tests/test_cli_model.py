@@ -67,3 +67,29 @@ def test_hf_config_rope_theta_read_from_rope_parameters(tmp_path):
            "intermediate_size": 128, "vocab_size": 1000, "rope_parameters": {"rope_theta": 500000.0}}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert get_model(str(tmp_path)).rope_theta == 500000.0
+
+
+def test_replay_of_a_sliding_window_model_on_the_model_executor(tmp_path):
+    """A config.json with sliding-window layers (the selfcheck's tiny Qwen2) replays on the model executor
+    over its two KV cache groups; a chunked-local one is refused in one line naming --model."""
+    from kvbench.engine.selfcheck import SLIDING_CONFIG
+
+    model = tmp_path / "swa"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SLIDING_CONFIG))
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"id": f"r{i}", "t": i * 0.01, "output_len": 24,
+                                         "prompt": [{"shared": "sys", "len": 40}, {"unique": 30 + i}]}) + "\n"
+                             for i in range(3)))
+    r = _cli("replay", str(trace), "--executor", "model", "--device", "cpu", "--model", str(model),
+             "--block-size", "8", "--json", "--out", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["completed"] == 3 and out["prefix_hit_rate"] > 0
+    chunked = {**SLIDING_CONFIG, "layer_types": ["chunked_attention", "full_attention"] * 2,
+               "attention_chunk_size": 32}
+    (model / "config.json").write_text(json.dumps(chunked))
+    r = _cli("replay", str(trace), "--executor", "model", "--device", "cpu", "--model", str(model),
+             "--out", str(tmp_path / "bad"))
+    assert r.returncode == 2 and "--model" in r.stderr and "chunked attention is not implemented" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -6,8 +6,9 @@ with decodes in the same forward, two samples sharing prompt blocks with a copy-
 partial last block, and a sequence recomputed from scratch into fresh (stale) blocks as after a
 preemption. transformers then runs each final token list in one full forward; we report the largest
 logit difference over every position we computed and the share of our greedy tokens that are also
-transformers' argmax. ``kvbench selfcheck`` (the CLI) will drive the real engine; this module is
-the comparison and a hand-driven scenario.
+transformers' argmax. ``run_engine_selfcheck`` replays requests through the real engine instead, and
+``run_sliding_selfcheck`` does so for a tiny random model whose sliding-window layers alternate with
+full-attention ones, on the hybrid KV manager, whose window frees blocks as the sequences grow.
 """
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ TOLERANCE = {torch.float32: (1e-3, 1.0), torch.bfloat16: (5e-2, 0.95)}
 
 def hf_model(spec: ModelSpec, state_dict: dict, device: torch.device, dtype: torch.dtype):
     """transformers' LlamaForCausalLM (Qwen2ForCausalLM for qwen2) of the same shape, loaded with
-    ``state_dict``. Mistral is built as Llama: without sliding windows the two are the same network."""
+    ``state_dict``. Mistral is built as Llama: without sliding windows the two are the same network.
+    Sliding-window layers: Qwen2's ``layer_types`` for qwen2, else MinistralForCausalLM (Llama layers,
+    each sliding or full by ``layer_types``); transformers masks a window as kvbench's kernels do
+    (masking_utils.sliding_window_overlay: key k is seen by query q when k > q - window)."""
     import transformers
 
     common: dict[str, Any] = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
@@ -45,12 +49,24 @@ def hf_model(spec: ModelSpec, state_dict: dict, device: torch.device, dtype: tor
                   head_dim=spec.head_dim, max_position_embeddings=spec.max_model_len,
                   rms_norm_eps=spec.rms_norm_eps, rope_theta=spec.rope_theta,
                   tie_word_embeddings=spec.tie_word_embeddings)
-    cfg = (transformers.Qwen2Config(**common) if spec.architecture == "qwen2"
-           else transformers.LlamaConfig(attention_bias=spec.qkv_bias, **common))
+    sliding = "sliding" in spec.kinds
+    if sliding:
+        common.update(sliding_window=spec.sliding_window,
+                      layer_types=["sliding_attention" if k == "sliding" else "full_attention" for k in spec.kinds])
+    cfg: Any
+    cls: Any
+    if spec.architecture == "qwen2":
+        cfg, cls = transformers.Qwen2Config(use_sliding_window=sliding, **common), transformers.Qwen2ForCausalLM
+    elif sliding:
+        if spec.qkv_bias:
+            raise ValueError(f"{spec.name}: no transformers class has Llama layers with q/k/v biases and "
+                             "sliding windows")
+        cfg, cls = transformers.MinistralConfig(**common), transformers.MinistralForCausalLM
+    else:
+        cfg, cls = transformers.LlamaConfig(attention_bias=spec.qkv_bias, **common), transformers.LlamaForCausalLM
     cfg._attn_implementation = "eager"
     with torch.device(device):
-        m: torch.nn.Module = (transformers.Qwen2ForCausalLM(cfg) if isinstance(cfg, transformers.Qwen2Config)
-                              else transformers.LlamaForCausalLM(cfg))
+        m: torch.nn.Module = cls(cfg)
         m = m.to(dtype)
     m.load_state_dict(state_dict, strict=True)
     return m.eval()
@@ -193,12 +209,14 @@ def run_selfcheck(device: str = "cpu", model: str | ModelSpec = "tiny", seed: in
             "dtype": str(dtype).replace("torch.", ""), "attention": _attention_backend(net)}
 
 
-def _engine_requests(tiers: bool = False):
+def _engine_requests(tiers: bool = False, longer_outputs: int = 1):
     """Requests that make the engine exercise every path: a shared system prompt hit from the
     prefix cache by a later arrival, n=2 parallel samples, a long prompt cut into prefill chunks,
     (with a tight pool) preemption and recompute, and a prefix that ends inside a cached block.
     ``tiers``: a long unique prompt between them evicts the cached prompts from the pool, so the later
-    arrivals load them from the tiers."""
+    arrivals load them from the tiers. ``longer_outputs``: the first four generate that many times
+    more tokens (a sliding-window model frees blocks as it decodes: it takes longer outputs to run
+    short of them)."""
     from kvbench.trace.format import Request, Segment
 
     def req(i, t, segs, out, n=1):
@@ -206,11 +224,12 @@ def _engine_requests(tiers: bool = False):
         return Request(id=f"r{i}", t=t, prompt=prompt, output_len=out, n=n, index=i, line=i + 1,
                        prompt_len=sum(ln for _, ln in segs))
 
+    k = longer_outputs
     return [
-        req(0, 0.0, [("sys", 40), (None, 10)], 12),
-        req(1, 0.0, [("sys", 40), (None, 13)], 12, n=2),
-        req(2, 0.0, [("doc", 150)], 10),
-        req(3, 0.0, [("sys", 40), ("doc", 30), (None, 7)], 12),
+        req(0, 0.0, [("sys", 40), (None, 10)], 12 * k),
+        req(1, 0.0, [("sys", 40), (None, 13)], 12 * k, n=2),
+        req(2, 0.0, [("doc", 150)], 10 * k),
+        req(3, 0.0, [("sys", 40), ("doc", 30), (None, 7)], 12 * k),
         req(4, 1e4, [("sys", 40), (None, 9)], 8),  # arrives after the rest: hits the cached prompt
         # radix: matches r3's blocks, then 4 tokens into its next block (copied, the rest recomputed)
         req(5, 2e4, [("sys", 40), ("doc", 28), (None, 5)], 6),
@@ -218,20 +237,25 @@ def _engine_requests(tiers: bool = False):
 
 
 def run_engine_selfcheck(device: str = "cpu", model: str = "tiny", seed: int = 0,
-                         attention: str = "auto", prefix_mode: str = "hash", tiers: bool = False) -> dict:
+                         attention: str = "auto", prefix_mode: str = "hash", tiers: bool = False,
+                         num_blocks: int = 34, longer_outputs: int = 1) -> dict:
     """Replay a small trace through the real engine (model executor, paged KV, prefix cache, n>1,
     chunked prefill, a pool tight enough to preempt) and compare, at every position where a token was
     sampled, the logits and their greedy choice with transformers' on the same sequence, same
     weights. ``tiers``: with a small CPU tier and a disk tier behind the pool, written back as the
     pool evicts (so blocks also move from the CPU tier to the disk tier), and loaded whenever found:
-    the later arrivals' prompts come back from both tiers as real copies."""
+    the later arrivals' prompts come back from both tiers as real copies. A model with KV cache groups
+    (sliding-window layers: run_sliding_selfcheck) runs on the hybrid KV manager, each group's tables
+    in the batches; ``exercised`` then counts the table entries a window had freed (-1) that the
+    forwards were handed, and the most in one step."""
     import tempfile
 
     from kvbench.engine.config import ReplayConfig
     from kvbench.engine.replay import Replay
     from kvbench.executors.modeling import default_dtype
+    from kvbench.memory.hybrid import NULL
 
-    reqs = sorted(_engine_requests(tiers), key=lambda r: r.t)
+    reqs = sorted(_engine_requests(tiers, longer_outputs), key=lambda r: r.t)
     tier_cfg: dict[str, Any] = {}  # ReplayConfig's tier fields
     if tiers:
         dtype = "fp32" if default_dtype(resolve_device(device)) == torch.float32 else "bf16"
@@ -239,14 +263,23 @@ def run_engine_selfcheck(device: str = "cpu", model: str = "tiny", seed: int = 0
         tier_cfg = {"cpu_kv_mem": str(3 * block), "disk_kv_mem": str(64 * block), "offload": "write-back",
                     "load_policy": "always"}
     cfg = ReplayConfig(executor="model", model=model, device=device, seed=seed, attention=attention,
-                       block_size=8, num_blocks=34, max_batched_tokens=64, max_model_len=512,
+                       block_size=8, num_blocks=num_blocks, max_batched_tokens=64, max_model_len=512,
                        prefix_mode=prefix_mode, **tier_cfg)
+    freed = [0, 0]  # NULL entries handed to the forwards in all, and the most in one step
+
+    def count_freed(_replica, _start, _end, batch, _emitted) -> None:
+        n = sum(t.count(NULL) if isinstance(t, list) else sum(1 for b in t if b == NULL)
+                for tables in batch.group_tables.values() for t in tables)
+        freed[0] += n
+        freed[1] = max(freed[1], n)
+
     with tempfile.TemporaryDirectory() as tmp:
         rp = Replay("<selfcheck>", cfg, tmp, requests=reqs)
         ex = rp.executor
         assert isinstance(ex, ModelExecutor)  # (executor="model")
         rp.finished = []
         ex.logits_log = {}
+        rp.step_hook = count_freed
         summary = rp.run()
     ref = hf_model(ex.spec, ex.net.state_dict(), ex.device, ex.dtype)
     agree = total = 0
@@ -285,8 +318,43 @@ def run_engine_selfcheck(device: str = "cpu", model: str = "tiny", seed: int = 0
                  "cow_copies": summary["cow_copies"], "max_batched_tokens": cfg.max_batched_tokens,
                  "prefix_mode": prefix_mode, "partial_hit_tokens": summary.get("partial_hit_tokens", 0),
                  "tier_bytes_loaded": summary["bytes_loaded"], "tier_bytes_stored": summary["bytes_stored"],
-                 "cpu_hit_rate": summary["hit_rate_cpu"], "disk_hit_rate": summary["hit_rate_disk"]}
+                 "cpu_hit_rate": summary["hit_rate_cpu"], "disk_hit_rate": summary["hit_rate_disk"],
+                 "kv_groups": rp.kv_layout.describe(), "freed_table_entries": freed[0],
+                 "freed_table_entries_max_step": freed[1]}
     return {"ok": share >= need and worst <= tol and summary["completed"] == len(reqs),
             "greedy_agree": share, "max_logit_diff": worst, "tolerance": tol,
             "tokens_compared": total, "completed": summary["completed"], "exercised": exercised,
             "per_request": per_request}
+
+
+# A tiny random Qwen2-style model (transformers' Qwen2 with ``layer_types``) whose sliding-window layers
+# alternate with full-attention ones: two KV cache groups of two layers, the window (20 tokens: two and
+# a half blocks of 8) far shorter than the selfcheck's prompts, so the hybrid KV manager frees the
+# blocks that leave it. Random weights from the run's seed; no checkpoint, no hub.
+SLIDING_CONFIG: dict[str, Any] = {
+    "model_type": "qwen2", "vocab_size": 32000, "hidden_size": 128, "intermediate_size": 256,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "use_sliding_window": True, "sliding_window": 20,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]}
+
+
+def run_sliding_selfcheck(device: str = "cpu", seed: int = 0, attention: str = "auto",
+                          config: dict | None = None) -> dict:
+    """run_engine_selfcheck on a model with sliding-window layers (``config``, a config.json's fields;
+    SLIDING_CONFIG when None), read from a model folder as a user's would be: the hybrid KV manager's
+    two groups (sliding and full, each its own block table), prefix hits, chunked prefill, a
+    preemption and blocks freed as they leave the window, held to transformers' Qwen2 with the same
+    weights. The result adds the model's ``window``; ``ok`` also needs a freed table entry."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        with open(f"{folder}/config.json", "w", encoding="utf-8") as fh:
+            json.dump(config or SLIDING_CONFIG, fh)
+        # 36 blocks and outputs three times as long: the decodes outgrow the pool (a preemption) even
+        # though the sliding group gives a block back for each one it takes
+        out = run_engine_selfcheck(device, folder, seed, attention, num_blocks=36, longer_outputs=3)
+    out["window"] = (config or SLIDING_CONFIG)["sliding_window"]
+    out["ok"] = out["ok"] and out["exercised"]["freed_table_entries"] > 0
+    return out

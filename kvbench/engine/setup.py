@@ -65,8 +65,9 @@ def check_hybrid(cfg: ReplayConfig, layout: KVLayout, model: str) -> None:
         why, field = "the prefix-cache tiers store one table's blocks", "--cpu-kv-mem"
     elif cfg.prefix_cache and needs_future(cfg.cache_policy):
         why, field = f"--cache-policy {cfg.cache_policy} reads one table's future", "--cache-policy"
-    elif cfg.executor == "model":
-        why, field = "the model executor runs full attention over one table", "--executor"
+    elif cfg.executor == "model" and any(g.kind not in ("full", "sliding") for g in layout.groups):
+        why, field = ("the model executor runs full and sliding-window groups only (chunked local attention is not "
+                      "implemented in its forward)", "--executor")
     if why is not None:
         raise InputError(f"{model} keeps its KV in groups ({groups}): {why}; use --disable-hybrid-kv-cache-manager "
                          "to run it as full attention", field=field)

@@ -127,44 +127,49 @@ def eager_capture(fn, mem_pool):
 
 
 class _DecodeGraph:
-    """One captured decode forward over static inputs of ``bucket`` rows and ``width`` table columns.
+    """One captured decode forward over static inputs of ``bucket`` rows and ``width`` table columns,
+    with slots, tables and a split plan for each of ``groups`` KV cache groups (one: a plain model).
     Padding rows write nowhere (slot -1) and attend to one position of block 0 with one split."""
 
     def __init__(self, net: PagedLlama, pool: torch.Tensor, bucket: int, width: int, max_splits: int,
-                 capture, mem_pool):
+                 capture, mem_pool, groups: int = 1):
         dev, i32, i64 = pool.device, torch.int32, torch.int64
         self.bucket, self.width, self.max_splits = bucket, width, max_splits
         self.input_ids = torch.zeros(bucket, dtype=i64, device=dev)  # [B]
         self.positions = torch.zeros(bucket, dtype=i64, device=dev)  # [B]
-        self.slots = torch.full((bucket,), -1, dtype=i64, device=dev)  # [B]
-        self.tables = torch.zeros(bucket, width, dtype=i32, device=dev)  # [B, W]
         self.seq_lens = torch.ones(bucket, dtype=i32, device=dev)  # [B]
-        self.splits = torch.ones(bucket, dtype=i32, device=dev)  # [B]
+        self.slots = [torch.full((bucket,), -1, dtype=i64, device=dev) for _ in range(groups)]  # [B] each
+        self.tables = [torch.zeros(bucket, width, dtype=i32, device=dev) for _ in range(groups)]  # [B, W] each
+        self.splits = [torch.ones(bucket, dtype=i32, device=dev) for _ in range(groups)]  # [B] each
         empty = torch.zeros(0, dtype=i32, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=self.slots, num_prefill_tokens=0, prefill_cu_seqlens=torch.zeros(1, dtype=i32, device=dev),
+        metas = [AttentionMetadata(
+            slot_mapping=slots, num_prefill_tokens=0, prefill_cu_seqlens=torch.zeros(1, dtype=i32, device=dev),
             prefill_starts=empty, prefill_block_tables=torch.zeros(0, 1, dtype=i32, device=dev), max_prefill_len=0,
-            decode_block_tables=self.tables, decode_seq_lens=self.seq_lens, max_decode_len=width * pool.shape[2],
-            sample_indices=torch.arange(bucket, device=dev), decode_num_splits=self.splits,
-            max_decode_splits=max_splits)
-        inputs = ForwardInputs(self.input_ids, self.positions, meta)
+            decode_block_tables=tables, decode_seq_lens=self.seq_lens, max_decode_len=width * pool.shape[2],
+            sample_indices=torch.arange(bucket, device=dev), decode_num_splits=splits, max_decode_splits=max_splits)
+            for slots, tables, splits in zip(self.slots, self.tables, self.splits)]
+        inputs = ForwardInputs(self.input_ids, self.positions, metas[0],
+                               group_metas=metas if net.layer_groups is not None else None)
         self.replay, self.out = capture(lambda: net.hidden(inputs, pool), mem_pool)  # out: [B, hidden]
 
     def run(self, inputs: ForwardInputs) -> torch.Tensor:
         """A decode-only step's inputs (D <= bucket rows) -> final hidden states [D, hidden]."""
-        meta, d = inputs.meta, inputs.input_ids.shape[0]
+        d = inputs.input_ids.shape[0]
         self.input_ids[:d].copy_(inputs.input_ids)
         self.positions[:d].copy_(inputs.positions)
-        self.slots[:d].copy_(meta.slot_mapping)
-        self.tables[:d, :meta.decode_block_tables.shape[1]].copy_(meta.decode_block_tables)
-        self.seq_lens[:d].copy_(meta.decode_seq_lens)
-        self.splits[:d].copy_(meta.decode_num_splits.clamp(max=self.max_splits))
+        self.seq_lens[:d].copy_(inputs.meta.decode_seq_lens)
+        for meta, slots, tables, splits in zip(inputs.group_metas or [inputs.meta], self.slots, self.tables,
+                                               self.splits, strict=True):
+            slots[:d].copy_(meta.slot_mapping)
+            tables[:d, :meta.decode_block_tables.shape[1]].copy_(meta.decode_block_tables)
+            splits[:d].copy_(meta.decode_num_splits.clamp(max=self.max_splits))
+            if d < self.bucket:
+                slots[d:] = -1
+                splits[d:] = 1
         if d < self.bucket:  # rows a larger step filled before: padding again
             self.input_ids[d:] = 0
             self.positions[d:] = 0
-            self.slots[d:] = -1
             self.seq_lens[d:] = 1
-            self.splits[d:] = 1
         self.replay()
         return self.out[:d]
 
@@ -173,7 +178,9 @@ class DecodeGraphs:
     """Decode-only steps replayed from CUDA graphs, one per (batch-size bucket, block size), captured on
     a bucket's first step before the step's clock starts (vLLM captures them at start-up; lazily, only
     the buckets a trace reaches are paid for). The graphs share one memory pool: they never run at once.
-    Steps with prefill chunks, kept masks (token eviction) or recorded attention run eagerly."""
+    A model bound to KV cache groups replays with each group's tables, slots and splits (its sliding
+    layers' windows are the layers' own). Steps with prefill chunks, kept masks (token eviction) or
+    recorded attention run eagerly."""
 
     def __init__(self, net: PagedLlama, capture=cuda_capture, mem_pool=None):
         self.net, self.capture, self.mem_pool = net, capture, mem_pool
@@ -192,7 +199,9 @@ class DecodeGraphs:
         """The graph for ``batch`` (decode-only, wants() true), captured now if it is missing or its
         block table is too narrow."""
         bucket = self.bucket(len(batch.decode_seq_ids))
-        width = max(len(batch.block_tables[s]) for s in batch.decode_seq_ids)
+        grouped = self.net.layer_groups is not None
+        width = max(len(t) for s in batch.decode_seq_ids
+                    for t in (batch.group_tables[s] if grouped else (batch.block_tables[s],)))
         key = (bucket, batch.block_size)
         g = self.graphs.get(key)
         if g is None or g.width < width:
@@ -200,7 +209,7 @@ class DecodeGraphs:
             spec = self.net.spec
             g = _DecodeGraph(self.net, pool, bucket, max(MIN_GRAPH_TABLE_WIDTH, 1 << (width - 1).bit_length()),
                              graph_max_splits(bucket, spec.num_kv_heads, device_sms(pool.device)),
-                             self.capture, self.mem_pool)
+                             self.capture, self.mem_pool, len(self.net.group_windows) if grouped else 1)
             self.graphs[key] = g
         return g
 
@@ -268,10 +277,14 @@ class ModelExecutor:
         return CPU_DEFAULT_KV_BYTES
 
     def bind_pool(self, num_blocks: int, block_size: int, layer_groups: list[int] | None = None) -> None:
+        """A pool of ``num_blocks``; with KV cache groups (``layer_groups``: each layer's), laid out as
+        vLLM's hybrid pool (modeling.kv_planes: a block holds the largest group's layers), each layer
+        reading its group's table of a batch (StepBatch.group_tables)."""
         self.pool = None  # free the old pool before allocating the new one
         if self.graphs is not None:
             self.graphs.graphs.clear()  # captured over the old pool
-        self.pool = make_kv_pool(self.spec, num_blocks, block_size, self.device, self.dtype)
+        self.net.bind_kv_groups(layer_groups)
+        self.pool = make_kv_pool(self.spec, num_blocks, block_size, self.device, self.dtype, layer_groups)
         self.block_size = block_size
 
     def bind_tiers(self, bandwidth: dict[str, float], slots: dict[str, int], disk_dir: str | None = None) -> None:
@@ -420,16 +433,23 @@ class ModelExecutor:
         return pcie_s
 
     def inputs_for(self, batch: StepBatch) -> ForwardInputs:
-        """The flattened forward inputs of a StepBatch (decode positions give each context length)."""
+        """The flattened forward inputs of a StepBatch (decode positions give each context length); bound
+        to KV cache groups, each group's tables (batch.group_tables)."""
         tables, kept = batch.block_tables, batch.kept_masks
+        grouped = self.net.layer_groups is not None
+        by_group = batch.group_tables if grouped else {}
         inputs = build_inputs(
             batch.block_size, self.device,
             prefill_tokens=batch.prefill_tokens, prefill_starts=batch.prefill_starts,
-            prefill_tables=[tables[s] for s in batch.prefill_seq_ids], prefill_sample=batch.prefill_last,
+            prefill_tables=[] if grouped else [tables[s] for s in batch.prefill_seq_ids],
+            prefill_sample=batch.prefill_last,
             decode_tokens=batch.decode_tokens, decode_positions=batch.decode_positions,
-            decode_tables=[tables[s] for s in batch.decode_seq_ids], decode_slots=batch.decode_slots,
+            decode_tables=[] if grouped else [tables[s] for s in batch.decode_seq_ids], decode_slots=batch.decode_slots,
             prefill_kept=[kept.get(s) for s in batch.prefill_seq_ids],
-            decode_kept=[kept.get(s) for s in batch.decode_seq_ids], num_kv_heads=self.spec.num_kv_heads)
+            decode_kept=[kept.get(s) for s in batch.decode_seq_ids], num_kv_heads=self.spec.num_kv_heads,
+            group_windows=self.net.group_windows,
+            prefill_group_tables=[by_group[s] for s in batch.prefill_seq_ids] if grouped else (),
+            decode_group_tables=[by_group[s] for s in batch.decode_seq_ids] if grouped else ())
         if self.collect_attention:
             inputs.meta.decode_records = []
         return inputs
@@ -477,6 +497,10 @@ def make_model_executor(cfg, model: ModelSpec) -> ModelExecutor:
                              f"device); {kv_dtype} KV is modelled by --executor sim", field="--kv-dtype")
     # Scores are the policy's work only for a policy that accumulates them (H2O, InfiniGen); streaming
     # only needs the recorded lse for the attention mass kept.
+    if cfg.eviction != "none" and "sliding" in model.kinds:
+        raise InputError(f"{model.name} has sliding-window layers; token eviction packs a sequence's kept "
+                         "tokens into slots that no longer follow positions, which a window counts in: not "
+                         "modelled", field="--eviction")
     scored = cfg.eviction != "none" and EVICTION_POLICIES[cfg.eviction].scored
     ex = ModelExecutor(source, cfg.device, cfg.seed, cfg.attention, collect_attention=cfg.eviction != "none",
                        attention_scores="policy" if scored else "off")

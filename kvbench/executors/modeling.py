@@ -6,11 +6,18 @@ through block tables with kvbench.kernels (Triton on GPU, torch references on CP
 ``attention=``). Parameter names are transformers' LlamaForCausalLM / Qwen2ForCausalLM names, so a
 state dict moves between the two unchanged (the selfcheck relies on it).
 
-Refused (``check_runnable``): sliding-window, chunked-local and MLA layers and quantized checkpoints,
-which this forward would run as something else (the sim models them; the model executor refuses a
-mixture of experts too, whose shape this module still builds densely). Not modelled: rope scaling
-other than Llama 3's ("llama3", read from a model folder's config.json; presets carry none, which
-changes nothing for random weights).
+Sliding-window layers (a ModelSpec's ``layer_kinds``) attend to their last ``sliding_window`` positions,
+the query included, as transformers' and vLLM's do. A model whose layers fall into several KV cache
+groups (kvbench.memory.groups) is bound to them (``PagedLlama.bind_kv_groups``): layer l reads the
+block tables of its group (``ForwardInputs.group_metas``) and keeps its K/V in its group's share of
+the pool, as vLLM lays a hybrid pool out: layer i of every group in one pair of planes
+(``kv_planes``), so a block costs the largest group's layers.
+
+Refused (``check_runnable``): chunked-local and MLA layers and quantized checkpoints, which this
+forward would run as something else (the sim models them; the model executor refuses a mixture of
+experts too, whose shape this module still builds densely). Not modelled: rope scaling other than
+Llama 3's ("llama3", read from a model folder's config.json; presets carry none, which changes
+nothing for random weights).
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ from torch import nn
 from kvbench import kernels
 from kvbench.errors import InputError
 from kvbench.executors.presets import ModelSpec, get_model
-from kvbench.kernels.tuning import device_sms, plan_decode_splits
+from kvbench.kernels.tuning import attended_lens, device_sms, plan_decode_splits
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +78,10 @@ class AttentionMetadata:
 class ForwardInputs:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T], absolute (rotary) positions
-    meta: AttentionMetadata
+    meta: AttentionMetadata  # the only group's, or group 0's of several
+    # Several KV cache groups: each group's metadata (its block tables, slots and decode split plan;
+    # group_metas[0] is meta), read by the layers bound to it (PagedLlama.bind_kv_groups).
+    group_metas: list[AttentionMetadata] | None = None
 
 
 def _slots(table: Sequence[int], positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -81,7 +91,8 @@ def _slots(table: Sequence[int], positions: np.ndarray, block_size: int) -> np.n
 
 
 def _table_tensor(tables: Sequence[Sequence[int]], device) -> torch.Tensor:
-    """Ragged block tables -> int32 [n, max_blocks], padded with block 0 (never read: masked by length)."""
+    """Ragged block tables -> int32 [n, max_blocks], padded with block 0 (never read: masked by length).
+    A -1 entry (a block a sliding window freed) stays -1: the kernels never read before the window."""
     width = max((len(t) for t in tables), default=0)
     out = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
     for i, t in enumerate(tables):
@@ -108,7 +119,9 @@ def build_inputs(block_size: int, device: torch.device | str,
                  decode_tokens: Sequence[int] = (), decode_positions: Sequence[int] = (),
                  decode_tables: Sequence[Sequence[int]] = (), decode_slots: Sequence[int] = (),
                  prefill_kept: Sequence[np.ndarray | None] = (), decode_kept: Sequence[np.ndarray | None] = (),
-                 logits_for_all_tokens: bool = False, num_kv_heads: int = 0) -> ForwardInputs:
+                 logits_for_all_tokens: bool = False, num_kv_heads: int = 0,
+                 group_windows: Sequence[int] = (), prefill_group_tables: Sequence[Sequence[Sequence[int]]] = (),
+                 decode_group_tables: Sequence[Sequence[Sequence[int]]] = ()) -> ForwardInputs:
     """Flatten one step's prefill chunks and decodes (parallel lists, as in StepBatch).
 
     Logits come back for the last token of each chunk with ``prefill_sample`` set, then for every
@@ -116,14 +129,18 @@ def build_inputs(block_size: int, device: torch.device | str,
     eviction): the slot index each decode writes, attending to that many slots plus its own; empty
     means slot = position. ``num_kv_heads`` > 0: plan the decodes' split-KV once here (per step) rather
     than in every layer's kernel call.
+
+    Several KV cache groups (``group_windows``: each group's sliding window, 0 for full attention):
+    ``prefill_group_tables`` / ``decode_group_tables`` give each sequence's table per group (-1 where a
+    window freed a block) in place of ``prefill_tables`` / ``decode_tables``; each group gets its own
+    metadata (``ForwardInputs.group_metas``): its tables, its slots, its decodes' splits planned over
+    what its window sees.
     """
-    ids, pos, slots, sample = [], [], [], []
+    ids, pos, sample = [], [], []
     row = 0
-    for tokens, start, table, want in zip(prefill_tokens, prefill_starts, prefill_tables, prefill_sample):
-        p = np.arange(start, start + len(tokens), dtype=np.int64)
+    for tokens, start, want in zip(prefill_tokens, prefill_starts, prefill_sample):
         ids.append(np.asarray(tokens, dtype=np.int64))
-        pos.append(p)
-        slots.append(_slots(table, p, block_size))
+        pos.append(np.arange(start, start + len(tokens), dtype=np.int64))
         row += len(tokens)
         if want:
             sample.append(row - 1)
@@ -132,8 +149,6 @@ def build_inputs(block_size: int, device: torch.device | str,
     dslot = np.asarray(decode_slots, dtype=np.int64) if len(decode_slots) else dpos
     ids.append(np.asarray(decode_tokens, dtype=np.int64))
     pos.append(dpos)
-    slots.append(np.array([_slots(t, dslot[i:i + 1], block_size)[0] for i, t in enumerate(decode_tables)],
-                          dtype=np.int64))
     sample.extend(range(num_prefill, num_prefill + len(dpos)))
     if logits_for_all_tokens:
         sample = list(range(num_prefill + len(dpos)))
@@ -144,30 +159,58 @@ def build_inputs(block_size: int, device: torch.device | str,
     def t(a, dtype):
         return torch.as_tensor(np.asarray(a), dtype=dtype).to(device)
 
-    meta = AttentionMetadata(
-        slot_mapping=t(np.concatenate(slots), torch.int64),
-        num_prefill_tokens=num_prefill,
+    shared = AttentionMetadata(
+        slot_mapping=torch.empty(0), num_prefill_tokens=num_prefill,
         prefill_cu_seqlens=t(np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]), torch.int32),
         prefill_starts=t(list(prefill_starts), torch.int32),
-        prefill_block_tables=_table_tensor(prefill_tables, device),
-        max_prefill_len=max(lens, default=0),
-        decode_block_tables=_table_tensor(decode_tables, device),
-        decode_seq_lens=t(decode_ctx, torch.int32),
-        max_decode_len=max(decode_ctx, default=0),
-        sample_indices=t(sample, torch.int64),
+        prefill_block_tables=torch.empty(0), max_prefill_len=max(lens, default=0),
+        decode_block_tables=torch.empty(0), decode_seq_lens=t(decode_ctx, torch.int32),
+        max_decode_len=max(decode_ctx, default=0), sample_indices=t(sample, torch.int64),
         prefill_kept=_kept_tensor(prefill_kept, prefill_ctx, device),
-        decode_kept=_kept_tensor(decode_kept, decode_ctx, device),
-    )
-    if num_kv_heads and decode_ctx:
-        plan = plan_decode_splits(decode_ctx, num_kv_heads, device_sms(device))
-        meta.decode_num_splits, meta.max_decode_splits = t(plan, torch.int32), int(plan.max())
-    return ForwardInputs(t(np.concatenate(ids), torch.int64), t(np.concatenate(pos), torch.int64), meta)
+        decode_kept=_kept_tensor(decode_kept, decode_ctx, device))
+
+    def for_tables(p_tables: Sequence[Sequence[int]], d_tables: Sequence[Sequence[int]],
+                   window: int) -> AttentionMetadata:
+        """The shared metadata with one set of block tables: their slots, and the split plan."""
+        slots = [_slots(table, p, block_size) for table, p in zip(p_tables, pos)]
+        slots.append(np.array([_slots(tbl, dslot[i:i + 1], block_size)[0] for i, tbl in enumerate(d_tables)],
+                              dtype=np.int64))
+        meta = replace(shared, slot_mapping=t(np.concatenate(slots), torch.int64),
+                       prefill_block_tables=_table_tensor(p_tables, device),
+                       decode_block_tables=_table_tensor(d_tables, device))
+        if num_kv_heads and decode_ctx:
+            plan = plan_decode_splits(attended_lens(decode_ctx, window), num_kv_heads, device_sms(device))
+            meta.decode_num_splits, meta.max_decode_splits = t(plan, torch.int32), int(plan.max())
+        return meta
+
+    metas = ([for_tables([tb[g] for tb in prefill_group_tables], [tb[g] for tb in decode_group_tables], w)
+              for g, w in enumerate(group_windows)] if group_windows
+             else [for_tables(prefill_tables, decode_tables, 0)])
+    return ForwardInputs(t(np.concatenate(ids), torch.int64), t(np.concatenate(pos), torch.int64), metas[0],
+                         group_metas=metas if group_windows else None)
 
 
-def make_kv_pool(spec: ModelSpec, num_blocks: int, block_size: int, device, dtype: torch.dtype) -> torch.Tensor:
+def kv_planes(layer_groups: Sequence[int]) -> list[int]:
+    """Each layer's K/V plane pair in a pool shared by KV cache groups: layer l is the i-th layer of its
+    group and keeps its K/V in planes 2i and 2i + 1, shared by the i-th layer of every group (vLLM's
+    hybrid pool: a block belongs to one group at a time, so a block id names one group's slot in each
+    shared tensor)."""
+    seen: dict[int, int] = {}
+    out = []
+    for g in layer_groups:
+        out.append(seen.get(g, 0))
+        seen[g] = out[-1] + 1
+    return out
+
+
+def make_kv_pool(spec: ModelSpec, num_blocks: int, block_size: int, device, dtype: torch.dtype,
+                 layer_groups: Sequence[int] | None = None) -> torch.Tensor:
     """The whole KV pool as one tensor [2 * layers, num_blocks, block_size, Hkv, D]: plane 2l is layer
-    l's K, 2l+1 its V. One tensor lets a block copy move a block in every layer with one launch."""
-    return torch.zeros(2 * spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
+    l's K, 2l+1 its V. One tensor lets a block copy move a block in every layer with one launch. With
+    KV cache groups (``layer_groups``: each layer's group), 2 planes per layer of the largest group
+    (``kv_planes``)."""
+    planes = max(kv_planes(layer_groups)) + 1 if layer_groups else spec.num_layers
+    return torch.zeros(2 * planes, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
                        dtype=dtype, device=device)
 
 
@@ -211,7 +254,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, attention: str):
+    def __init__(self, spec: ModelSpec, attention: str, window: int = 0):
+        """``window``: a sliding-window layer's tokens (a query sees itself and the window - 1 before it);
+        0 for full attention."""
         super().__init__()
         hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
@@ -221,6 +266,7 @@ class PagedAttention(nn.Module):
         self.o_proj = nn.Linear(hq * d, spec.hidden_size, bias=False)
         self.scale = d ** -0.5
         self.backend = attention
+        self.window = window
 
     def rotary_qk(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys of x: [T, hidden], rotated by cos, sin: [T, D] -> q [T, Hq, D], k [T, Hkv, D]."""
@@ -243,13 +289,14 @@ class PagedAttention(nn.Module):
         if p:
             parts.append(kernels.prefill_attention(
                 q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens,
-                meta.prefill_starts, self.scale, meta.max_prefill_len, meta.prefill_kept, backend=self.backend))
+                meta.prefill_starts, self.scale, meta.max_prefill_len, meta.prefill_kept, backend=self.backend,
+                window=self.window))
         if t > p:
             q_dec = q[p:].contiguous()
             out, lse = kernels.decode_attention(
                 q_dec, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
                 meta.max_decode_len, num_splits=meta.decode_num_splits, kept=meta.decode_kept,
-                backend=self.backend, max_splits=meta.max_decode_splits)
+                backend=self.backend, max_splits=meta.max_decode_splits, window=self.window)
             if meta.decode_records is not None:
                 meta.decode_records.append((q_dec, lse))
             parts.append(out)
@@ -269,9 +316,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, attention: str):
+    def __init__(self, spec: ModelSpec, attention: str, window: int = 0):
         super().__init__()
-        self.self_attn = PagedAttention(spec, attention)
+        self.self_attn = PagedAttention(spec, attention, window)
         self.mlp = MLP(spec)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -285,7 +332,7 @@ class Backbone(nn.Module):
     def __init__(self, spec: ModelSpec, attention: str):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, attention) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, attention, spec.window(kind)) for kind in spec.kinds)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
@@ -304,6 +351,29 @@ class PagedLlama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(spec.head_dim, spec.rope_theta, rope_scaling),
                              persistent=False)
+        self.layer_groups: list[int] | None = None  # bind_kv_groups
+        self.layer_planes = list(range(spec.num_layers))
+        self.group_windows: list[int] = []
+
+    def bind_kv_groups(self, layer_groups: Sequence[int] | None) -> None:
+        """Layer l reads the tables of KV cache group ``layer_groups[l]`` (ForwardInputs.group_metas) and
+        keeps its K/V in the planes ``kv_planes`` gives it (a pool made by make_kv_pool with the same
+        groups); None: one group, ForwardInputs.meta, a plane pair per layer. ``group_windows``: each
+        group's sliding window (0: full attention), its layers' own."""
+        n = self.spec.num_layers
+        if layer_groups is None:
+            self.layer_groups, self.layer_planes, self.group_windows = None, list(range(n)), []
+            return
+        if len(layer_groups) != n:
+            raise ValueError(f"{len(layer_groups)} layer groups for {n} layers")
+        windows: dict[int, set[int]] = {}
+        for layer, g in zip(self.model.layers, layer_groups):
+            windows.setdefault(g, set()).add(layer.self_attn.window)
+        if sorted(windows) != list(range(len(windows))) or any(len(w) > 1 for w in windows.values()):
+            raise ValueError(f"KV cache groups {list(layer_groups)} do not group layers of one window each")
+        self.layer_groups = list(layer_groups)
+        self.layer_planes = kv_planes(layer_groups)
+        self.group_windows = [windows[g].pop() for g in range(len(windows))]
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] of positions: int64 [T]; angles in float32, then ``dtype``, as transformers does."""
@@ -323,8 +393,14 @@ class PagedLlama(nn.Module):
         captures (its output is small; the vocabulary-wide logits are computed after it)."""
         h = self.model.embed_tokens(inputs.input_ids)  # [T, hidden]
         cos, sin = self.rope(inputs.positions, h.dtype)
+        groups, metas = self.layer_groups, inputs.group_metas
+        if (groups is None) != (metas is None):
+            raise ValueError("a model bound to KV cache groups takes each group's metadata (build_inputs's "
+                             "group_windows), and only such a model does")
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, kv_pool[2 * i], kv_pool[2 * i + 1], inputs.meta)
+            meta = inputs.meta if groups is None or metas is None else metas[groups[i]]
+            p = self.layer_planes[i]
+            h = layer(h, cos, sin, kv_pool[2 * p], kv_pool[2 * p + 1], meta)
         return self.model.norm(h[inputs.meta.sample_indices])
 
     @torch.inference_mode()
@@ -349,7 +425,9 @@ def _layer_weights(model: PagedLlama, kv_pool: torch.Tensor, meta: AttentionMeta
                                      kept, backend=attn.backend)
 
 
-def _check_records(meta: AttentionMetadata) -> None:
+def _check_records(model: PagedLlama, meta: AttentionMetadata) -> None:
+    if model.layer_groups is not None:
+        raise ValueError("attention statistics read one block table per sequence, not a table per KV cache group")
     if not meta.decode_records:
         raise ValueError("the forward did not record decode lse: set meta.decode_records = [] before it")
 
@@ -363,7 +441,7 @@ def decode_attention_stats(model: PagedLlama, kv_pool: torch.Tensor, meta: Atten
     -> float32 [L, R, Hkv, max_decode_len]: each entry sums the probabilities of the group's query heads.
     Memory grows with L x R: for many rows use decode_attention_totals.
     """
-    _check_records(meta)
+    _check_records(model, meta)
     return torch.stack([_layer_weights(model, kv_pool, meta, i, rows) for i in range(len(meta.decode_records))])
 
 
@@ -374,7 +452,7 @@ def decode_attention_totals(model: PagedLlama, kv_pool: torch.Tensor, meta: Atte
 
     Layer by layer over chunks of rows, so at most ``chunk_bytes`` of per-group weights exist at once
     (one row's worth when a single row is larger)."""
-    _check_records(meta)
+    _check_records(model, meta)
     n, width = meta.decode_seq_lens.shape[0], meta.max_decode_len
     hkv = kv_pool.shape[3]
     total = torch.zeros(n, width, dtype=torch.float32, device=kv_pool.device)
@@ -557,17 +635,29 @@ def load_weights(model: PagedLlama, folder: str) -> None:
         raise InputError(f"weights missing from the folder: {', '.join(missing[:5])}", file=folder)
 
 
+# Architectures (a config's model_type) whose sliding-window layers this forward computes as transformers
+# does: Llama-family layers with a window per layer (Mistral's on every layer; Ministral's and Qwen2's
+# per ``layer_types``). Another architecture's windowed layers (Gemma's, gpt-oss's) differ beyond the window.
+SLIDING_ARCHITECTURES = ("llama", "mistral", "ministral", "qwen2")
+
+
 def check_runnable(spec: ModelSpec) -> None:
-    """Refuse a shape this forward would silently run as another model: it computes dense, full-attention
-    Llama-family layers from unquantized weights."""
+    """Refuse a shape this forward would silently run as another model: it computes dense Llama-family
+    layers of full or sliding-window attention from unquantized weights."""
     why = []
-    if set(spec.kinds) != {"full"}:
-        why.append(f"{spec.describe_layers()} attention layers")
+    other = [k for k in dict.fromkeys(spec.kinds) if k not in ("full", "sliding")]
+    if other:
+        why.append(f"{spec.describe_layers()} attention layers ({' and '.join(other)} attention is not implemented "
+                   "in its forward)")
+    elif "sliding" in spec.kinds and spec.architecture not in SLIDING_ARCHITECTURES:
+        why.append(f"{spec.describe_layers()} attention layers of a {spec.architecture} model (its sliding-window "
+                   f"layers are run for {', '.join(SLIDING_ARCHITECTURES)} only)")
     if spec.quant is not None:
         why.append(f"{spec.quant.method} quantized weights")
     if why:
-        raise InputError(f"{spec.name} has {' and '.join(why)}; the model executor runs dense, full-attention, "
-                         "unquantized models only: use --executor sim", field="--model")
+        raise InputError(f"{spec.name} has {' and '.join(why)}; the model executor runs dense, unquantized "
+                         "Llama-family models of full and sliding-window attention only: use --executor sim",
+                         field="--model")
 
 
 def build_model(model: str | ModelSpec = "tiny", device: torch.device | str = "cpu", seed: int = 0,
