@@ -32,6 +32,9 @@ def test_selfcheck_cpu_passes_with_every_engine_path_exercised():
         assert x["prefix_hit_tokens"] > 0 and x["preemptions"] > 0 and x["cow_copies"] > 0
     assert r["exercised"]["partial_hit_tokens"] > 0  # radix served tokens from inside a block
     assert r["exercised"]["prefix_hit_tokens"] > e["exercised"]["prefix_hit_tokens"]
+    w = out["engine_sliding"]  # two KV cache groups: a sliding window's blocks freed as it moves on
+    assert w["ok"] and w["greedy_agree"] == 1.0 and w["max_logit_diff"] < 1e-3
+    assert w["exercised"]["freed_table_entries"] > 0 and w["exercised"]["prefix_hit_tokens"] > 0
 
 
 def test_calibrate_writes_coefficients_the_sim_uses(tmp_path):

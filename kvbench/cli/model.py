@@ -35,15 +35,17 @@ def selfcheck(device, model, seed, attention, as_json):
     transformers on the same tokens. Exits 1 when any disagrees beyond the precision's tolerance
     (float32: logits within 1e-3 and every token equal).
     """
-    from kvbench.engine.selfcheck import run_engine_selfcheck, run_selfcheck
+    from kvbench.engine.selfcheck import run_engine_selfcheck, run_selfcheck, run_sliding_selfcheck
 
     forwards = run_selfcheck(device=device, model=model, seed=seed, attention=attention)
     engines = {m: run_engine_selfcheck(device=device, model=model, seed=seed, attention=attention,
                                        prefix_mode=m) for m in ("hash", "radix")}
     engines["tiers"] = run_engine_selfcheck(device=device, model=model, seed=seed, attention=attention, tiers=True)
+    # a tiny random model with sliding-window layers: two KV cache groups, blocks freed as they leave the window
+    engines["sliding"] = run_sliding_selfcheck(device=device, seed=seed, attention=attention)
     ok = forwards["ok"] and all(e["ok"] for e in engines.values())
     result = {"ok": ok, "forwards": forwards, "engine": engines["hash"], "engine_radix": engines["radix"],
-              "engine_tiers": engines["tiers"]}
+              "engine_tiers": engines["tiers"], "engine_sliding": engines["sliding"]}
     if as_json:
         click.echo(dumps(result))
     else:
@@ -61,7 +63,9 @@ def selfcheck(device, model, seed, attention, as_json):
                        f"{x['cow_copies']} copy-on-write copies, prefill chunks of {x['max_batched_tokens']}"
                        + (f"; tiers: {x['tier_bytes_loaded']:,} bytes loaded (hit rate cpu {x['cpu_hit_rate']:.3f}, "
                           f"disk {x['disk_hit_rate']:.3f}), {x['tier_bytes_stored']:,} stored"
-                          if mode == "tiers" else ""))
+                          if mode == "tiers" else "")
+                       + (f"; {x['kv_groups']}: {x['freed_table_entries']:,} table entries freed by the window"
+                          if mode == "sliding" else ""))
         click.echo("selfcheck: " + ("PASS" if ok else "FAIL"))
     if not ok:
         sys.exit(1)
