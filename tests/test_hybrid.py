@@ -263,3 +263,21 @@ def test_replicas_run_a_hybrid_model_each_on_its_groups(tmp_path):
     summary = rp.run()
     assert all(isinstance(r.kv, HybridKV) for r in rp.replicas) and summary["completed"] == 60
     assert 0 < summary["router_hit_blocks"] <= summary["router_predicted_blocks"]
+
+
+def test_vllms_default_turns_the_hybrid_manager_off_for_chunked_local_attention():
+    """vLLM 0.34 (VllmConfig.__post_init__) runs a model with chunked local attention with its hybrid
+    manager off unless VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1; every other hybrid model on."""
+    from kvbench.engine.config import ReplayConfig
+    from kvbench.engine.setup import kv_layout_of
+    from kvbench.executors import make_executor
+    from kvbench.executors.presets import get_model
+
+    def groups(model: str, disable: bool | None, tp: int = 1) -> list[tuple[str, int]]:
+        cfg = ReplayConfig(executor="sim", model=model, tp=tp, disable_hybrid_kv_cache_manager=disable).validate()
+        return [(g.kind, len(g.layers)) for g in kv_layout_of(cfg, make_executor(cfg, get_model(model))).groups]
+
+    assert groups("llama-4-scout", None, 4) == [("full", 48)]
+    assert groups("llama-4-scout", False, 4) == [("chunked", 12)] * 3 + [("full", 12)]
+    assert groups("gpt-oss-120b", None) == [("sliding", 18), ("full", 18)]
+    assert groups("gpt-oss-120b", True) == [("full", 36)]

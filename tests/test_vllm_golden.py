@@ -110,7 +110,10 @@ def replay_like_vllm(golden: dict, tmp_path: Path):
     # the weights of DeepSeek-V3 and Llama 4 Scout fit eight H200s; the pool is given in blocks, so the
     # group of GPUs changes no decision
     tp = 8 if model in ("deepseek-v3", "llama-4-scout") else 1
+    # the goldens run vLLM's hybrid manager on for every model (Llama 4 too, which vLLM turns it off for
+    # unless VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1, as the driver sets)
     cfg = ReplayConfig(executor="sim", model=model, calibration=str(clock), tp=tp,
+                       disable_hybrid_kv_cache_manager=False if "hybrid" in golden else None,
                        num_blocks=golden["kvbench_num_blocks"], block_size=golden["block_size"],
                        max_num_seqs=golden["max_num_seqs"], max_batched_tokens=golden["max_batched_tokens"],
                        admission_window=golden.get("admission_window", 0),

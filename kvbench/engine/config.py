@@ -87,8 +87,9 @@ class ReplayConfig:
     dtype: str = "auto"  # sim: weights in bf16 or fp8 (fp8 tensor cores where the GPU has them)
     eager: bool = False  # sim: no CUDA graphs (vLLM --enforce-eager): every layer's kernel launches paid
     # a model with sliding-window or chunked-local layers allocated as full attention, one KV cache group
-    # (vLLM --disable-hybrid-kv-cache-manager); the compute stays windowed
-    disable_hybrid_kv_cache_manager: bool = False
+    # (vLLM --disable-hybrid-kv-cache-manager); the compute stays windowed. None: vLLM 0.34's default,
+    # on for chunked local attention only (engine/setup.py: kv_layout_of)
+    disable_hybrid_kv_cache_manager: bool | None = None
     calibration: str | None = None
     kv_mem: str | None = None
     num_blocks: int | None = None

@@ -20,8 +20,14 @@ KV_MEM_FRACTION = 0.9  # share of free device memory given to the KV pool when n
 def kv_layout_of(cfg: ReplayConfig, executor) -> KVLayout:
     """The model's KV cache groups at the run's block size (kvbench.memory.groups: one group for a
     plain model; vLLM's hybrid grouping for one with windowed layers, unless
-    --disable-hybrid-kv-cache-manager)."""
-    return group_layers(executor.kv_layers(), cfg.block_size, cfg.disable_hybrid_kv_cache_manager)
+    --disable-hybrid-kv-cache-manager). Unset, vLLM 0.34's default: its hybrid manager is off for a model
+    with chunked local attention (Llama 4: VllmConfig.__post_init__ turns it off for the latency it
+    costs, unless VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1), on for every other."""
+    layers = executor.kv_layers()
+    disable = cfg.disable_hybrid_kv_cache_manager
+    if disable is None:
+        disable = any(layer.kind == "chunked" for layer in layers)
+    return group_layers(layers, cfg.block_size, disable)
 
 
 def pool_blocks(cfg: ReplayConfig, executor, model=None, kv_layout: KVLayout | None = None) -> int:

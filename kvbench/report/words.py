@@ -43,7 +43,8 @@ WORDS: dict[str, Callable[[object], tuple[str, bool]]] = {
     "tp": lambda v: (f"tp{v}", v == 1),
     "kv_dtype": lambda v: (f"kv {v}", v == "auto"),
     "dtype": lambda v: (f"weights {v}", v == "auto"), "eager": lambda v: ("eager" if v else "CUDA graphs", not v),
-    "disable_hybrid_kv_cache_manager": lambda v: ("KV as full attention" if v else "hybrid KV groups", not v),
+    "disable_hybrid_kv_cache_manager": lambda v: ("KV as full attention" if v else "hybrid KV groups"
+                                                  if v is False else "vLLM's KV groups", v is None),
     "calibration": lambda v: (f"cal {_path(v)}" if v else "preset costs", not v),
     "kv_mem": lambda v: (f"{v} KV" if v else "default KV", not v),
     "num_blocks": lambda v: (f"{v} blocks" if v else "default blocks", not v),
