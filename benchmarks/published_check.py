@@ -17,17 +17,25 @@ own defaults for the token budget and sequence cap (16384 tokens and 1024 sequen
 Each point has a role. ``fit``: vLLM V1 with a load the sim can run; the defaults are fitted on these
 (``--fit``) and judged leave-one-source-out: each source predicted by the parameters fitted on the
 others. ``other engine``: SGLang, TensorRT-LLM, NIM, predicted with the same defaults (out of sample,
-never fitted). ``flagged``: a point the sim cannot match, with the reason (a pre-V1 engine,
-multi-step scheduling, weights it cannot express, piecewise CUDA graphs); predicted, never fitted.
+never fitted). ``flagged``: a point the sim cannot match, with the reason (ERAS: a pre-V1 engine,
+multi-step scheduling, weights it cannot express, piecewise CUDA graphs, a box far below its GPU's
+peak); predicted, never fitted. A point measured through a server pays the front end; an offline or
+batch one (vLLM's LLM class) does not.
 
-The fit is of five numbers shared by every GPU: the share of the dense tensor-core peak matmuls and
-attention reach, the share of the HBM bandwidth weights and KV are streamed at, and three overheads
-(per step, per scheduled sequence, per all-reduce). It minimises the mean squared log error, each
-source weighing the same, with a weak prior on the streaming share (MEM_PRIOR: the corpus cannot tell
-it from the per-step overhead). It re-times recorded steps (a replay's schedule, its steps' FLOPs and
-bytes) rather than replaying for every trial, then replays again with the result (the schedule of a
-closed loop or a batch does not depend on step times; a Poisson load's does, a little). --eager's
-per-layer launch cost is estimated beside it, not fitted (eager_layer_s).
+The fit is of eight numbers shared by every GPU: the share of the dense tensor-core peak the linear
+layers reach, the share of the HBM bandwidth weights and KV are streamed at, three overheads (per step,
+per scheduled sequence, per all-reduce) and the API server's front end (per request and per prompt
+token, one request at a time, then a latency that holds no other request). Attention is not fitted: its
+rate is FlashAttention's published curve (presets.ATTN_EFFICIENCY, ATTN_RAMP_TOKENS). The points excluded
+before the fit are ERAS, each with its reason. It minimises the mean squared log error, each source
+weighing the same, with weak priors on the streaming share (MEM_PRIOR: the corpus cannot tell it from the
+per-step overhead) and on the GEMM share (COMPUTE_PRIOR: only the long prompts pin it). It re-times
+recorded steps (a replay's schedule, its steps' FLOPs and bytes) rather than replaying for every trial,
+then replays again with the result (the schedule of a closed loop or a batch does not depend on step
+times; a Poisson load's does, a little; a burst through the server's, on the front end's pace, so
+``--rounds`` re-records it). A closed loop or Poisson load is recorded without the front end and re-timed
+with it added to each request; a burst is recorded with it (Retimer.front_end). --eager's per-layer
+launch cost is estimated beside it, not fitted (eager_layer_s).
 
 A script rather than a kvbench command: it judges the defaults kvbench ships against a corpus kept in
 this repository, and its result is written into kvbench/executors/presets.py by hand, not into a
@@ -69,6 +77,7 @@ MODEL_PRESETS = {
     "meta-llama/Meta-Llama-3-70B-Instruct": "llama-3-70b", "mistralai/Mixtral-8x7B-Instruct-v0.1": "mixtral-8x7b",
     "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b", "Qwen/Qwen3-Coder-30B-A3B-Instruct-FP8": "qwen3-30b-a3b",
     "nvidia/Qwen3-30B-A3B-FP4": "qwen3-30b-a3b",
+    "Qwen/Qwen3-0.6B": "qwen3-0.6b", "Qwen/Qwen3-8B": "qwen3-8b", "Qwen/Qwen3-14B": "qwen3-14b",
 }
 
 # published column -> (summary key, what it is); "batch_ms" is the replay's duration (one batch's latency)
@@ -82,7 +91,8 @@ METRICS = {
 }
 KIND_OF = {key: kind for key, kind in METRICS.values()} | {"batch_ms": "latency"}
 GOALS = {"TPOT": 0.20, "ITL": 0.20, "throughput": 0.20, "latency": 0.20, "TTFT": 0.30, "E2E": 0.30}
-V1_SOURCES = ("vllm_blog_fp8_kvcache_2026", "rocm_vllm_devdocker_20250715", "vllm_pr_23151", "vllm_pr_20759")
+V1_SOURCES = ("vllm_blog_fp8_kvcache_2026", "rocm_vllm_devdocker_20250715", "vllm_pr_23151", "vllm_pr_20759",
+              "gpustack_perflab_qwen3_8b_h100", "gpustack_perflab_qwen3_14b_h100", "kvcached_h100_layout_results")
 
 
 @dataclass
@@ -124,8 +134,15 @@ class Point:
     prefix_cache: bool = True
     note: str = ""  # how the load was approximated
     unfitted: tuple[str, ...] = ()  # published metrics left out of the fit (the note says why); still judged
+    front_end: bool = True  # through the API server (vllm bench serve); False: the offline LLM class
+
+    @property
+    def burst(self) -> bool:
+        """Every request sent at t = 0 with no cap on those in flight (request rate inf)."""
+        return self.load.concurrency is None and not self.load.rate
 
     def config(self, **kw) -> ReplayConfig:
+        kw.setdefault("front_end", self.front_end)
         return ReplayConfig(executor="sim", model=self.model, gpu=self.gpu, tp=self.tp, dtype=self.dtype,
                             kv_dtype=self.kv_dtype, max_num_seqs=self.max_num_seqs,
                             max_batched_tokens=self.max_batched_tokens, prefix_cache=self.prefix_cache,
@@ -136,23 +153,45 @@ def _num(v: str) -> float | None:
     return float(v) if v not in ("", None) else None
 
 
-def _flag(row: dict) -> str | None:
-    """Why the sim cannot match a point (None: it can)."""
+# The points the sim is not meant to match, fixed before any fit: each is replayed and judged, never
+# fitted. (rule, why): the first rule a row meets names its flag.
+ERAS: tuple[tuple[str, str], ...] = (
+    ("nvfp4", "NVFP4 weights (the sim has bf16 and fp8)"),
+    ("multi-step", "pre-V1 vLLM with multi-step scheduling (its ITL is a chunk of tokens)"),
+    ("pre-v1", "pre-V1 vLLM engine"),
+    ("buildkite", "2024 CI build of unknown version (the V0 engine, likely)"),
+    ("piecewise", "piecewise CUDA graphs (attention launched eagerly): neither the default nor --eager"),
+    ("block-fp8-moe", "block-quantized FP8 MoE (128x128 scales, Triton fused_moe): the sim's fp8 is per-tensor "
+                      "weights at the dense GEMM's efficiency"),
+    ("slow-box", "long-prompt bursts on a box whose H100 prefilled at about a quarter of its peak for every engine "
+                 "(SGLang 0.5.5 on the same page and loads: 0.3 of peak); no other source's GPU runs so slow"),
+)
+
+
+def _era(row: dict) -> str | None:
+    """The ERAS rule a row meets (None: the sim models it)."""
     flags = row["flags"].lower()
     if row["weight_dtype"] == "nvfp4":
-        return "NVFP4 weights (the sim has bf16 and fp8)"
+        return "nvfp4"
     if "multi-step" in flags or "num_scheduler_steps" in flags:
-        return "pre-V1 vLLM with multi-step scheduling (its ITL is a chunk of tokens)"
+        return "multi-step"
     if row["engine"] == "vllm" and row["v1_engine"] == "false":
-        return "pre-V1 vLLM engine"
+        return "pre-v1"
     if row["source_id"] == "vllm_buildkite_perf_ci":
-        return "2024 CI build of unknown version (the V0 engine, likely)"
+        return "buildkite"
     if "cudagraph_mode piecewise" in flags:
-        return "piecewise CUDA graphs (attention launched eagerly): neither the default nor --eager"
+        return "piecewise"
     if row["model"] == "Qwen/Qwen3-Coder-30B-A3B-Instruct-FP8":
-        return ("block-quantized FP8 MoE (128x128 scales, Triton fused_moe): the sim's fp8 is per-tensor "
-                "weights at the dense GEMM's efficiency")
+        return "block-fp8-moe"
+    if row["source_id"] == "gpustack_perflab_qwen3_14b_h100" and int(row["input_len"]) >= 1000:
+        return "slow-box"
     return None
+
+
+def _flag(row: dict) -> str | None:
+    """Why the sim cannot match a point (None: it can)."""
+    era = _era(row)
+    return dict(ERAS)[era] if era else None
 
 
 def _engine_limits(row: dict, llm_class: bool) -> tuple[int, int]:
@@ -182,19 +221,21 @@ def point_of(row: dict, max_requests: int | None = None) -> Point:
             load = Load(n or max(6 * c, 30), ilen, olen, concurrency=c)
             if not n:
                 note = f"request count not stated: {load.requests} (6 per user)"
-    elif kind == "rate":
-        load = Load(n, ilen, olen, rate=value)
+    elif kind == "rate":  # Poisson at the rate; inf: every request sent at once (no --max-concurrency)
+        load = Load(n, ilen, olen, rate=value or 0.0)
     if src == "vllm_blog_fp8_kvcache_2026":
         load = replace(load, input_len=20000, output_len=2000, range_ratio=0.15)
     elif src == "vllm_pr_20759":  # vllm bench serve's sonnet defaults: 550 in (200 of them a shared prefix), 150 out
         load = replace(load, input_len=350, output_len=150, prefix_len=200)
         note = "sonnet lengths not printed: its defaults (550 in, 200 shared; 150 out) as random tokens"
-    elif row["dataset"].startswith("sharegpt"):
+    elif row["dataset"].startswith("sharegpt") and not ilen:
         # ShareGPT: the offline row's own tok/s over req/s gives the mean output (194); the mean
         # input is an assumption; uniform spreads stand in for ShareGPT's long tails
         load = replace(load, input_len=230, output_len=194, range_ratio=0.9)
         note = "ShareGPT lengths approximated: uniform, mean 230 in (assumed) / 194 out (from the row's own figures)"
-    if max_requests and load.requests > max_requests and kind != "batch":  # a batch is its whole load
+    burst = kind in ("rate", "concurrency") and load.concurrency is None and not load.rate
+    if max_requests and load.requests > max_requests and kind != "batch" and not burst:  # whole loads: a
+        # batch's latency and a burst's figures are the whole load's
         whole = load.requests
         load = replace(load, requests=max(max_requests, 2 * (load.concurrency or 0)))
         note = (note + "; " if note else "") + f"{load.requests} of {whole} requests replayed"
@@ -216,6 +257,10 @@ def point_of(row: dict, max_requests: int | None = None) -> Point:
         published.pop("ttft_ms_mean", None)  # queueing for a slot: depends on the unstated request count
         note = (note + "; " if note else "") + "TTFT left out: queueing behind a full pool"
     unfitted = ()
+    if row["point_id"] == "gpustack-qwen3-14b-h100-random-128-burst":
+        unfitted = ("ttft_ms_mean", "ttft_ms_p50", "tpot_ms_mean")
+        note = ("TTFT and TPOT not fitted: the API process, saturated by 1,000 requests in 23 s, also streams "
+                "every output token, first ones included; kvbench's front end delays requests on their way in only")
     if src == "vllm_pr_23151":  # the PR tunes exactly this kernel: its baseline's prefill is far off any roofline
         unfitted = ("ttft_ms_mean", "ttft_ms_p50")
         note = "TTFT not fitted: untuned fused_moe Triton configs (the PR's subject) slow the prefill"
@@ -226,9 +271,12 @@ def point_of(row: dict, max_requests: int | None = None) -> Point:
     if kv == "auto" and row["engine"] in ("trt-llm", "nim") and dtype == "fp8":
         kv = "fp8"  # NVIDIA's FP8 checkpoints and profiles quantize the KV cache too (not stated per row)
         note = (note + "; " if note else "") + "FP8 KV assumed"
+    if row["dataset"].startswith("sharegpt") and ilen:  # the source's own totals give the means
+        load = replace(load, range_ratio=0.9)
+        note = (note + "; " if note else "") + "ShareGPT lengths: the printed means, uniform ±90%"
     return Point(row["point_id"], src, row["engine"], row["gpu"], int(row["tp"]), MODEL_PRESETS[row["model"]],
                  dtype, kv, load, published, role, flag, seqs, tokens,
-                 prefix_cache=src != "vllm_pr_20759", note=note, unfitted=unfitted)
+                 prefix_cache=src != "vllm_pr_20759", note=note, unfitted=unfitted, front_end=not llm_class)
 
 
 def load_points(path: str = POINTS_CSV, max_requests: int | None = None) -> list[Point]:
@@ -237,32 +285,37 @@ def load_points(path: str = POINTS_CSV, max_requests: int | None = None) -> list
 
 
 # -- the sim's parameters ------------------------------------------------------------------------
-PARAMS = ("compute_eff", "mem_eff", "step_s", "seq_s", "allreduce_s")
+PARAMS = ("compute_eff", "mem_eff", "step_s", "seq_s", "allreduce_s", "request_s", "token_s", "latency_s")
 
 
 # Where --fit starts: the derating the presets held before any fit (0.7 of the tensor-core peak, 0.85
 # of the memory bandwidth, 4 ms per step, 10 us per all-reduce), so a fit does not depend on the
 # presets it is about to replace.
-START = {"compute_eff": 0.70, "mem_eff": 0.85, "step_s": 4e-3, "seq_s": 1e-7, "allreduce_s": 10e-6}
+START = {"compute_eff": 0.70, "mem_eff": 0.85, "step_s": 4e-3, "seq_s": 1e-7, "allreduce_s": 10e-6,
+         "request_s": 5e-3, "token_s": 1e-6, "latency_s": 5e-3}
 
 
 def defaults() -> dict[str, float]:
     """The presets' fitted parameters (kvbench.executors.presets)."""
     p = presets
     return {"compute_eff": p.MATMUL_EFFICIENCY, "mem_eff": p.MEM_EFFICIENCY, "step_s": p.STEP_OVERHEAD_S,
-            "seq_s": p.SEQ_OVERHEAD_S, "allreduce_s": p.ALLREDUCE_LATENCY_S}
+            "seq_s": p.SEQ_OVERHEAD_S, "allreduce_s": p.ALLREDUCE_LATENCY_S, "request_s": p.REQUEST_S,
+            "token_s": p.REQUEST_TOKEN_S, "latency_s": p.REQUEST_LATENCY_S}
 
 
 def coefficients(theta: dict, gpu: str, dtype: str) -> dict[str, float]:
     """A calibration file's coefficients for one GPU and weight dtype under parameters ``theta``."""
     g = get_gpu(gpu)
     peak = g.peak_fp8_flops if dtype == "fp8" and g.peak_fp8_flops else g.peak_bf16_flops
-    return {"matmul_flops": peak * theta["compute_eff"], "attn_flops": g.peak_bf16_flops * theta["compute_eff"],
+    return {"matmul_flops": peak * theta["compute_eff"], "attn_flops": g.peak_bf16_flops * presets.ATTN_EFFICIENCY,
+            "attn_ramp_tokens": presets.ATTN_RAMP_TOKENS,
             "mem_bw": g.peak_mem_bw * theta["mem_eff"], "kv_bw": g.peak_mem_bw * theta["mem_eff"],
             "step_overhead_s": theta["step_s"], "seq_overhead_s": theta["seq_s"],
             "allreduce_latency_s": theta["allreduce_s"],
             "layer_overhead_s": theta.get("layer_s") or presets.LAYER_OVERHEAD_S,
-            "prefill_token_s": 0.0, "decode_seq_s": 0.0, "context_token_s": 0.0}
+            "prefill_token_s": 0.0, "decode_seq_s": 0.0, "context_token_s": 0.0,
+            "request_s": theta["request_s"], "request_token_s": theta["token_s"],
+            "request_latency_s": theta["latency_s"]}
 
 
 # -- replaying a point ---------------------------------------------------------------------------
@@ -324,7 +377,10 @@ def replay_point(point: Point, theta: dict | None = None, record: bool = False, 
             json.dump({"kvbench_calibration": CALIBRATION_VERSION, "dtype": point.dtype,
                        "coefficients": coefficients(theta, point.gpu, point.dtype)}, fh)
     out = os.path.join(workdir, f"{point.id}-run")
-    rp = Replay(trace, point.config(calibration=cal).validate(), out, force=True)
+    # A recording keeps the front end only where it decides when the engine sees a request (a burst: the
+    # API server hands the requests over one by one); elsewhere the re-timing adds it (Retimer.front_end)
+    front = point.front_end and (not record or point.burst)
+    rp = Replay(trace, point.config(calibration=cal, front_end=front).validate(), out, force=True)
     rec = None
     if record:
         rec = Recorder(rp.replicas[0].executor)
@@ -399,33 +455,65 @@ class Retimer:
         self.ring = arr(lambda x: 2 * (tp - 1) / tp * x.allreduce_bytes / self.link if tp > 1 else 0.0)
         self.seqs = arr(lambda x: x.seqs)
         self.decodes = arr(lambda x: x.decode_seqs)
+        spans = [(f, b, s) for x in w for (f, b), s in zip(x.prefill, x.prefill_span)]
+        self.chunk_span = np.array([c[2] for c in spans], dtype=np.float64)
+        # the attention rate of each chunk (not fitted: presets.ATTN_EFFICIENCY on its ramp)
+        self.chunk_rate = self.peak_attn * presets.ATTN_EFFICIENCY * -np.expm1(-self.chunk_span / presets.ATTN_RAMP_TOKENS)
+        order = np.argsort(rec.arrival_s, kind="stable")  # the API server takes requests in issue order
+        self.issue_order = order
+
+    def front_end(self, t: dict) -> np.ndarray:
+        """Seconds from each request's issue to the engine: the API server's queue and its own time,
+        request_s + token_s x prompt, one request at a time in issue order (0 without a front end)."""
+        r = self.rec
+        if not r.point.front_end:
+            return np.zeros(len(r.arrival_s))
+        o = self.issue_order
+        service = t["request_s"] + t["token_s"] * r.prompt_tokens[o]
+        done = np.cumsum(service)  # a_i = S_i + max_{j <= i} (t_j - S_{j-1}), the queue's recursion
+        leave = done + np.maximum.accumulate(r.arrival_s[o] - (done - service))
+        out = np.empty(len(o))
+        out[o] = leave - r.arrival_s[o] + t["latency_s"]
+        return out
 
     def durations(self, t: dict) -> np.ndarray:
-        mm, at, bw = self.peak_mm * t["compute_eff"], self.peak_attn * t["compute_eff"], self.peak_bw * t["mem_eff"]
+        mm, at, bw = self.peak_mm * t["compute_eff"], self.peak_attn * presets.ATTN_EFFICIENCY, self.peak_bw * t["mem_eff"]
         d = np.maximum(self.lin[0] / mm, self.lin[1] / bw) + np.maximum(self.head[0] / mm, self.head[1] / bw)
         d += np.maximum(self.dec[0] / at, self.dec[1] / bw) + self.kvw / bw
         if len(self.chunk_step):
-            d += np.bincount(self.chunk_step, np.maximum(self.chunk[0] / at, self.chunk[1] / bw), len(d))
+            d += np.bincount(self.chunk_step, np.maximum(self.chunk[0] / self.chunk_rate, self.chunk[1] / bw), len(d))
         d += self.allreduces * (t["allreduce_s"] + self.ring) + t["step_s"] + self.seqs * t["seq_s"]
         return d
 
     def summary(self, t: dict) -> dict:
         r = self.rec
         d = self.durations(t)
+        fe = self.front_end(t)
         if r.point.load.rate:
-            return self._open(d)
+            return self._open(d, fe)
+        gaps, start = r.gaps, r.start_s
+        if r.point.burst and r.point.front_end:  # each request reaches the engine as the API server lets it go
+            gaps = np.full(len(d), -np.inf)
+            np.maximum.at(gaps, r.scheduled_step, r.arrival_s + fe)
+            start = float(np.min(r.arrival_s + fe))
         # end_k = max(end_{k-1}, gap_k) + d_k, in closed form: c_k + max(start, max_{j<=k} gap_j - c_{j-1})
         c = np.cumsum(d)
-        floor = np.maximum.accumulate(r.gaps - np.concatenate([[0.0], c[:-1]]))
-        ends = c + np.maximum(r.start_s, floor)
+        floor = np.maximum.accumulate(gaps - np.concatenate([[0.0], c[:-1]]))
+        ends = c + np.maximum(start, floor)
         arrival = np.where(r.arrival_step >= 0, ends[np.maximum(r.arrival_step, 0)], r.arrival_s)
         first, finish = ends[r.first_step], ends[r.finish_step]
+        if not r.point.burst:  # recorded without it: the API server's time before the engine, added
+            first, finish = first + fe, finish + fe
         out = r.output_tokens
         ttft = (first - arrival) * 1e3
         multi = out > 1
         tpot = (finish - first)[multi] / (out[multi] - 1) * 1e3
         e2e = (finish - arrival) * 1e3
         duration = ends[-1] - r.start_s
+        if not r.point.burst and r.point.load.concurrency:  # each user waits on the front end once a request
+            duration += fe.sum() / r.point.load.concurrency
+        elif r.point.burst:  # from the first issue, as the replay counts it
+            duration = ends[-1] - float(np.min(r.arrival_s))
         s = {"ttft_ms_mean": ttft.mean(), "ttft_ms_p50": np.percentile(ttft, 50),
              "tpot_ms_mean": tpot.mean() if len(tpot) else None,
              "tpot_ms_p50": np.percentile(tpot, 50) if len(tpot) else None,
@@ -440,7 +528,7 @@ class Retimer:
             return {}
         return {"itl_ms_mean": float((d * w).sum() / w.sum() * 1e3), "itl_ms_p50": weighted_percentile(d * 1e3, w, 50)}
 
-    def _open(self, d: np.ndarray) -> dict:
+    def _open(self, d: np.ndarray, fe: np.ndarray) -> dict:
         """Arrivals at fixed times (a Poisson load): a slower step cannot hold a later arrival back
         as a fixed schedule would, so each request is timed by its own steps, from the one it first
         joined (its wait for that step scaled with the step before it). Sound while the engine keeps
@@ -450,7 +538,7 @@ class Retimer:
         ref = np.diff(np.concatenate([[r.start_s], r.ends]))
         before = np.maximum(r.scheduled_step - 1, 0)
         scale = np.where(r.scheduled_step > 0, d[before] / ref[before], 1.0)
-        wait = np.maximum(r.waited_s, 0.0) * scale
+        wait = np.maximum(r.waited_s, 0.0) * scale + fe  # recorded without the front end: added
         first, finish, out = r.first_step + 1, r.finish_step + 1, r.output_tokens
         ttft = (wait + c[first] - c[r.scheduled_step]) * 1e3
         e2e = (wait + c[finish] - c[r.scheduled_step]) * 1e3
@@ -482,7 +570,8 @@ def loss(retimers: list[Retimer], theta: dict) -> float:
 
 
 BOUNDS = {"compute_eff": (0.2, 1.0), "mem_eff": (0.3, 1.0), "step_s": (1e-5, 2e-2), "seq_s": (1e-7, 1e-3),
-          "allreduce_s": (1e-6, 2e-4)}
+          "allreduce_s": (1e-6, 2e-4), "request_s": (1e-4, 0.2), "token_s": (1e-9, 1e-4),
+          "latency_s": (1e-4, 0.2)}
 
 
 def _to_theta(x: np.ndarray) -> dict:
@@ -499,6 +588,9 @@ def _from_theta(theta: dict) -> np.ndarray:
 # streaming efficiency near what a plain HBM read reaches. Weak: 10% off it costs what a 2% miss on
 # every point of a source does.
 MEM_PRIOR, PRIOR_WEIGHT = 0.85, 0.05
+# Likewise the GEMM share: only the long prompts (one source) pin it, and a fold without them walks it
+# to the bound; the same weak prior holds it near the derating the presets had before any fit.
+COMPUTE_PRIOR = START["compute_eff"]
 
 
 def _objective(retimers, x: np.ndarray) -> float:
@@ -506,7 +598,8 @@ def _objective(retimers, x: np.ndarray) -> float:
     lo, hi = (np.log([BOUNDS[n][i] for n in PARAMS]) for i in (0, 1))
     out = float(np.sum(np.maximum(lo - x, 0) + np.maximum(x - hi, 0)))
     theta = _to_theta(x)
-    return loss(retimers, theta) + PRIOR_WEIGHT * math.log(theta["mem_eff"] / MEM_PRIOR) ** 2 + out
+    return (loss(retimers, theta) + PRIOR_WEIGHT * math.log(theta["mem_eff"] / MEM_PRIOR) ** 2
+            + PRIOR_WEIGHT * math.log(theta["compute_eff"] / COMPUTE_PRIOR) ** 2 + out)
 
 
 def nelder_mead(f, x0: np.ndarray, step: float = 0.5, iters: int = 600, tol: float = 1e-10) -> np.ndarray:
@@ -643,7 +736,7 @@ def main(argv=None) -> int:
     ap.add_argument("-o", "--out", help="write the fit and the table as JSON (default: print only)")
     ap.add_argument("--points", default="", help="only points whose id contains this")
     ap.add_argument("--max-requests", type=int, default=None, help="replay at most this many requests per point")
-    ap.add_argument("--rounds", type=int, default=2, help="--fit: re-record the schedules this many times")
+    ap.add_argument("--rounds", type=int, default=3, help="--fit: re-record the schedules this many times")
     a = ap.parse_args(argv)
     logging.getLogger("kvbench").setLevel(logging.ERROR)  # the per-point calibration files' dtype notes
     points = [p for p in load_points(max_requests=a.max_requests) if a.points in p.id]
@@ -652,6 +745,10 @@ def main(argv=None) -> int:
     try:
         if a.fit:
             fitting = [p for p in points if p.role == "fit"]
+            print("excluded before the fit (predicted, never fitted):", file=sys.stderr)
+            for _, why in ERAS:
+                n = sum(p.flag == why for p in points)
+                print(f"  {n:2d} points: {why}", file=sys.stderr)
             print(f"fitting {', '.join(PARAMS)} on {len(fitting)} points of {len(V1_SOURCES)} sources", file=sys.stderr)
             theta = fit_points(fitting, theta, a.rounds, work, say=lambda m: print(m, file=sys.stderr))
             theta["layer_s"] = eager_layer_s(points, theta, work)
@@ -670,7 +767,8 @@ def main(argv=None) -> int:
     print("\n".join(table(points, predicted, heldout)))
     d = digest(points, predicted)
     print_digest(d, "fitted defaults" if a.fit else "sim defaults")
-    result = {"parameters": theta, "defaults": d}
+    result = {"parameters": theta, "defaults": d, "excluded": {why: [p.id for p in points if p.flag == why]
+                                                               for _, why in ERAS}}
     if heldout is not None:
         ho_pred = {p.id: heldout.get(p.id, {}) for p in points}
         h = digest([p for p in points if p.id in heldout], ho_pred)

@@ -47,8 +47,9 @@ def test_calibrate_writes_coefficients_the_sim_uses(tmp_path):
     assert c["fit"]["points_heldout"] > 0 and c["fit"]["mape_heldout"] >= 0
     for p in c["points"]:
         assert p["measured_s"] > 0 and p["predicted_s"] > 0
-    # all arrivals at once, so the schedule does not depend on step times
-    base = dict(executor="sim", model="tiny", limit=15, num_blocks=4096, time_scale=1e-9)
+    # all arrivals at once, so the schedule does not depend on step times (and no API server in front:
+    # the calibration prices the engine's steps only)
+    base = dict(executor="sim", model="tiny", limit=15, num_blocks=4096, time_scale=1e-9, front_end=False)
     a = replay(str(ROOT / "traces" / "chat.jsonl"), ReplayConfig(**base), str(tmp_path / "a"))
     b = replay(str(ROOT / "traces" / "chat.jsonl"), ReplayConfig(**base, calibration=str(cal)),
                str(tmp_path / "b"))

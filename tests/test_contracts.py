@@ -46,4 +46,6 @@ def test_paged_kv_takes_the_compiled_pool_where_it_serves():
 def test_the_sim_is_an_executor():
     ex = make_sim(MODELS["llama-3-8b"], GPUS["h200"])
     assert missing(ex, Executor) == set()
-    assert ex.front_end == (0.0, 0.0)  # presets have no server front end
+    from kvbench.executors import presets
+    # a preset's server front end (the API process), fitted to published low-load TTFTs
+    assert ex.front_end == (presets.REQUEST_S, presets.REQUEST_TOKEN_S, presets.REQUEST_LATENCY_S)

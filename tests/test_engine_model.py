@@ -21,7 +21,7 @@ def test_model_and_sim_executors_share_memory_behaviour(tmp_path):
     runs = {}
     for ex in ("sim", "model"):
         cfg = ReplayConfig(executor=ex, model="tiny", device="cpu", limit=12, num_blocks=3000,
-                           time_scale=1e-9)
+                           time_scale=1e-9, front_end=False)  # the sim as the engine alone, as the model is
         runs[ex] = (replay(TRACE, cfg, str(tmp_path / ex)), pd.read_parquet(tmp_path / ex / "steps.parquet"))
     (s_sim, st_sim), (s_model, st_model) = runs["sim"], runs["model"]
     assert s_model["completed"] == 12 and s_model["prefix_hit_rate"] > 0.3
@@ -40,7 +40,7 @@ def test_the_slab_baseline_runs_on_the_model_executor(tmp_path):
     runs = {}
     for ex in ("sim", "model"):
         cfg = ReplayConfig(executor=ex, model="tiny", device="cpu", layout="slab", limit=4, max_model_len=2048,
-                           num_blocks=600, time_scale=1e-9)
+                           num_blocks=600, time_scale=1e-9, front_end=False)
         runs[ex] = (replay(trace, cfg, str(tmp_path / ex)), pd.read_parquet(tmp_path / ex / "steps.parquet"))
     (s_sim, st_sim), (s_model, st_model) = runs["sim"], runs["model"]
     assert s_model["completed"] == 4 and s_model["slab_reserve_tokens"] == 2048

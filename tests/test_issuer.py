@@ -160,6 +160,25 @@ def test_a_server_front_end_serves_one_request_at_a_time():
     assert fe.admit(1.0, 0) == pytest.approx(1.010)  # the front end was free again
 
 
+def test_front_end_latency_holds_no_one_and_each_replica_has_its_api_server(tmp_path):
+    """The latency after the API process delays a request without holding the next one; with two servers
+    (two replicas) two requests are served side by side, a third waits for the first free one; and a
+    burst through two replicas leaves the front end in half the time it takes through one."""
+    from kvbench.engine.issuer import FrontEnd
+
+    fe = FrontEnd(0.010, 0.0, latency_s=0.005)
+    assert fe.admit(0.0, 0) == pytest.approx(0.015) and fe.admit(0.0, 0) == pytest.approx(0.025)
+    two = FrontEnd(0.010, 0.0, servers=2)
+    assert [two.admit(0.0, 0) for _ in range(3)] == pytest.approx([0.010, 0.010, 0.020])
+    trace = tmp_path / "burst.jsonl"
+    trace.write_text("".join(json.dumps({"id": f"r{i}", "t": 0.0, "output_len": 2, "prompt": [{"unique": 16}]}) + "\n"
+                             for i in range(400)))
+    dur = {n: replay(str(trace), ReplayConfig(executor="sim", model="qwen3-0.6b", gpu="h100", replicas=n,
+                                              num_blocks=4096), str(tmp_path / f"r{n}"))["duration_s"] for n in (1, 2)}
+    from kvbench.executors import presets
+    assert dur[1] >= 400 * presets.REQUEST_S and dur[2] < 0.6 * dur[1]
+
+
 def test_a_fitted_front_end_delays_the_engine_not_the_clock_ttft_counts_from(tmp_path):
     """A calibration with a front end of 40 ms + 0.1 ms per prompt token: each request reaches the
     scheduler that much later, one after another, and TTFT (from the issue) grows by it."""

@@ -32,6 +32,18 @@ MISSES = {
     # untuned fused_moe Triton configs (the PR's subject) slow this MoE's prefill far below any roofline
     ("vllmpr23151-qwen3-30b-a3b-h100-c10", "ttft_ms_mean"): 0.70,
     ("vllmpr23151-qwen3-30b-a3b-h100-c10", "ttft_ms_p50"): 0.75,
+    # the API server's time at low load differs by version and endpoint more than one front end can
+    # follow: vLLM ~0.9.2 on completions left ~16 ms of a 45 ms TTFT to it, vLLM 0.11 on chat ~50 ms of
+    # 60; the fitted 34 ms is over the first (+31-42%) and under the second (-21-35%)
+    **{(f"vllmpr20759-llama70b-b200-tp4-sonnet-qps{q}", k): 0.45 for q in (1, 5, 10)
+       for k in ("ttft_ms_mean", "ttft_ms_p50")},
+    **{(f"gpustack-qwen3-8b-h100-sharegpt-c{c}", k): 0.40 for c in (1, 2, 4, 8) for k in ("ttft_ms_mean", "ttft_ms_p50")},
+    # 1,000 requests through vLLM 0.11's API process in 23 s: it also streams every output token, first
+    # ones included, which queue behind the requests coming in (not fitted; kvbench's front end holds
+    # requests on their way in only)
+    ("gpustack-qwen3-14b-h100-random-128-burst", "ttft_ms_mean"): 0.45,
+    ("gpustack-qwen3-14b-h100-random-128-burst", "ttft_ms_p50"): 0.45,
+    ("gpustack-qwen3-14b-h100-random-128-burst", "tpot_ms_mean"): 1.0,  # 525 ms measured, ~12 predicted
 }
 
 
@@ -47,7 +59,7 @@ def predicted(points, tmp_path_factory):
 
 
 def test_every_point_has_a_load_and_a_role(points):
-    assert len(points) == 65
+    assert len(points) == 74
     roles = {p.role for p in points}
     assert roles == {"fit", "other engine", "flagged"}
     for p in points:
@@ -93,7 +105,9 @@ def test_presets_hold_the_fitted_parameters():
     for name, value in FITTED["parameters"].items():
         mine = got.get(name, presets.LAYER_OVERHEAD_S if name == "layer_s" else None)
         assert mine == pytest.approx(value, rel=0.02), name
-    assert presets.ATTN_EFFICIENCY == presets.MATMUL_EFFICIENCY and presets.KV_EFFICIENCY == presets.MEM_EFFICIENCY
+    assert presets.KV_EFFICIENCY == presets.MEM_EFFICIENCY
+    # attention is FlashAttention's published curve, not a fitted share (test_sim checks the curve)
+    assert "attn_eff" not in FITTED["parameters"] and presets.ATTN_EFFICIENCY != presets.MATMUL_EFFICIENCY
 
 
 def test_held_out_errors_are_recorded():
@@ -106,14 +120,22 @@ def test_held_out_errors_are_recorded():
 
 def test_retiming_a_recording_is_the_replay(points):
     """The fit's fast path (a recorded schedule re-timed under other parameters) gives the replay's own
-    figures for a closed loop and for a batch, exactly, at the parameters it was recorded with."""
+    figures, exactly, at the parameters it was recorded with: for a closed loop and for a batch, and for a
+    burst through the API server (its requests reach the engine one front end's time apart)."""
     by_id = {p.id: p for p in points}
     theta = pc.defaults()
-    for pid in ("vllmpr23151-qwen3-30b-a3b-h100-c10", "rocm-70bfp8-mi300x-tp8-128-2048-bs8"):
-        summary, rec = pc.replay_point(by_id[pid], theta, record=True)
-        again = pc.Retimer(rec).summary(theta)
+    no_front = theta | {"request_s": 0.0, "token_s": 0.0, "latency_s": 0.0}  # a closed loop's is added after
+    for pid, t in (("vllmpr23151-qwen3-30b-a3b-h100-c10", no_front), ("rocm-70bfp8-mi300x-tp8-128-2048-bs8", theta),
+                   ("gpustack-qwen3-14b-h100-random-128-burst", theta)):
+        summary, rec = pc.replay_point(by_id[pid], t, record=True)
+        if not by_id[pid].burst:
+            summary = pc.replay_point(by_id[pid], t)[0]
+        again = pc.Retimer(rec).summary(t)
         for key in ("ttft_ms_mean", "tpot_ms_p50", "itl_ms_p50", "output_tok_per_s", "batch_ms"):
-            assert again[key] == pytest.approx(summary[key], rel=1e-9), (pid, key)
+            if key in summary and key in again:
+                assert again[key] == pytest.approx(summary[key], rel=1e-9), (pid, key)
+    assert pc.replay_point(by_id["gpustack-qwen3-14b-h100-random-128-burst"], theta)[0]["duration_s"] >= \
+        40 * presets.REQUEST_S  # the burst's 40 requests leave the API process one at a time
 
 
 def test_a_batch_point_is_its_steps_added_up():

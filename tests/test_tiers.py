@@ -173,7 +173,7 @@ def test_every_cache_policy_orders_a_tier(tmp_path, policy):
 
 def test_auto_loads_a_long_prompt_and_recomputes_a_short_one(tmp_path):
     """On an H200 a 96-token prefill of an 8B model is bound by reading the weights (the sim's matmul
-    rate, 989.5 TFLOP/s x 0.462, matches its 4.24 TB/s weight stream at ~108 tokens): recomputing 80
+    rate, 989.5 TFLOP/s x 0.667, matches its 4.24 TB/s weight stream at ~108 tokens): recomputing 80
     tokens adds nothing, less than moving 10.5 MB over PCIe (0.2 ms), so auto recomputes; a 4,096-token
     prefill is bound by FLOPs, where loading 4,080 tokens' KV (510 MB, 10 ms) beats recomputing them."""
     short = [req(0, 0.0, [("doc", 96)]), *(req(i, float(i), [(None, 300)]) for i in (1, 2, 3)),

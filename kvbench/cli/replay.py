@@ -60,6 +60,8 @@ REPLAY_OPTIONS: list[Opt] = [
     Opt("disable_hybrid_kv_cache_manager", "flag", "a model with sliding-window or chunked-local layers: allocate "
         "every layer as full attention in one KV cache group (vLLM --disable-hybrid-kv-cache-manager; the compute "
         "stays windowed); unset: vLLM 0.34's default, off for chunked local attention (Llama 4) only"),
+    Opt("front_end", "flag", "sim: each request passes the API server's front end (per request and per prompt "
+        "token, one at a time) before the engine; --no-front-end: vLLM's offline LLM class"),
     Opt("eager", "flag", "sim: no CUDA graphs (vLLM --enforce-eager): every layer's kernel launches paid each step"),
     Opt("calibration", click.Path(dir_okay=False), "sim coefficients written by `kvbench calibrate`"),
     Opt("kv_mem", str, "KV pool size, e.g. 16GiB [default: 90% of free device memory after weights]"),

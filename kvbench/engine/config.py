@@ -86,6 +86,9 @@ class ReplayConfig:
     kv_dtype: str = "auto"
     dtype: str = "auto"  # sim: weights in bf16 or fp8 (fp8 tensor cores where the GPU has them)
     eager: bool = False  # sim: no CUDA graphs (vLLM --enforce-eager): every layer's kernel launches paid
+    # sim: requests pass the API server's front end (presets.REQUEST_S, per token; a calibration's) before
+    # the engine; False: none, as vLLM's offline LLM class
+    front_end: bool = True
     # a model with sliding-window or chunked-local layers allocated as full attention, one KV cache group
     # (vLLM --disable-hybrid-kv-cache-manager); the compute stays windowed. None: vLLM 0.34's default,
     # on for chunked local attention only (engine/setup.py: kv_layout_of)

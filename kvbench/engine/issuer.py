@@ -51,15 +51,18 @@ def dependencies_in_trace_order(positioned: Iterable[tuple[int, Request]]) -> di
 class FrontEnd:
     """A server's front end between the client and the engine: each request takes ``request_s`` +
     ``token_s`` x its prompt tokens there, one request at a time in issue order (vLLM's API process
-    parses and hands over one request after another), and reaches the scheduler when it leaves; a
-    request too long for the server is refused there, after its turn. TTFT counts from the issue."""
+    parses and hands over one request after another), and reaches the scheduler ``latency_s`` after it
+    leaves (hops that hold no other request: the process boundary to the engine core, the first token's
+    way back); a request too long for the server is refused there, after its turn. TTFT counts from the
+    issue. ``servers``: API processes side by side (one per replica), a request taking the first free."""
 
-    def __init__(self, request_s: float = 0.0, token_s: float = 0.0):
-        self.request_s, self.token_s = request_s, token_s
-        self.free_s = -math.inf  # when the front end is next free
+    def __init__(self, request_s: float = 0.0, token_s: float = 0.0, latency_s: float = 0.0, servers: int = 1):
+        self.request_s, self.token_s, self.latency_s = request_s, token_s, latency_s
+        self.free = [-math.inf] * servers  # when each server is next free (a heap)
+        self.free_s = -math.inf  # when the last request admitted left its server
 
     def __bool__(self) -> bool:
-        return self.request_s > 0 or self.token_s > 0
+        return self.request_s > 0 or self.token_s > 0 or self.latency_s > 0
 
     def service_s(self, prompt_len: int) -> float:
         """The front end's own time on a request of ``prompt_len`` tokens (no wait)."""
@@ -67,8 +70,9 @@ class FrontEnd:
 
     def admit(self, issue_s: float, prompt_len: int) -> float:
         """When a request issued at ``issue_s`` reaches the engine (or is refused there)."""
-        self.free_s = max(issue_s, self.free_s) + self.service_s(prompt_len)
-        return self.free_s
+        self.free_s = max(issue_s, self.free[0]) + self.service_s(prompt_len)
+        heapq.heapreplace(self.free, self.free_s)
+        return self.free_s + self.latency_s
 
 
 class Issuer:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import heapq
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -371,12 +371,12 @@ class Replay:
         t0_s = clock
         for each in replicas:
             each.clock = clock
-        # A server's front end, when the clock was fitted to one (calibrate --from-run): one for the
-        # cluster, as one API server in front of --replicas engines; every request passes it, one
-        # refused as too long included (vLLM's API process refuses it). Requests leave it in issue
-        # order, so a deque keeps them.
-        front = FrontEnd(*ex.front_end)
-        passing: deque[tuple[float, int, float, Request]] = deque()  # (reaches the engine, position, issued, request)
+        # The servers' front end (a GPU preset's, or a live fit's): an API server per replica, each taking
+        # one request at a time (a request takes the first one free); every request passes one, one
+        # refused as too long included (vLLM's API process refuses it). A heap keeps them by when they
+        # reach the engine.
+        front = FrontEnd(*ex.front_end, servers=len(replicas))
+        passing: list[tuple[float, int, float, Request]] = []  # (reaches the engine, position, issued, request)
         index = self.router.index
         loads_seen = len(replicas) > 1 and self.router.name != "round-robin"
         step = 0
@@ -390,7 +390,7 @@ class Replay:
                         rep = r
                 issue_s = issuer.next_time()
                 if passing and (issue_s is None or passing[0][0] < issue_s) and (rep is None or passing[0][0] <= rep.clock):
-                    seen_s, pos, issue_s, req = passing.popleft()  # through the server's front end
+                    seen_s, pos, issue_s, req = heapq.heappop(passing)  # through the servers' front end
                     self._arrive(req, pos, future, use_tokens, writer, st, issue_s, seen_s)
                     continue
                 if issue_s is not None and (rep is None or issue_s <= rep.clock):
@@ -398,7 +398,7 @@ class Replay:
                     self._issued[pos] = True
                     req = self._request(pos)
                     if front:
-                        passing.append((front.admit(issue_s, req.prompt_len), pos, issue_s, req))
+                        heapq.heappush(passing, (front.admit(issue_s, req.prompt_len), pos, issue_s, req))
                     else:
                         self._arrive(req, pos, future, use_tokens, writer, st, issue_s)
                     continue

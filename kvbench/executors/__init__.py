@@ -11,7 +11,7 @@ def _make_sim(cfg, model):
 
     return make_sim(model, get_gpu(cfg.gpu), cfg.calibration, cfg.kv_dtype, tp=cfg.tp,
                     max_batched_tokens=cfg.max_batched_tokens, max_num_seqs=cfg.max_num_seqs, dtype=cfg.dtype,
-                    eager=cfg.eager)
+                    eager=cfg.eager, front_end=cfg.front_end)
 
 
 def _make_model(cfg, model):

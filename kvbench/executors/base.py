@@ -24,7 +24,7 @@ class Executor(Protocol):
     speculate: Callable[[list[tuple[int, int, int, np.ndarray]]], dict[int, np.ndarray]] | None
     # a server's front end, before the engine sees a request (engine.issuer.FrontEnd): seconds per
     # request and per prompt token; (0, 0) where requests reach the scheduler as they are issued
-    front_end: tuple[float, float]
+    front_end: tuple[float, float, float]  # request_s, per prompt token, latency_s (engine.issuer.FrontEnd)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V for one token over all layers (what one pool slot costs)."""

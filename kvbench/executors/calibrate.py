@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -191,7 +191,7 @@ def _objective(points, base, rates, w, m) -> tuple[float, float]:
 
 def fit(points: list[Point], base: CostModel | None = None) -> CostModel:
     """The coefficients that best predict ``points`` (link and PCIe terms: ``base``'s)."""
-    base = base or CostModel.from_gpu(GPUS["h200"])
+    base = replace(base or CostModel.from_gpu(GPUS["h200"]), attn_ramp_tokens=0.0)  # one attention rate
     w, m = _weights(points), np.array([p.measured_s for p in points])
     # Start from rates at which each operation alone would take its whole step (lower bounds).
     def lower(get):

@@ -217,7 +217,7 @@ class DecodeGraphs:
 class ModelExecutor:
     name = "model"
     needs_tokens = True
-    front_end = (0.0, 0.0)  # the executor is the engine: a request reaches the scheduler when issued
+    front_end = (0.0, 0.0, 0.0)  # the executor is the engine: a request reaches the scheduler when issued
 
     def check_kv_bytes(self, nbytes: int) -> None:
         """Checked before the executor is built, weights and pool together (engine.setup.check_model_memory)."""

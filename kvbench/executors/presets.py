@@ -41,6 +41,14 @@ MODELS["mixtral-8x7b"] = ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 
 MODELS["qwen3-30b-a3b"] = ModelSpec("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 6144, 151936, 40960,
                                     rope_theta=1000000.0, rms_norm_eps=1e-6, architecture="qwen3_moe",
                                     num_experts=128, experts_per_token=8, moe_intermediate_size=768)
+# Qwen3 dense (config.json of Qwen/Qwen3-0.6B, -8B, -14B): GQA with 8 KV heads of 128 dims, no QKV bias
+# (its per-head q/k norms are left out, as every norm is); the 0.6B ties its embedding.
+MODELS["qwen3-0.6b"] = ModelSpec("qwen3-0.6b", 28, 1024, 16, 8, 128, 3072, 151936, 40960, rope_theta=1000000.0,
+                                 rms_norm_eps=1e-6, tie_word_embeddings=True, architecture="qwen3")
+MODELS["qwen3-8b"] = ModelSpec("qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936, 40960, rope_theta=1000000.0,
+                               rms_norm_eps=1e-6, architecture="qwen3")
+MODELS["qwen3-14b"] = ModelSpec("qwen3-14b", 40, 5120, 40, 8, 128, 17408, 151936, 40960, rope_theta=1000000.0,
+                                rms_norm_eps=1e-6, architecture="qwen3")
 MODELS["llama-3.1-8b"] = replace(MODELS["llama-3-8b"], name="llama-3.1-8b")
 MODELS["llama-3.1-70b"] = replace(MODELS["llama-3-70b"], name="llama-3.1-70b")
 # Presets only the sim runs: the models people serve with sliding-window, chunked-local and latent
@@ -54,24 +62,44 @@ SIM_MODELS: dict[str, ModelSpec] = {name: read_hf_config(os.path.join(CONFIGS_DI
 
 
 # What the sim's defaults add to a datasheet, fitted to published vLLM V1 measurements (H100, B200,
-# MI300X; benchmarks/published_check.py --fit, its errors in benchmarks/published/fitted.json), the
+# MI300X; vLLM 0.9 to 0.19; benchmarks/published_check.py --fit, its errors in benchmarks/published/fitted.json), the
 # same on every preset: one share of the tensor-core peak for every matmul, one share of the memory
 # bandwidth for every read, and the fixed costs a step pays beyond its operations. The defaults model
 # vLLM's GPU default, decode under CUDA graphs; most of the points fitted ran before async scheduling
 # became the default, so the overheads are what those runs left on the critical path (on the one
 # source that measured both, async scheduling was 3-5% faster). --eager adds each layer's launches.
-MATMUL_EFFICIENCY = 0.462  # linear layers, LM head: GEMM tiles and waves, fp8 scaling, the engine's kernels
-ATTN_EFFICIENCY = MATMUL_EFFICIENCY  # attention: the softmax between QK^T and PV stalls the tensor cores
-MEM_EFFICIENCY = 0.884  # weight streaming: HBM refresh and bank conflicts keep a read below the pin rate
+MATMUL_EFFICIENCY = 0.667  # linear layers, LM head: GEMM tiles and waves, fp8 scaling, the engine's kernels
+# Attention is not fitted: its rate is what published FlashAttention benchmarks print for a causal prefill
+# of S tokens (head dim 128, bf16), peak x ATTN_EFFICIENCY x (1 - exp(-S / ATTN_RAMP_TOKENS)). FA3 on an
+# H100 (tritonbench PR #1267, B=4, H=48: 141.6 / 368.4 / 1,236.9 / 4,817.4 us at S = 1k / 2k / 4k / 8k, i.e.
+# 364 / 560 / 667 / 685 TFLOP/s) is within 4% of this curve; FA4 on Blackwell (flash-attention PR #2605,
+# 829 / 1,172 / 1,431 TFLOP/s at 1k / 2k / 4k) reaches the same share of its peak along the same ramp.
+# Short prefills stall on the causal diagonal's half-masked tiles and too few tiles per SM; long ones
+# saturate. A chunk of n tokens after s cached is priced as S = 2 s + n (the keys per query of a fresh
+# causal prefill of S, doubled: S for s = 0). Decode attention is bandwidth-bound at any length.
+ATTN_EFFICIENCY = 0.707  # the plateau: the softmax between QK^T and PV keeps FA3 below the GEMM peak
+ATTN_RAMP_TOKENS = 1395.0
+MEM_EFFICIENCY = 0.831  # weight streaming: HBM refresh and bank conflicts keep a read below the pin rate
 KV_EFFICIENCY = MEM_EFFICIENCY  # KV reads and writes: 16-token blocks gathered through the block table
 LINK_EFFICIENCY = 0.80  # NCCL/RCCL ring all-reduce: ~80% of the NVLink/xGMI/PCIe per-direction rate (not fitted)
-STEP_OVERHEAD_S = 1.83e-3  # per step: scheduling, input copies, sampling, the sampled tokens back to the host
-SEQ_OVERHEAD_S = 72.7e-6  # per scheduled sequence per step: its input rows, sampler row and output
-ALLREDUCE_LATENCY_S = 34.3e-6  # per all-reduce: a small message's launch and handshake across the group
+STEP_OVERHEAD_S = 1.35e-3  # per step: scheduling, input copies, sampling, the sampled tokens back to the host
+SEQ_OVERHEAD_S = 77.3e-6  # per scheduled sequence per step: its input rows, sampler row and output
+ALLREDUCE_LATENCY_S = 31.9e-6  # per all-reduce: a small message's launch and handshake across the group
 # Per layer per step without CUDA graphs (--eager): its kernels launched from Python one by one.
 # Estimated (not fitted) from the one source that ran a burst under piecewise graphs (attention
 # launched eagerly) and under full graphs: a lower bound for a wholly eager layer.
-LAYER_OVERHEAD_S = 114e-6
+LAYER_OVERHEAD_S = 95e-6
+# The API server's front end (vLLM's API process: HTTP, the chat template, tokenising a text prompt,
+# validation; then the hops to the engine core and the first token's way back), fitted with the overheads
+# above. Each request takes REQUEST_S + REQUEST_TOKEN_S x its prompt in its replica's API process, one
+# request at a time (the point that pins it: 1,000 short chat requests through vLLM 0.11 took 22.7 s,
+# the API process's pace), then REQUEST_LATENCY_S holding no other request; at low load TTFT is mostly
+# their sum (34 ms for 500 tokens). The corpus disagrees by version here: vLLM ~0.9.2 (completions) left
+# ~16 ms of a 45 ms TTFT to it, vLLM 0.11 (chat) ~50 ms of 60. Not paid with --no-front-end (vLLM's
+# offline LLM class).
+REQUEST_S = 22.3e-3
+REQUEST_TOKEN_S = 0.69e-6  # tokenising: the long prompts leave it near nothing
+REQUEST_LATENCY_S = 11.4e-3
 GPU_MEMORY_UTILIZATION = 0.9  # share of device memory for weights + activations + KV (vLLM's default)
 
 
@@ -137,6 +165,22 @@ class GPUSpec:
     @property
     def allreduce_latency_s(self) -> float:
         return ALLREDUCE_LATENCY_S
+
+    @property
+    def attn_ramp_tokens(self) -> float:
+        return ATTN_RAMP_TOKENS
+
+    @property
+    def request_s(self) -> float:
+        return REQUEST_S
+
+    @property
+    def request_token_s(self) -> float:
+        return REQUEST_TOKEN_S
+
+    @property
+    def request_latency_s(self) -> float:
+        return REQUEST_LATENCY_S
 
     def to_dict(self) -> dict:
         return {**asdict(self), "matmul_flops": self.matmul_flops, "attn_flops": self.attn_flops,

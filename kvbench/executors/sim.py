@@ -42,7 +42,9 @@ Operations: FLOPs and bytes per GPU -> time = max(FLOPs / rate, bytes / bandwidt
              E_T = E (1 - (1 - k/E)^T): experts T tokens touch under uniform routing (dense: W_mlp);
              summed over MoE and dense layers; quantized weights read at their bytes (matmul_flops: an
              fp8 checkpoint's fp8 rate, MXFP4 and int4 multiplied at bf16's)
-  prefill    per chunk: 4 L hq d (n_i s_i + n_i (n_i + 1) / 2)  |  kv (s_i + n_i)   attn_flops | kv_bw
+  prefill    per chunk: 4 L hq d (n_i s_i + n_i (n_i + 1) / 2)  |  kv (s_i + n_i)   attn_i | kv_bw
+             attn_i = attn_flops (1 - exp(-(2 s_i + n_i) / attn_ramp_tokens)): FlashAttention's rate on a
+             causal span, rising with it (presets.ATTN_RAMP_TOKENS; a calibration's 0: attn_flops)
              per kind: 4 L_g hq d x sum of keys_g over the chunk's queries | kv_g x keys the chunk
              reads (sliding: min(s_i + n_i, n_i + W - 1); chunked: from s_i // C * C)
   decode     per sequence: 4 L hq d c_j  |  kv c_j                                 attn_flops | kv_bw
@@ -54,6 +56,9 @@ Operations: FLOPs and bytes per GPU -> time = max(FLOPs / rate, bytes / bandwidt
   allreduce  N > 1: two per layer of the step's activations (T h bc bytes), ring:
              2 L (allreduce_latency_s + 2 (N - 1) / N x T h bc / link_bw)
   overhead   step_overhead_s + seq_overhead_s x Q     (Q = #chunks + #decodes: sequences scheduled)
+  front end  not a step's: each request request_s + request_token_s x its prompt in the API server, one
+             at a time, then request_latency_s (holding no other request) before the scheduler sees it
+             (engine.issuer.FrontEnd; --no-front-end: none)
   launch     --eager only: L x layer_overhead_s
   per_token  prefill_token_s x sum_i n_i + decode_seq_s x #decodes + context_token_s x sum_j c_j
              (a linear fit of a live server's steps; 0 on a GPU preset)
@@ -144,14 +149,19 @@ class CostModel:
     # by each request before the scheduler sees it, one request at a time (live fits; 0 on a preset).
     request_s: float = 0.0
     request_token_s: float = 0.0
+    request_latency_s: float = 0.0  # and then this long to the engine, holding no other request
+    # Attention's ramp: a prefill chunk of span S (2 s + n) runs at attn_flops x (1 - exp(-S / this)), the
+    # FlashAttention benchmarks' shape (presets.ATTN_RAMP_TOKENS); 0: at attn_flops whatever its length
+    # (a calibration's fitted rate).
+    attn_ramp_tokens: float = 0.0
 
     FITTED = ("matmul_flops", "attn_flops", "mem_bw", "kv_bw", "step_overhead_s")  # by kvbench calibrate
     RATES = ("matmul_flops", "attn_flops", "mem_bw", "kv_bw")  # may be infinite (a file's null)
     OVERHEADS = ("step_overhead_s", "layer_overhead_s", "seq_overhead_s")
     LINEAR = ("prefill_token_s", "decode_seq_s", "context_token_s")
-    FRONT_END = ("request_s", "request_token_s")
+    FRONT_END = ("request_s", "request_token_s", "request_latency_s")
     TIMING = RATES + OVERHEADS + LINEAR  # what times a step (a calibration file's own terms)
-    MAY_BE_ZERO = OVERHEADS + LINEAR + FRONT_END + ("allreduce_latency_s",)
+    MAY_BE_ZERO = OVERHEADS + LINEAR + FRONT_END + ("allreduce_latency_s", "attn_ramp_tokens")
 
     @classmethod
     def from_gpu(cls, gpu: GPUSpec, weight_dtype: str = "bf16") -> "CostModel":
@@ -160,7 +170,10 @@ class CostModel:
         return cls(matmul_flops=gpu.matmul_rate(weight_dtype), attn_flops=gpu.attn_flops, mem_bw=gpu.mem_bw,
                    kv_bw=gpu.kv_bw, step_overhead_s=gpu.step_overhead_s, link_bw=gpu.link_bw,
                    allreduce_latency_s=gpu.allreduce_latency_s, pcie_bw=gpu.pcie_bw,
-                   layer_overhead_s=gpu.layer_overhead_s, seq_overhead_s=gpu.seq_overhead_s)
+                   layer_overhead_s=gpu.layer_overhead_s, seq_overhead_s=gpu.seq_overhead_s,
+                   request_s=gpu.request_s, request_token_s=gpu.request_token_s,
+                   request_latency_s=gpu.request_latency_s,
+                   attn_ramp_tokens=gpu.attn_ramp_tokens)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -177,6 +190,7 @@ class Work:
     linear_flops: float = 0.0
     linear_bytes: float = 0.0
     prefill: list[tuple[float, float]] = field(default_factory=list)  # per chunk: (FLOPs, KV bytes)
+    prefill_span: list[int] = field(default_factory=list)  # per chunk: 2 s + n (attention's ramp)
     decode_flops: float = 0.0
     decode_bytes: float = 0.0
     lm_head_flops: float = 0.0
@@ -198,7 +212,7 @@ class Work:
         ring = 2 * (n - 1) / n * self.allreduce_bytes / c.link_bw if n > 1 else 0.0
         return (
             max(self.linear_flops / c.matmul_flops, self.linear_bytes / c.mem_bw),
-            sum(max(f / c.attn_flops, b / c.kv_bw) for f, b in self.prefill) if self.prefill else 0,
+            self.prefill_time(c) if self.prefill else 0,
             max(self.decode_flops / c.attn_flops, self.decode_bytes / c.kv_bw),
             max(self.lm_head_flops / c.matmul_flops, self.lm_head_bytes / c.mem_bw),
             self.kv_write_bytes / c.kv_bw,
@@ -209,6 +223,14 @@ class Work:
              + self.context_tokens * c.context_token_s),
             self.pcie_bytes / (n * c.pcie_bw) if self.pcie_bytes else 0.0,
         )
+
+    def prefill_time(self, c: CostModel) -> float:
+        """The prefill chunks' attention: each at the rate its span reaches (CostModel.attn_ramp_tokens)."""
+        r = c.attn_ramp_tokens
+        if r <= 0:
+            return sum(max(f / c.attn_flops, b / c.kv_bw) for f, b in self.prefill)
+        return sum(max(f / (c.attn_flops * -math.expm1(-span / r)), b / c.kv_bw)
+                   for (f, b), span in zip(self.prefill, self.prefill_span))
 
     def seconds(self, c: CostModel) -> dict[str, float]:
         """Each operation's time under coefficients ``c``; the step is their sum."""
@@ -324,6 +346,7 @@ class StepCost:
                 flops += f
                 read += b
             w.prefill.append((flops, read))
+            w.prefill_span.append(2 * start + n)
         ctx = batch.decode_context_total()
         contexts = np.asarray(batch.decode_slots or batch.decode_positions, dtype=np.int64) + 1 if self.windowed \
             else _NO_DECODES
@@ -448,6 +471,8 @@ def cost_from_calibration(c: dict, path: str, base: CostModel) -> CostModel:
     if version == 1:  # one rate and one bandwidth for every operation
         coef = {**coef, "attn_flops": coef.get("matmul_flops", base.attn_flops),
                 "kv_bw": coef.get("mem_bw", base.kv_bw)}
+    if "attn_flops" in coef:  # a measured attention rate is its own, flat unless the file gives a ramp
+        out.attn_ramp_tokens = 0.0
     for name, v in coef.items():
         if v is None and name in CostModel.RATES and version not in (1, 2):
             setattr(out, name, math.inf)
@@ -511,9 +536,10 @@ class SimExecutor:
             raise InputError(self._does_not_fit(), field="--tp")
 
     @property
-    def front_end(self) -> tuple[float, float]:
-        """Seconds a request spends in the server's front end: per request, per prompt token."""
-        return self.cost.request_s, self.cost.request_token_s
+    def front_end(self) -> tuple[float, float, float]:
+        """Seconds a request spends in the server's front end: per request and per prompt token (one
+        request at a time), then the latency to the engine (engine.issuer.FrontEnd)."""
+        return self.cost.request_s, self.cost.request_token_s, self.cost.request_latency_s
 
     def _does_not_fit(self) -> str:
         g, need = self.gpu, self.weights_per_gpu + self.activations_per_gpu
@@ -628,11 +654,12 @@ def _smallest_tp(model: ModelSpec, dtypes: tuple[str, str], gpu: GPUSpec, above:
 
 def make_sim(model: ModelSpec, gpu: GPUSpec, calibration: str | None = None, kv_dtype: str = "auto",
              tp: int = 1, max_batched_tokens: int = 8192, max_num_seqs: int = 256, dtype: str = "auto",
-             eager: bool = False) -> SimExecutor:
+             eager: bool = False, front_end: bool = True) -> SimExecutor:
     """The sim for a model on ``tp`` GPUs of a preset, timed by the preset or a calibration file.
     ``dtype`` (the weights') auto: bf16, or the dtype a calibration was measured in; ``kv_dtype`` auto:
     the dtype activations are computed in (bf16 under fp8 weights, as vLLM's --kv-cache-dtype auto).
-    ``eager``: no CUDA graphs (vLLM's --enforce-eager), every layer's kernel launches paid."""
+    ``eager``: no CUDA graphs (vLLM's --enforce-eager), every layer's kernel launches paid. ``front_end``
+    False: requests reach the engine when issued (no API server: vLLM's offline LLM class)."""
     clock, raw = None, None
     if model.quant is not None and dtype not in ("auto", "bf16", "fp16"):
         raise InputError(f"{model.name}'s checkpoint is quantized ({model.quant.method}, its config.json's "
@@ -659,6 +686,8 @@ def make_sim(model: ModelSpec, gpu: GPUSpec, calibration: str | None = None, kv_
         cost = cost_from_calibration(raw, calibration, cost)
         for msg in calibration_mismatches(raw, model, gpu, kv_dtype):
             log.warning("kvbench: warning: --calibration %s: %s", calibration, msg)
+    if not front_end or clock is not None:  # a linear clock is another engine's scheduler alone: no server
+        cost.request_s = cost.request_token_s = cost.request_latency_s = 0.0
     kv = compute_dtype(weight_dtype) if kv_dtype == "auto" else kv_dtype
     ex = SimExecutor(model, cost, gpu, tp, kv, weight_dtype, max_batched_tokens, max_num_seqs, eager)
     ex.clock = clock
