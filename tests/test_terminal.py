@@ -216,8 +216,8 @@ def test_the_sweep_table_piped_keeps_every_run_and_header(tmp_path, capsys):
 def test_a_bare_replay_runs_the_sim_and_says_so(tmp_path, capsys):
     code, out, err = run(capsys, "replay", CHAT, "--limit", "5", "--out", tmp_path / "r")
     assert code == 0
-    assert ("kvbench: sim executor: llama-3-8b on the H200 cost model (preset costs); --executor model runs "
-            "a real forward") in err.splitlines()
+    assert ("kvbench: sim executor: llama-3-8b on the H200 cost model (preset costs; API server front end "
+            "22.3 + 11.4 ms a request, --no-front-end: none); --executor model runs a real forward") in err.splitlines()
     settings = json.loads((tmp_path / "r" / "config.json").read_text())["settings"]
     assert (settings["executor"], settings["model"], settings["gpu"]) == ("sim", "llama-3-8b", "h200")
     # the model executor keeps the tiny model as its default on a CPU

@@ -141,7 +141,12 @@ def what_runs(cfg: ReplayConfig) -> str:
     if cfg.executor == "sim":
         costs = f"calibration {os.path.basename(cfg.calibration)}" if cfg.calibration else "preset costs"
         tp = f" x{cfg.tp} (tensor parallel)" if cfg.tp > 1 else ""
-        return (f"sim executor: {cfg.model} on the {cfg.gpu.upper()}{tp} cost model ({costs}); "
+        front = ""
+        if not cfg.calibration:
+            from kvbench.executors import presets
+            front = (f"; API server front end {presets.REQUEST_S * 1e3:.1f} + {presets.REQUEST_LATENCY_S * 1e3:.1f} ms "
+                     "a request, --no-front-end: none" if cfg.front_end else "; no API server")
+        return (f"sim executor: {cfg.model} on the {cfg.gpu.upper()}{tp} cost model ({costs}{front}); "
                 "--executor model runs a real forward")
     return f"model executor: {cfg.model} with random weights, a real forward over real KV tensors (--device {cfg.device})"
 
