@@ -51,6 +51,7 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -138,8 +139,7 @@ class Point:
 
     @property
     def burst(self) -> bool:
-        """Every request sent at t = 0 with no cap on those in flight (request rate inf)."""
-        return self.load.concurrency is None and not self.load.rate
+        return _burst(self.load, self.front_end)
 
     def config(self, **kw) -> ReplayConfig:
         kw.setdefault("front_end", self.front_end)
@@ -149,49 +149,37 @@ class Point:
                             max_concurrency=self.load.concurrency, **kw)
 
 
+def _burst(load: Load, front_end: bool) -> bool:
+    """Every request sent through the server at t = 0, none held back (request rate inf, no
+    --max-concurrency): its figures are the whole load's, and its schedule the front end's pace."""
+    return front_end and load.concurrency is None and not load.rate
+
+
 def _num(v: str) -> float | None:
     return float(v) if v not in ("", None) else None
 
 
 # The points the sim is not meant to match, fixed before any fit: each is replayed and judged, never
-# fitted. (rule, why): the first rule a row meets names its flag.
-ERAS: tuple[tuple[str, str], ...] = (
-    ("nvfp4", "NVFP4 weights (the sim has bf16 and fp8)"),
-    ("multi-step", "pre-V1 vLLM with multi-step scheduling (its ITL is a chunk of tokens)"),
-    ("pre-v1", "pre-V1 vLLM engine"),
-    ("buildkite", "2024 CI build of unknown version (the V0 engine, likely)"),
-    ("piecewise", "piecewise CUDA graphs (attention launched eagerly): neither the default nor --eager"),
-    ("block-fp8-moe", "block-quantized FP8 MoE (128x128 scales, Triton fused_moe): the sim's fp8 is per-tensor "
-                      "weights at the dense GEMM's efficiency"),
-    ("slow-box", "long-prompt bursts on a box whose H100 prefilled at about a quarter of its peak for every engine "
-                 "(SGLang 0.5.5 on the same page and loads: 0.3 of peak); no other source's GPU runs so slow"),
+# fitted. (why, rule): the first rule a row meets names its flag.
+ERAS: tuple[tuple[str, Callable[[dict], bool]], ...] = (
+    ("NVFP4 weights (the sim has bf16 and fp8)", lambda row: row["weight_dtype"] == "nvfp4"),
+    ("pre-V1 vLLM with multi-step scheduling (its ITL is a chunk of tokens)",
+     lambda row: "multi-step" in row["flags"].lower() or "num_scheduler_steps" in row["flags"].lower()),
+    ("pre-V1 vLLM engine", lambda row: row["engine"] == "vllm" and row["v1_engine"] == "false"),
+    ("2024 CI build of unknown version (the V0 engine, likely)", lambda row: row["source_id"] == "vllm_buildkite_perf_ci"),
+    ("piecewise CUDA graphs (attention launched eagerly): neither the default nor --eager",
+     lambda row: "cudagraph_mode piecewise" in row["flags"].lower()),
+    ("block-quantized FP8 MoE (128x128 scales, Triton fused_moe): the sim's fp8 is per-tensor weights at the "
+     "dense GEMM's efficiency", lambda row: row["model"] == "Qwen/Qwen3-Coder-30B-A3B-Instruct-FP8"),
+    ("long-prompt bursts on a box whose H100 prefilled at about a quarter of its peak for every engine (SGLang "
+     "0.5.5 on the same page and loads: 0.3 of peak); no other source's GPU runs so slow",
+     lambda row: row["source_id"] == "gpustack_perflab_qwen3_14b_h100" and int(row["input_len"]) >= 1000),
 )
-
-
-def _era(row: dict) -> str | None:
-    """The ERAS rule a row meets (None: the sim models it)."""
-    flags = row["flags"].lower()
-    if row["weight_dtype"] == "nvfp4":
-        return "nvfp4"
-    if "multi-step" in flags or "num_scheduler_steps" in flags:
-        return "multi-step"
-    if row["engine"] == "vllm" and row["v1_engine"] == "false":
-        return "pre-v1"
-    if row["source_id"] == "vllm_buildkite_perf_ci":
-        return "buildkite"
-    if "cudagraph_mode piecewise" in flags:
-        return "piecewise"
-    if row["model"] == "Qwen/Qwen3-Coder-30B-A3B-Instruct-FP8":
-        return "block-fp8-moe"
-    if row["source_id"] == "gpustack_perflab_qwen3_14b_h100" and int(row["input_len"]) >= 1000:
-        return "slow-box"
-    return None
 
 
 def _flag(row: dict) -> str | None:
     """Why the sim cannot match a point (None: it can)."""
-    era = _era(row)
-    return dict(ERAS)[era] if era else None
+    return next((why for why, rule in ERAS if rule(row)), None)
 
 
 def _engine_limits(row: dict, llm_class: bool) -> tuple[int, int]:
@@ -233,13 +221,12 @@ def point_of(row: dict, max_requests: int | None = None) -> Point:
         # input is an assumption; uniform spreads stand in for ShareGPT's long tails
         load = replace(load, input_len=230, output_len=194, range_ratio=0.9)
         note = "ShareGPT lengths approximated: uniform, mean 230 in (assumed) / 194 out (from the row's own figures)"
-    burst = kind in ("rate", "concurrency") and load.concurrency is None and not load.rate
-    if max_requests and load.requests > max_requests and kind != "batch" and not burst:  # whole loads: a
-        # batch's latency and a burst's figures are the whole load's
+    llm_class = kind in ("batch", "offline")  # vLLM's LLM class: no API server in front
+    if max_requests and load.requests > max_requests and kind != "batch" and not _burst(load, not llm_class):
+        # whole loads: a batch's latency and a burst's figures are the whole load's
         whole = load.requests
         load = replace(load, requests=max(max_requests, 2 * (load.concurrency or 0)))
         note = (note + "; " if note else "") + f"{load.requests} of {whole} requests replayed"
-    llm_class = kind in ("batch", "offline")
     seqs, tokens = _engine_limits(row, llm_class)
     published = {}
     for col, (key, _) in METRICS.items():
@@ -746,7 +733,7 @@ def main(argv=None) -> int:
         if a.fit:
             fitting = [p for p in points if p.role == "fit"]
             print("excluded before the fit (predicted, never fitted):", file=sys.stderr)
-            for _, why in ERAS:
+            for why, _ in ERAS:
                 n = sum(p.flag == why for p in points)
                 print(f"  {n:2d} points: {why}", file=sys.stderr)
             print(f"fitting {', '.join(PARAMS)} on {len(fitting)} points of {len(V1_SOURCES)} sources", file=sys.stderr)
@@ -768,7 +755,7 @@ def main(argv=None) -> int:
     d = digest(points, predicted)
     print_digest(d, "fitted defaults" if a.fit else "sim defaults")
     result = {"parameters": theta, "defaults": d, "excluded": {why: [p.id for p in points if p.flag == why]
-                                                               for _, why in ERAS}}
+                                                               for why, _ in ERAS}}
     if heldout is not None:
         ho_pred = {p.id: heldout.get(p.id, {}) for p in points}
         h = digest([p for p in points if p.id in heldout], ho_pred)

@@ -43,7 +43,12 @@ MISSES = {
     # requests on their way in only)
     ("gpustack-qwen3-14b-h100-random-128-burst", "ttft_ms_mean"): 0.45,
     ("gpustack-qwen3-14b-h100-random-128-burst", "ttft_ms_p50"): 0.45,
-    ("gpustack-qwen3-14b-h100-random-128-burst", "tpot_ms_mean"): 1.0,  # 525 ms measured, ~12 predicted
+}
+# Misses no bound describes: the metric is not modelled. Each is checked to stay the miss it is documented
+# as (the error below this), so modelling it fails here until README and fitted.json say so.
+UNMODELLED = {
+    # the output stream through a saturated API process: 525 ms measured, ~12 predicted
+    ("gpustack-qwen3-14b-h100-random-128-burst", "tpot_ms_mean"): -0.9,
 }
 
 
@@ -92,6 +97,10 @@ def test_fit_points_stay_within_the_stated_error(points, predicted):
             continue
         for key, e in pc.errors(p, predicted[p.id]).items():
             errs.append(abs(e))
+            if (p.id, key) in UNMODELLED:
+                if e > UNMODELLED[p.id, key]:
+                    out.append(f"{p.id} {key}: {e:+.1%}, no longer the documented miss")
+                continue
             bound = MISSES.get((p.id, key), pc.GOALS[pc.KIND_OF[key]])
             if abs(e) > bound:
                 out.append(f"{p.id} {key}: {e:+.1%} (bound {bound:.0%})")
@@ -106,8 +115,9 @@ def test_presets_hold_the_fitted_parameters():
         mine = got.get(name, presets.LAYER_OVERHEAD_S if name == "layer_s" else None)
         assert mine == pytest.approx(value, rel=0.02), name
     assert presets.KV_EFFICIENCY == presets.MEM_EFFICIENCY
-    # attention is FlashAttention's published curve, not a fitted share (test_sim checks the curve)
-    assert "attn_eff" not in FITTED["parameters"] and presets.ATTN_EFFICIENCY != presets.MATMUL_EFFICIENCY
+    # every fitted parameter has its preset, and nothing else was fitted: attention is FlashAttention's
+    # published curve (test_sim holds it to the kernel's figures)
+    assert set(got) == set(pc.PARAMS) and set(FITTED["parameters"]) == set(pc.PARAMS) | {"layer_s"}
 
 
 def test_held_out_errors_are_recorded():

@@ -59,7 +59,6 @@ class FrontEnd:
     def __init__(self, request_s: float = 0.0, token_s: float = 0.0, latency_s: float = 0.0, servers: int = 1):
         self.request_s, self.token_s, self.latency_s = request_s, token_s, latency_s
         self.free = [-math.inf] * servers  # when each server is next free (a heap)
-        self.free_s = -math.inf  # when the last request admitted left its server
 
     def __bool__(self) -> bool:
         return self.request_s > 0 or self.token_s > 0 or self.latency_s > 0
@@ -70,9 +69,9 @@ class FrontEnd:
 
     def admit(self, issue_s: float, prompt_len: int) -> float:
         """When a request issued at ``issue_s`` reaches the engine (or is refused there)."""
-        self.free_s = max(issue_s, self.free[0]) + self.service_s(prompt_len)
-        heapq.heapreplace(self.free, self.free_s)
-        return self.free_s + self.latency_s
+        leaves = max(issue_s, self.free[0]) + self.service_s(prompt_len)
+        heapq.heapreplace(self.free, leaves)
+        return leaves + self.latency_s
 
 
 class Issuer:
