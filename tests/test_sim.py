@@ -597,15 +597,19 @@ def _write(tmp_path, content) -> str:
 
 def test_a_linear_fit_times_steps_by_its_terms_alone(tmp_path):
     """A live server's fit (kvbench calibrate --from-run): step = overhead + a prefill_tokens +
-    b decode_seqs + c context_tokens, the roofline's rates null (no roofline term), the terms it does
-    not give 0 (no per-sequence overhead of the preset's; no launches even with --eager)."""
+    b decode_seqs + c context_tokens + e prefill_chunks, the roofline's rates null (no roofline term),
+    the terms it does not give 0 (no per-sequence overhead of the preset's; no launches even with
+    --eager). Mutation: the per-chunk term dropped -> the two-chunk step is 2 e short -> fails."""
     cal = _write(tmp_path, {"kvbench_calibration": 3, "coefficients": {
         "matmul_flops": None, "attn_flops": None, "mem_bw": None, "kv_bw": None, "step_overhead_s": 0.004,
-        "prefill_token_s": 2e-5, "decode_seq_s": 3e-4, "context_token_s": 1e-7}})
+        "prefill_token_s": 2e-5, "decode_seq_s": 3e-4, "context_token_s": 1e-7, "prefill_seq_s": 1.5e-3}})
     ex = make_sim(MODELS["llama-3-8b"], GPUS["h100"], cal, eager=True)
     b = batch_of([(100, 300, True)], [1000, 3000])
-    assert ex.step_time(b) == pytest.approx(0.004 + 300 * 2e-5 + 2 * 3e-4 + 4000 * 1e-7, rel=1e-12)
-    assert ex.breakdown(b)["per_token"] == pytest.approx(300 * 2e-5 + 2 * 3e-4 + 4000 * 1e-7)
+    per_token = 300 * 2e-5 + 2 * 3e-4 + 4000 * 1e-7 + 1.5e-3
+    assert ex.step_time(b) == pytest.approx(0.004 + per_token, rel=1e-12)
+    assert ex.breakdown(b)["per_token"] == pytest.approx(per_token)
+    two = batch_of([(0, 100, False), (50, 200, True)], [])
+    assert ex.step_time(two) == pytest.approx(0.004 + 300 * 2e-5 + 2 * 1.5e-3, rel=1e-12)
     assert ex.breakdown(b)["linear"] == 0 and ex.cost.mem_bw == math.inf
 
 

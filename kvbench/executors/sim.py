@@ -61,6 +61,7 @@ Operations: FLOPs and bytes per GPU -> time = max(FLOPs / rate, bytes / bandwidt
              (engine.issuer.FrontEnd; --no-front-end: none)
   launch     --eager only: L x layer_overhead_s
   per_token  prefill_token_s x sum_i n_i + decode_seq_s x #decodes + context_token_s x sum_j c_j
+             + prefill_seq_s x #chunks
              (a linear fit of a live server's steps; 0 on a GPU preset)
   pcie       InfiniGen offload and recall: batch.pcie_bytes / (N pcie_bw), not overlapped
   tiers      prefix-cache tiers (kvbench.memory.tiers), one block of kv x block_size x N bytes per op,
@@ -145,6 +146,7 @@ class CostModel:
     prefill_token_s: float = 0.0
     decode_seq_s: float = 0.0
     context_token_s: float = 0.0
+    prefill_seq_s: float = 0.0  # per prefill chunk in a step (its own attention call, inputs and metadata)
     # A server's front end (its API process: parsing, hashing, handing the request to the engine), paid
     # by each request before the scheduler sees it, one request at a time (live fits; 0 on a preset).
     request_s: float = 0.0
@@ -158,7 +160,7 @@ class CostModel:
     FITTED = ("matmul_flops", "attn_flops", "mem_bw", "kv_bw", "step_overhead_s")  # by kvbench calibrate
     RATES = ("matmul_flops", "attn_flops", "mem_bw", "kv_bw")  # may be infinite (a file's null)
     OVERHEADS = ("step_overhead_s", "layer_overhead_s", "seq_overhead_s")
-    LINEAR = ("prefill_token_s", "decode_seq_s", "context_token_s")
+    LINEAR = ("prefill_token_s", "decode_seq_s", "context_token_s", "prefill_seq_s")
     FRONT_END = ("request_s", "request_token_s", "request_latency_s")
     TIMING = RATES + OVERHEADS + LINEAR  # what times a step (a calibration file's own terms)
     MAY_BE_ZERO = OVERHEADS + LINEAR + FRONT_END + ("allreduce_latency_s", "attn_ramp_tokens")
@@ -220,7 +222,7 @@ class Work:
             c.step_overhead_s + self.seqs * c.seq_overhead_s,
             self.launches * c.layer_overhead_s,
             (self.prefill_tokens * c.prefill_token_s + self.decode_seqs * c.decode_seq_s
-             + self.context_tokens * c.context_token_s),
+             + self.context_tokens * c.context_token_s + len(self.prefill) * c.prefill_seq_s),
             self.pcie_bytes / (n * c.pcie_bw) if self.pcie_bytes else 0.0,
         )
 
