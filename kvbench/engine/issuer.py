@@ -12,6 +12,10 @@ Dependent turns: a request whose prompt re-sends a named answer (a ``shared`` se
 request's ``output``) depends on the last earlier request that wrote it, as a chat client sends turn
 k+1 only after turn k's answer has arrived. A rejected request finishes when it is issued.
 
+Stages (a profiling load's closed-loop steps, kvbench.engine.profile): the requests in arrival order
+split into consecutive stages of (requests, concurrency); a stage's requests go only once every
+request of the stage before it has finished, at most its concurrency at once.
+
 Limits (``--max-requests``, ``--max-seconds``, as ``vllm bench serve --num-prompts`` and GuideLLM's
 ``--max-seconds``): issuing stops after ``max_requests`` requests, or at the first request that would
 go more than ``max_seconds`` after the first request's trace time; the requests issued run to the end.
@@ -82,21 +86,23 @@ class Issuer:
 
     def __init__(self, requests: Sequence[Request], time_scale: float = 1.0,
                  max_concurrency: int | None = None, dependent_turns: bool = False,
-                 max_requests: int | None = None, max_seconds: float | None = None):
+                 max_requests: int | None = None, max_seconds: float | None = None,
+                 stages: Sequence[tuple[int, int]] | None = None):
         self._init([r.t for r in requests], answer_dependencies(requests) if dependent_turns else {},
-                   time_scale, max_concurrency, max_requests, max_seconds)
+                   time_scale, max_concurrency, max_requests, max_seconds, stages)
 
     @classmethod
     def of_times(cls, times: Sequence[float] | np.ndarray, deps: dict[int, int], time_scale: float = 1.0,
                  max_concurrency: int | None = None, max_requests: int | None = None,
-                 max_seconds: float | None = None) -> Issuer:
+                 max_seconds: float | None = None, stages: Sequence[tuple[int, int]] | None = None) -> Issuer:
         """``times``: trace times in arrival order; ``deps``: dependencies_in_trace_order's."""
         issuer = cls.__new__(cls)
-        issuer._init(times, deps, time_scale, max_concurrency, max_requests, max_seconds)
+        issuer._init(times, deps, time_scale, max_concurrency, max_requests, max_seconds, stages)
         return issuer
 
     def _init(self, times: Sequence[float] | np.ndarray, deps: dict[int, int], time_scale: float,
-              max_concurrency: int | None, max_requests: int | None, max_seconds: float | None) -> None:
+              max_concurrency: int | None, max_requests: int | None, max_seconds: float | None,
+              stages: Sequence[tuple[int, int]] | None = None) -> None:
         self.times = times
         self.n = len(times)
         self.time_scale = time_scale
@@ -116,6 +122,14 @@ class Issuer:
         # when each free slot became free (a heap; no cap: no slots to wait for)
         self._free: list[float] = [-math.inf] * max_concurrency if max_concurrency else []
         self._last_s = -math.inf  # the line is first come first served: no issue before an earlier one
+        self._stages = list(stages or [])  # (requests, concurrency) each, consecutive in arrival order
+        if self._stages:
+            if sum(n for n, _ in self._stages) != self.n:
+                raise ValueError(f"the stages hold {sum(n for n, _ in self._stages)} requests, not {self.n}")
+            self._stage, self._stage_end = 0, self._stages[0][0]
+            self.cap = self._stages[0][1]
+            self._free = [-math.inf] * self.cap
+        self._last_finish_s = -math.inf
 
     def done(self) -> bool:
         """No request is left to issue (every one issued, or a limit stopped issuing)."""
@@ -143,9 +157,17 @@ class Issuer:
         if self.stopped or (self.max_requests is not None and self.issued >= self.max_requests):
             self.stopped = self.issued < self.n
             return None
+        head = self._head()
+        if head is not None and self._stages and head[1] >= self._stage_end:
+            if self.in_flight:  # the stage's last requests are running: the next stage waits for them
+                return None
+            self._stage += 1
+            n, cap = self._stages[self._stage]
+            self._stage_end += n
+            self.cap = cap
+            self._free = [self._last_finish_s] * cap
         if self.cap is not None and not self._free:
             return None
-        head = self._head()
         if head is None:
             return None
         slot = self._free[0] if self.cap is not None else -math.inf
@@ -179,6 +201,7 @@ class Issuer:
     def finished(self, pos: int, at: float) -> None:
         """Request ``pos`` finished (or was rejected) at ``at``: its slot frees, its dependents get ready."""
         self.in_flight -= 1
+        self._last_finish_s = max(self._last_finish_s, at)
         if self.cap is not None:
             heapq.heappush(self._free, at)
         for dep in self._dependents.pop(pos, ()):

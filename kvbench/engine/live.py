@@ -80,6 +80,11 @@ class LiveOptions:
     retries: int = 2  # a request that fails before its first byte is sent again at most this often
     metrics_interval_s: float = 1.0  # /metrics scraped every so often during the run (0: before and after only)
     remap_vocab: bool = False  # map token ids above the served model's vocabulary onto it, keeping the sharing
+    # consecutive stages over the measured requests in arrival order, (requests, concurrency) each: a stage
+    # is issued as a closed loop of that many users once the stage before it has finished (a
+    # `vllm bench serve --max-concurrency` sweep in one run on one clock; engine.issuer); empty: one
+    # stage, the workload's own --max-concurrency
+    stages: tuple[tuple[int, int], ...] = ()
 
     def record(self) -> dict:
         """For config.json: the key and the header values left out (they may be secrets)."""
@@ -280,6 +285,9 @@ class LiveRun:
         warm = set(range(min(opts.warmup, len(reqs))))  # the first N in trace order
         self.warm = sorted((r for r in reqs if r.index in warm), key=lambda r: r.t)
         self.measured = sorted((r for r in reqs if r.index not in warm), key=lambda r: r.t)
+        if opts.stages and sum(n for n, _ in opts.stages) != len(self.measured):
+            raise InputError(f"the stages hold {sum(n for n, _ in opts.stages)} requests, the trace "
+                             f"{len(self.measured)} measured ones", file=trace_path, field="stages")
         self.server = server_settings_from_server(self.root, opts.request_headers())
         # the server applies its engine's length rule to what it is sent; config.json says which
         self.cfg = replace(self.cfg, overlong=engine_rule(self.server.kind))
@@ -359,10 +367,11 @@ class LiveRun:
     async def _phase(self, client, reqs: list[Request], clock: Clock, measured: bool) -> None:
         """Issue ``reqs`` (arrival order) by the Issuer's rules on ``clock`` until none is left or the
         limits stop issuing; return when every request sent has finished."""
-        cfg = self.cfg  # --max-requests and --max-seconds hold in the measured phase only
+        cfg = self.cfg  # --max-requests, --max-seconds and the stages hold in the measured phase only
         issuer = Issuer(reqs, cfg.time_scale, cfg.max_concurrency, cfg.dependent_turns,
                         max_requests=cfg.max_requests if measured else None,
-                        max_seconds=cfg.max_seconds if measured else None)
+                        max_seconds=cfg.max_seconds if measured else None,
+                        stages=self.opts.stages if measured else None)
         pending: dict[asyncio.Task, int] = {}
         while True:
             now = clock()

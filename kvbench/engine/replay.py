@@ -159,6 +159,8 @@ class Replay:
         self.step_log: list | None = None
         # called after every step with (replica, start s, end s, batch, [(request id, sample) that emitted a token])
         self.step_hook: Callable[[int, float, float, StepBatch, list[tuple[str, int]]], None] | None = None
+        # a staged closed loop (engine.issuer: (requests, concurrency) per stage), as a profiling run sent it
+        self.stages: list[tuple[int, int]] | None = None
         self._check_all_fit()
 
     def claim(self) -> str:
@@ -334,7 +336,7 @@ class Replay:
         limited = cfg.max_requests is not None or cfg.max_seconds is not None
         deps = dependencies_in_trace_order(trace.positioned()) if cfg.dependent_turns else {}
         issuer = Issuer.of_times(trace.t, deps, cfg.time_scale, cfg.max_concurrency,
-                                 max_requests=cfg.max_requests, max_seconds=cfg.max_seconds)
+                                 max_requests=cfg.max_requests, max_seconds=cfg.max_seconds, stages=self.stages)
         self._issuer = issuer
         planned = self.planned
         if self.step_log is None and self.step_hook is None:  # they read the sequences each step
