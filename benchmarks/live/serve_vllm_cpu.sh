@@ -14,6 +14,11 @@
 #   KV_SPACE_GIB [1]                    VLLM_CPU_KVCACHE_SPACE (GiB, integer); must hold NUM_GPU_BLOCKS
 #   PIN_CPUS [1]                        taskset CPU list for the whole server (empty: no taskset);
 #                                       the OpenMP threads are bound to the same list
+#   API_CPUS []                         once it is up, move the API server process (HTTP, request
+#                                       parsing, streaming; not the engine core or its worker) to
+#                                       this CPU list, as a GPU server's API process runs on host
+#                                       cores of its own (empty: it stays on PIN_CPUS, taking CPU
+#                                       time from the engine's steps)
 #   LOG [/tmp/vllm-cpu-PORT.log]  PIDFILE [/tmp/vllm-cpu-PORT.pid]  WAIT_S [300]
 #
 # Prints the server's PID (also its process group: stop it with `kill -- -PID`) on the last line.
@@ -33,6 +38,7 @@ PREFIX_CACHING="${PREFIX_CACHING:-1}"
 DTYPE="${DTYPE:-auto}"
 KV_SPACE_GIB="${KV_SPACE_GIB:-1}"
 PIN_CPUS="${PIN_CPUS-1}"
+API_CPUS="${API_CPUS-}"
 LOG="${LOG:-/tmp/vllm-cpu-$PORT.log}"
 PIDFILE="${PIDFILE:-/tmp/vllm-cpu-$PORT.pid}"
 WAIT_S="${WAIT_S:-300}"
@@ -96,5 +102,12 @@ while :; do
     fi
     sleep 1
 done
+if [ -n "$API_CPUS" ]; then
+    # every process of the server's group but the engine core and its worker (named VLLM::...), all threads
+    for p in $(pgrep -g "$pid"); do
+        case "$(cat "/proc/$p/comm" 2>/dev/null)" in VLLM::*) ;; *) taskset -a -p -c "$API_CPUS" "$p" >/dev/null ;; esac
+    done
+    echo "  API server on CPU(s) $API_CPUS, the engine on ${PIN_CPUS:-any}" >&2
+fi
 echo "vLLM up on http://127.0.0.1:$PORT after $(( $(date +%s) - t0 ))s (stop: kill -- -$pid)" >&2
 echo "$pid"

@@ -139,7 +139,12 @@ def metadata_option(fn):
 def what_runs(cfg: ReplayConfig) -> str:
     """One line saying what a replay runs: the executor, the model and its hardware."""
     if cfg.executor == "sim":
-        costs = f"calibration {os.path.basename(cfg.calibration)}" if cfg.calibration else "preset costs"
+        costs = "preset costs"
+        if cfg.calibration:
+            from kvbench.engine.fit_server import calibration_caveat
+
+            said = calibration_caveat(cfg.calibration)  # a live fit: how it was judged, a poor one loudly
+            costs = f"calibration {os.path.basename(cfg.calibration)}" + (f", {said}" if said else "")
         tp = f" x{cfg.tp} (tensor parallel)" if cfg.tp > 1 else ""
         front = ""
         if not cfg.calibration:

@@ -1,0 +1,149 @@
+"""The profiling load ``kvbench calibrate --endpoint`` sends a server: requests chosen so that every
+term of the step clock (kvbench.engine.fit_server) can be told from the others.
+
+Each term needs its own variation in the load:
+
+- the front end against the steps: first, requests sent one at a time with idle gaps, so a time to
+  first token is the API server, the wait for the step in progress (none) and the prefill; each
+  prompt twice in a row, the second time all but its last block a prefix-cache hit, so the API
+  server's per-token cost (it reads every token) is measured apart from prefill's;
+- the step overhead against the per-decoding-sequence cost: decode batches of every size from 1 to the
+  server's cap. The load is closed-loop stages at concurrency 1, 2, 4, ... up to the cap (what a
+  ``vllm bench serve --max-concurrency`` sweep runs), each stage starting when the one before it has
+  finished; within a stage the outputs' lengths differ, so its batch also drains step by step;
+- the per-prefill-token cost: prompt lengths spread log-uniformly from a few tokens to the server's
+  maximum length less the longest output (chunked prefill included);
+- the front end's per-prompt-token cost against prefill's: the cached share of a prompt varied, by
+  shared prefixes of three lengths (none, an eighth, a half of the longest prompt) that the server's
+  prefix cache holds once one request has sent them, so equal prompt lengths cost the engine differently
+  while the API server reads them all;
+- the per-key cost of decode against the per-sequence cost: at each concurrency a stage of short
+  prompts, then one of long prompts, so the keys a decoding sequence reads differ from batch to batch
+  (with one prompt spread throughout, keys read are decoding sequences times one mean context, and
+  the two terms cannot be told apart).
+
+Its tokens are new to the server: request ids (which seed a unique segment's tokens) and prefix names
+carry a nonce drawn per profile, so a second calibration against the same server finds nothing the
+first left in its prefix cache (the sim, replaying the run, starts from an empty one).
+
+The pool bounds the load: a stage runs at most as many sequences at once as half the server's KV
+pool holds at the load's mean sequence length, so it measures steps, not preemptions.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbench.engine.server import ServerSettings
+from kvbench.trace.format import Request, Segment
+
+MIN_PROMPT = 16
+MIN_OUTPUT = 8
+MAX_OUTPUT = 192
+IDLE_REQUESTS = 16  # the first stage: requests that each find the server idle
+IDLE_GAP_S = 0.5  # between their issues (each is done well within it: outputs up to IDLE_OUTPUT)
+IDLE_OUTPUT = 16
+MAX_CONCURRENCY = 64  # the highest stage unless the server's cap is lower (a larger batch adds minutes, not terms)
+QUICK_MAX_CONCURRENCY = 16
+
+
+@dataclass(frozen=True)
+class Stage:
+    """``requests`` sent as a closed loop of ``concurrency`` users; ``long``: long prompts behind
+    shared prefixes, else short prompts of their own; ``idle``: one at a time IDLE_GAP_S apart, short
+    outputs, so each finds the server idle (prompts short and long)."""
+
+    concurrency: int
+    requests: int
+    long: bool
+    idle: bool = False
+
+    @property
+    def name(self) -> str:
+        return "idle" if self.idle else f"c{self.concurrency}-{'long' if self.long else 'short'}"
+
+
+@dataclass(frozen=True)
+class Profile:
+    stages: list[Stage]
+    requests: list[Request]
+    short_prompt: int
+    longest_prompt: int
+
+    def describe(self) -> str:
+        levels = ", ".join(sorted({str(s.concurrency) for s in self.stages if not s.idle}, key=int))
+        return (f"{len(self.requests)} requests: {self.stages[0].requests} one at a time {IDLE_GAP_S} s apart, then "
+                f"closed-loop stages at concurrency {levels}, each a stage "
+                f"of short prompts ({MIN_PROMPT}-{self.short_prompt}) then one of long ones (up to "
+                f"{self.longest_prompt:,} tokens, two in three behind a shared prefix of one of two lengths); "
+                f"outputs {MIN_OUTPUT}-{MAX_OUTPUT}")
+
+
+def _log_uniform(rng: np.random.Generator, lo: int, hi: int, n: int) -> np.ndarray:
+    hi = max(hi, lo)
+    return np.floor(np.exp(rng.uniform(math.log(lo), math.log(hi + 1), n))).astype(int).clip(lo, hi)
+
+
+def _idle_prompt(rng: np.random.Generator, nonce: str, k: int, longest: int, short: int,
+                 max_len: int) -> tuple[tuple[Segment, ...], int]:
+    """The k-th prompt of the idle stage (sent twice; short and long ones alternate) and its output."""
+    n = int(_log_uniform(rng, max(MIN_PROMPT, longest // 8), longest, 1)[0]) if k % 2 else int(
+        _log_uniform(rng, MIN_PROMPT, short, 1)[0])
+    out = int(min(_log_uniform(rng, MIN_OUTPUT, IDLE_OUTPUT, 1)[0], max(1, max_len - n - 1)))
+    return (Segment("shared", n, name=f"profile/{nonce}/idle-{k}"),), out
+
+
+def profile(server: ServerSettings, seed: int = 0, quick: bool = False, nonce: str | None = None) -> Profile:
+    """The load for a server with these settings (its sequence cap, token budget, maximum length and
+    pool; a setting it did not report is taken as vLLM's default). ``nonce``: what makes its tokens
+    new [drawn at random]."""
+    if nonce is None:
+        nonce = os.urandom(4).hex()
+    max_len = server.max_model_len or 8192
+    budget = server.max_num_batched_tokens or 2048
+    longest = max(4 * MIN_PROMPT, max_len - MAX_OUTPUT - 1)  # decodes up to the longest context the server takes
+    pool = (server.usable_blocks * server.block_size) if server.usable_blocks and server.block_size else None
+    if pool is not None:
+        longest = max(4 * MIN_PROMPT, min(longest, pool // 8))
+    cap = min(server.max_num_seqs or 256, QUICK_MAX_CONCURRENCY if quick else MAX_CONCURRENCY)
+    # the mean of a log-uniform prompt and output, and half the pool held at once
+    mean_seq = (longest - MIN_PROMPT) / math.log(longest / MIN_PROMPT) + (MAX_OUTPUT - MIN_OUTPUT) / math.log(
+        MAX_OUTPUT / MIN_OUTPUT)
+    if pool is not None:
+        cap = max(1, min(cap, int(pool / 2 / mean_seq)))
+    levels = [1]
+    while levels[-1] * 2 <= cap:
+        levels.append(levels[-1] * 2)
+    if levels[-1] != cap:
+        levels.append(cap)
+    stages = [Stage(1, IDLE_REQUESTS, False, idle=True)]
+    stages += [Stage(c, max(6, 2 * c), long) for c in levels for long in (False, True)]
+    last_idle_t = (stages[0].requests - 1) * IDLE_GAP_S  # the later stages' trace time: after the idle one's
+    short = max(2 * MIN_PROMPT, longest // 16)
+    prefixes = [0, longest // 8, longest // 2]
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for si, st in enumerate(stages):
+        for j in range(st.requests):
+            if st.idle:  # pairs: a prompt, then the same prompt again (all but its last block cached)
+                if j % 2 == 0:
+                    prompt, out = _idle_prompt(rng, nonce, j // 2, longest, short, max_len)
+            else:
+                kind = int(rng.integers(0, len(prefixes))) if st.long else 0
+                pre = prefixes[kind]
+                lo = max(MIN_PROMPT, longest // 8) if st.long else MIN_PROMPT
+                own = int(_log_uniform(rng, lo, max(lo, (longest if st.long else short) - pre), 1)[0])
+                out = int(min(_log_uniform(rng, MIN_OUTPUT, MAX_OUTPUT, 1)[0], max(1, max_len - pre - own - 1)))
+                prompt = ((Segment("shared", pre, name=f"profile/{nonce}/prefix-{kind}"),) if pre else ()) + (
+                    Segment("unique", own),)
+            reqs.append(Request(id=f"{nonce}-{st.name}-{j}", t=j * IDLE_GAP_S if st.idle else last_idle_t,
+                                prompt=prompt, output_len=out, meta={"workload": "calibration-profile",
+                                                                     "stage": st.name},
+                                prompt_len=sum(seg.length for seg in prompt)))
+    return Profile(stages, reqs, short, longest)
+
+
+__all__ = ["Profile", "Stage", "profile"]
