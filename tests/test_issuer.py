@@ -331,3 +331,28 @@ def test_requests_a_limit_never_issues_are_not_checked_against_the_pool(tmp_path
         replay(str(CHAT), ReplayConfig(num_blocks=300), str(tmp_path / "all"))
     s = replay(str(CHAT), ReplayConfig(num_blocks=300, max_requests=30), str(tmp_path / "cut"))
     assert s["complete"] and s["requests"] == s["completed"] == 30
+
+
+def test_stages_are_closed_loops_one_after_another():
+    """Stages (calibrate --endpoint's profile): stage k's requests go only once every request of stage
+    k-1 has finished, at most its concurrency at once, each at its trace time or a free slot
+    (mutation: the wait for the stage before dropped -> a stage-2 request goes at 0 -> fails)."""
+    times = [0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5]
+    iss = Issuer.of_times(times, {}, stages=[(3, 1), (4, 2)])
+    events = []  # (position, issue time)
+    clock, running = 0.0, []
+    while not iss.done():
+        at = iss.next_time()
+        if at is not None and (not running or at <= min(running)[0]):
+            pos, t = iss.issue()
+            events.append((pos, t))
+            running.append((t + 1.0, pos))  # every request takes 1 s
+            continue
+        running.sort()
+        end, pos = running.pop(0)
+        iss.finished(pos, end)
+    assert [t for _, t in events[:3]] == [0.0, 1.0, 2.0]  # stage 1: one at a time
+    # stage 2 waits for stage 1's last finish (3.0), then two at once
+    assert [t for _, t in events[3:]] == [3.0, 3.0, 4.0, 4.0]
+    with pytest.raises(ValueError, match="stages hold 3"):
+        Issuer.of_times(times, {}, stages=[(3, 1)])
