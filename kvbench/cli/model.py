@@ -220,7 +220,12 @@ def _calibrate_endpoint(endpoint: str, out: str, run_dir: str | None, server_log
         run.server.sources.append(f"log:{server_log}")
     click.echo(f"kvbench: {run.describe()}", err=True)
     click.echo(f"kvbench: profiling load: {prof.describe()}", err=True)
-    summary = run.run()
+    try:
+        summary = run.run()
+    except KeyboardInterrupt:
+        click.echo(f"kvbench: interrupted; partial profiling run (complete=false) in {run_dir}, nothing fitted",
+                   err=True)
+        sys.exit(130)
     click.echo(f"kvbench: the profiling run ({summary['completed']} of {summary['requests']} requests served, "
                f"{summary['duration_s']:.1f} s) is in {run_dir}", err=True)
     if summary["errors"]:
