@@ -187,3 +187,26 @@ def test_the_report_sets_a_prediction_beside_its_measurement(run_dir, tmp_path):
     assert str(tmp_path / "sim") in section and str(tmp_path / "other") not in section.split("</p>", 1)[0]
     assert "<td class=name>prefix hit rate</td><td>0.680</td>" in section
     assert " predicts " in section and "TTFT: median |per-request error|" in section
+
+
+def test_a_loose_term_is_said_but_does_not_block_the_file():
+    """The verdict's rules: a held-out error over the threshold and a term not told apart block the
+    file; a term measured loosely (its bootstrap spread large) is a warning (mutation: loose terms
+    counted as problems -> fails)."""
+    def row(identifiable, independent, spread=0.1, measured=True):
+        return {"identifiable": identifiable, "independent": independent, "spread": spread, "measured": measured,
+                "confused_with": ["step_overhead_s"]}
+    terms = {t: row(True, 0.5) for t in fit_server.TERMS}
+    fit = {"heldout": {"median_abs_rel_err": 0.1}, "max_error": 0.2, "terms": terms}
+    assert fit_server.verdict(fit) == ([], [], [])
+    terms["context_token_s"] = row(False, 0.4, spread=0.31)
+    problems, warnings, advice = fit_server.verdict(fit)
+    assert problems == [] and warnings == ["the key read term is loose (its bootstrap spread moves a span by 31%)"]
+    assert advice[0].startswith("key read: ")
+    terms["decode_seq_s"] = row(False, 0.02)
+    fit["heldout"]["median_abs_rel_err"] = 0.25
+    problems, warnings, _ = fit_server.verdict(fit)
+    assert problems == ["held-out median error 25% > 20%",
+                        "the decoding sequence term cannot be told from the step overhead (2.0% of it independent)"]
+    terms["request_s"] = row(False, 0.0, measured=False)
+    assert "the front-end request term was not measured" in fit_server.verdict(fit)[0]

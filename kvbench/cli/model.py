@@ -276,6 +276,8 @@ def _say_fit(doc: dict, out: str, as_json: bool, force: bool) -> None:
                        f"(server {chk['tpot_ms_p50_live']:.2f})")
         for p in fit["problems"]:
             click.echo(f"  not fit for use: {p}")
+        for w in fit["warnings"]:
+            click.echo(f"  read with care: {w}")
         for a in fit["advice"]:
             click.echo(f"  load that would fix it: {a}")
     if fit["usable"]:

@@ -354,7 +354,7 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
            "terms": terms, "load": load_coverage(rec), "max_error": max_error,
            "replay_check": check, "server": rec.config.get("server") or {}, "endpoint": rec.config.get("endpoint"),
            "trace": rec.config.get("trace")}
-    fit["problems"], fit["advice"] = verdict(fit)
+    fit["problems"], fit["warnings"], fit["advice"] = verdict(fit)
     fit["usable"] = not fit["problems"]
     fit["forced"] = bool(force and fit["problems"])
     doc = {"kvbench_calibration": 3, "kvbench_version": __version__, "device_name": server_settings(rec).describe(),
@@ -491,9 +491,13 @@ ADVICE = {  # the load that would measure a term
 }
 
 
-def verdict(fit: dict) -> tuple[list[str], list[str]]:
-    """(problems, advice): why the fit is not fit for use, and the load that would fix it."""
-    problems, advice = [], []
+def verdict(fit: dict) -> tuple[list[str], list[str], list[str]]:
+    """(problems, warnings, advice): why the fit is not fit for use (a held-out error above the
+    threshold; a term not measured, or not told apart from the others: the load cannot say what it
+    costs, so any other load's prediction is a guess), what to read with care (a term measured
+    loosely: its bootstrap spread moves the spans it weighs in by over MAX_SPREAD), and the load that
+    would fix either."""
+    problems, warnings, advice = [], [], []
     med = fit["heldout"]["median_abs_rel_err"]
     if med is None:
         problems.append("no held-out span to judge it on")
@@ -513,9 +517,9 @@ def verdict(fit: dict) -> tuple[list[str], list[str]]:
                             + " and ".join(TERM_NAMES[o] for o in row["confused_with"] or ["others"])
                             + f" ({row['independent']:.1%} of it independent)")
         else:
-            problems.append(f"the {name} term is loose (its bootstrap spread moves a span by {row['spread']:.0%})")
+            warnings.append(f"the {name} term is loose (its bootstrap spread moves a span by {row['spread']:.0%})")
         advice.append(f"{name}: {ADVICE[t]}")
-    return problems, advice
+    return problems, warnings, advice
 
 
 TERM_NAMES = {"step_overhead_s": "step overhead", "prefill_token_s": "prefill token",
@@ -537,7 +541,8 @@ def calibration_caveat(path: str) -> str | None:
     med = (fit.get("heldout") or {}).get("median_abs_rel_err")
     said = f"held-out median {med:.0%}" if isinstance(med, (int, float)) else "no held-out error"
     if fit.get("usable", True):
-        return f"fitted to a live run, {said}"
+        loose = "; ".join(fit.get("warnings") or [])
+        return f"fitted to a live run, {said}" + (f" ({loose})" if loose else "")
     return "ITS FIT IS POOR (" + "; ".join(fit.get("problems") or []) + "), written with --force"
 
 

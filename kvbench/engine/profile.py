@@ -43,7 +43,7 @@ from kvbench.trace.format import Request, Segment
 MIN_PROMPT = 16
 MIN_OUTPUT = 8
 MAX_OUTPUT = 192
-IDLE_REQUESTS = 16  # the first stage: requests that each find the server idle
+IDLE_REQUESTS = 32  # the first stage: requests that each find the server idle (16 prompts, each twice)
 IDLE_GAP_S = 0.5  # between their issues (each is done well within it: outputs up to IDLE_OUTPUT)
 IDLE_OUTPUT = 16
 MAX_CONCURRENCY = 64  # the highest stage unless the server's cap is lower (a larger batch adds minutes, not terms)
