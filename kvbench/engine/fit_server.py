@@ -1,8 +1,9 @@
 """``kvbench calibrate --from-run LIVE_RUN``: a step clock for the sim, fitted to a live server's own
 timings. A server tells no step durations, but a client sees them: the gap between two tokens of a
 streamed request is the server's step that produced the second. Which work each of those steps did
-(prefill tokens, decoding sequences, keys read) is rebuilt by replaying the same requests in the sim,
-each issued when the client issued it, under the server's settings; the step time is then fitted as
+(prefill tokens, decoding sequences, keys read, prefill chunks) is rebuilt by replaying the same
+requests in the sim, each issued when the client issued it (a profiling run's stages also as closed
+loops of their concurrency), under the server's settings; the step time is then fitted as
 
     step = overhead + prefill_tokens x a + decoding_sequences x b + context_tokens x c
            + prefill_chunks x e
@@ -15,8 +16,11 @@ Single gaps are noisy (a server's API process can hold a token back and send two
 fit takes spans: a request's time to first token is the steps from its issue to its first token, and
 its decode the steps from its first token to its last, each a sum of the step formula over the steps
 the replay put there; non-negative least absolute relative error over both spans of every request.
-The replay is run again on the fitted clock until the steps it rebuilds stop moving. The
-requests are split by id into a training share and a held-out share; the error is stated on both.
+The replay is run again on the fitted clock, and the clock kept is the one that best fits the steps
+of its own replay. The requests are split by id into a training share and a held-out share; the error
+is stated on both, per span kind and per term. Each coefficient carries its spread over a bootstrap of
+the requests and how much of its term the load measured apart from the others; a fit that is not fit
+for use (held-out error over --max-error, a term not told apart) is written only with --force.
 The file is a calibration of the sim's schema (kvbench.executors.sim: rates null, the linear terms).
 """
 from __future__ import annotations
@@ -58,7 +62,8 @@ IRLS_ROUNDS = 20  # reweightings of the least-absolute fit (its median error set
 IRLS_FLOOR = 1e-3  # a residual below this weighs as this
 BOOTSTRAP = 200  # resamples of the requests for each coefficient's uncertainty
 BLOCK_SHARE = 0.05  # of the run's requests, consecutive in issue order, drawn together by the bootstrap
-MIN_INDEPENDENT = 0.1  # a term's column less independent of the others than this (a variance inflation of 10) cannot be told from them
+# a term's column less independent of the others than this (a variance inflation of 10) cannot be told from them
+MIN_INDEPENDENT = 0.1
 MAX_SPREAD = 0.25  # a term whose bootstrap spread moves a span it weighs in by more than this is too loose
 
 
