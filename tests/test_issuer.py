@@ -356,3 +356,9 @@ def test_stages_are_closed_loops_one_after_another():
     assert [t for _, t in events[3:]] == [3.0, 3.0, 4.0, 4.0]
     with pytest.raises(ValueError, match="stages hold 3"):
         Issuer.of_times(times, {}, stages=[(3, 1)])
+    with pytest.raises(ValueError, match="at least 1"):
+        Issuer.of_times(times, {}, stages=[(3, 1), (0, 2), (4, 2)])
+    with pytest.raises(ValueError, match="at least 1"):
+        Issuer.of_times(times, {}, stages=[(3, 0), (4, 2)])
+    with pytest.raises(ValueError, match="dependent turns"):  # a dependent of the next stage would jump the line
+        Issuer.of_times(times, {3: 0}, stages=[(3, 1), (4, 2)])

@@ -77,6 +77,16 @@ def test_a_small_pool_lowers_the_longest_prompt_and_the_highest_concurrency():
     assert top * mean <= pool  # the highest stage's sequences fit the pool, with room
     capped = P.profile(ServerSettings(max_num_seqs=8, max_model_len=4096), nonce="c")
     assert max(s.concurrency for s in capped.stages) == 8
+    # long contexts: the top long stage's sequences (their own tokens and outputs, the prefixes once)
+    # hold about half the pool, not all of it
+    big = ServerSettings(kind="vllm", block_size=16, num_gpu_blocks=4001, null_blocks=1, max_num_seqs=256,
+                         max_model_len=32768)
+    prof = P.profile(big, nonce="b")
+    top = max(s.concurrency for s in prof.stages)
+    long = [r for r in prof.requests if r.meta["stage"] == f"c{top}-long"]
+    own = sum(r.prompt[-1].length + r.output_len for r in long) / len(long)
+    prefixes = {s.name: s.length for r in long for s in r.prompt if s.kind == "shared"}
+    assert (top * own + sum(prefixes.values())) / (4000 * 16) < 0.7
 
 
 def test_stages_run_one_after_another_each_a_closed_loop_of_its_concurrency(tmp_path):

@@ -201,11 +201,11 @@ def _calibrate_endpoint(endpoint: str, out: str, run_dir: str | None, server_log
                                                        "max_num_batched_tokens", "max_model_len", "chunked_prefill",
                                                        "prefix_caching")})
         server.sources.append(f"log:{server_log}")
-    unknown = [f for f in ("max_num_seqs", "max_num_batched_tokens") if getattr(server, f) is None]
+    unknown = [f for f in ("max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks") if getattr(server, f) is None]
     if unknown:
         click.echo(f"kvbench: warning: the server does not tell its {' and '.join(unknown)} (vLLM tells them at "
-                   "/server_info with VLLM_SERVER_DEV_MODE=1): the fit takes kvbench's defaults; give --server-log "
-                   "LOG for the ones it started with", err=True)
+                   "/server_info with VLLM_SERVER_DEV_MODE=1): the fit takes kvbench's defaults (and an unknown pool "
+                   "bounds no stage of the profile); give --server-log LOG for the ones it started with", err=True)
     prof = profile(server, seed=seed, quick=quick)
     run_dir = claim_run_dir(run_dir or os.path.join("runs", f"calibrate-{time.strftime('%Y%m%d-%H%M%S')}"),
                             unique=run_dir is None)

@@ -294,6 +294,8 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
     error per span kind and per term, each coefficient's bootstrap uncertainty and identifiability,
     ``usable`` and the ``problems`` that make it not). Written to ``out_path`` when given, if the fit
     is usable (held-out median at most ``max_error``, every term identifiable) or ``force``."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     rec = read_live_run(run_dir)
     trace_path = (rec.config.get("trace") or {}).get("path")
     if not trace_path or not os.path.exists(trace_path):

@@ -126,6 +126,10 @@ class Issuer:
         if self._stages:
             if sum(n for n, _ in self._stages) != self.n:
                 raise ValueError(f"the stages hold {sum(n for n, _ in self._stages)} requests, not {self.n}")
+            if any(n < 1 or c < 1 for n, c in self._stages):
+                raise ValueError(f"every stage needs a request and a concurrency of at least 1: {self._stages}")
+            if deps:  # a stage's line is its own positions; a dependent from the next one would jump it
+                raise ValueError("stages and dependent turns do not go together")
             self._stage, self._stage_end = 0, self._stages[0][0]
             self.cap = self._stages[0][1]
             self._free = [-math.inf] * self.cap

@@ -82,6 +82,11 @@ class Profile:
                 f"outputs {MIN_OUTPUT}-{MAX_OUTPUT}")
 
 
+def _log_uniform_mean(lo: int, hi: int) -> float:
+    """The mean of _log_uniform's draws on [lo, hi] (continuous)."""
+    return float(lo) if hi <= lo else (hi - lo) / math.log(hi / lo)
+
+
 def _log_uniform(rng: np.random.Generator, lo: int, hi: int, n: int) -> np.ndarray:
     hi = max(hi, lo)
     return np.floor(np.exp(rng.uniform(math.log(lo), math.log(hi + 1), n))).astype(int).clip(lo, hi)
@@ -109,11 +114,14 @@ def profile(server: ServerSettings, seed: int = 0, quick: bool = False, nonce: s
     if pool is not None:
         longest = max(4 * MIN_PROMPT, min(longest, pool // 8))
     cap = min(server.max_num_seqs or 256, QUICK_MAX_CONCURRENCY if quick else MAX_CONCURRENCY)
-    # the mean of a log-uniform prompt and output, and half the pool held at once
-    mean_seq = (longest - MIN_PROMPT) / math.log(longest / MIN_PROMPT) + (MAX_OUTPUT - MIN_OUTPUT) / math.log(
-        MAX_OUTPUT / MIN_OUTPUT)
     if pool is not None:
-        cap = max(1, min(cap, int(pool / 2 / mean_seq)))
+        # half the pool held at once by the long stages (the larger): each sequence its own prompt tokens
+        # and output, the shared prefixes once
+        prefixes = [0, longest // 8, longest // 2]
+        lo = max(MIN_PROMPT, longest // 8)
+        own = sum(_log_uniform_mean(lo, max(lo, longest - p)) for p in prefixes) / len(prefixes)
+        per_seq = own + _log_uniform_mean(MIN_OUTPUT, MAX_OUTPUT)
+        cap = max(1, min(cap, int((pool / 2 - sum(prefixes)) / per_seq)))
     levels = [1]
     while levels[-1] * 2 <= cap:
         levels.append(levels[-1] * 2)
