@@ -133,10 +133,7 @@ def calibrate(from_run, endpoint, run_dir, server_log, served_model, api_key, fo
     from kvbench.executors.presets import get_model
 
     repeats = repeats or (30 if quick else 5)
-    # a path that cannot take the file is refused now, not after minutes of measuring
-    where = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(where) or not os.access(where, os.W_OK):
-        raise InputError(f"cannot write here: {where} is not a writable directory", field="--out")
+    _writable(out)
     ex = ModelExecutor(model, device, seed)
     spec = ex.spec if hasattr(ex, "spec") else get_model(model)
     result = run(ex, spec, quick=quick, seed=seed, repeats=repeats)
@@ -164,6 +161,7 @@ def calibrate(from_run, endpoint, run_dir, server_log, served_model, api_key, fo
 
 
 def _writable(out: str) -> None:
+    """A path that cannot take the file is refused now, not after minutes of measuring."""
     where = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(where) or not os.access(where, os.W_OK):
         raise InputError(f"cannot write here: {where} is not a writable directory", field="--out")

@@ -42,6 +42,7 @@ from kvbench.engine.issuer import FrontEnd
 from kvbench.engine.lengths import engine_rule
 from kvbench.engine.server import ServerSettings
 from kvbench.errors import InputError
+from kvbench.jsonio import dumps
 from kvbench.provenance import file_sha256, now_iso
 from kvbench.scheduler.batch import StepBatch
 from kvbench.trace.format import load_trace
@@ -305,7 +306,7 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
         raise InputError(f"the run's trace {trace_path} has changed since the run", file=run_dir, field="--from-run")
     coef, history = initial(rec), []
     stages = run_stages(rec)
-    best: tuple[float, int, np.ndarray] | None = None  # (its own training error, round, clock)
+    best: tuple[float, int, np.ndarray, Spans] | None = None  # (its own training error, round, clock, spans)
     with tempfile.TemporaryDirectory(prefix="kvbench-fit-") as tmp:
         trace = os.path.join(tmp, "issued.jsonl")
         issued_trace(rec, trace_path, trace)
@@ -327,7 +328,7 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
             # steps of another clock's replay may not fit its own)
             own = error(X[train], y[train], coef)
             if k and (best is None or own["median_abs_rel_err"] < best[0]):
-                best = (own["median_abs_rel_err"], k, coef.copy())
+                best = (own["median_abs_rel_err"], k, coef.copy(), spans)
             if k == rounds:
                 break
             new = _fit(X[train], y[train])
@@ -335,12 +336,10 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
                             "heldout": error(X[test], y[test], new)})
             coef = new if k == 0 else DAMPING * coef + (1 - DAMPING) * new  # the replay's steps follow the clock
         assert best is not None
-        _, chosen, coef = best
-        # the chosen clock's replay: its steps give the spans the fit is judged on, and its requests
-        # the sim's TTFT and TPOT beside the server's
-        check_dir = os.path.join(tmp, "check")
-        spans = replay_on(coef, check_dir)
-        check = _replay_check(rec, check_dir)
+        _, chosen, coef, spans = best
+        # the chosen clock's own replay (that round's): its steps gave the spans the fit is judged on,
+        # its requests the sim's TTFT and TPOT beside the server's
+        check = _replay_check(rec, os.path.join(tmp, f"replay-{chosen}"))
     X, y, decode, request = spans.X, spans.y, spans.decode, spans.request
     train, test = spans.split()
     order = {rid: k for k, rid in enumerate(rec.requests.sort_values("arrival_s", kind="stable")["id"])}
@@ -371,7 +370,7 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
            "fit": fit}
     if out_path is not None and (fit["usable"] or force):
         with open(out_path, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, indent=1)
+            fh.write(dumps(doc, indent=1))  # a NaN or infinity written as null, never as bare NaN
     return doc
 
 

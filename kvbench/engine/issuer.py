@@ -161,17 +161,19 @@ class Issuer:
         if self.stopped or (self.max_requests is not None and self.issued >= self.max_requests):
             self.stopped = self.issued < self.n
             return None
-        head = self._head()
-        if head is not None and self._stages and head[1] >= self._stage_end:
-            if self.in_flight:  # the stage's last requests are running: the next stage waits for them
-                return None
-            self._stage += 1
-            n, cap = self._stages[self._stage]
-            self._stage_end += n
-            self.cap = cap
-            self._free = [self._last_finish_s] * cap
+        if self._stages:
+            first = self._head()
+            if first is not None and first[1] >= self._stage_end:
+                if self.in_flight:  # the stage's last requests are running: the next stage waits for them
+                    return None
+                self._stage += 1
+                n, cap = self._stages[self._stage]
+                self._stage_end += n
+                self.cap = cap
+                self._free = [self._last_finish_s] * cap
         if self.cap is not None and not self._free:
             return None
+        head = self._head()
         if head is None:
             return None
         slot = self._free[0] if self.cap is not None else -math.inf

@@ -285,15 +285,12 @@ class LiveRun:
         warm = set(range(min(opts.warmup, len(reqs))))  # the first N in trace order
         self.warm = sorted((r for r in reqs if r.index in warm), key=lambda r: r.t)
         self.measured = sorted((r for r in reqs if r.index not in warm), key=lambda r: r.t)
-        if opts.stages and sum(n for n, _ in opts.stages) != len(self.measured):
-            raise InputError(f"the stages hold {sum(n for n, _ in opts.stages)} requests, the trace "
-                             f"{len(self.measured)} measured ones", file=trace_path, field="stages")
-        if any(n < 1 or c < 1 for n, c in opts.stages):
-            raise InputError(f"every stage needs a request and a concurrency of at least 1: {list(opts.stages)}",
-                             file=trace_path, field="stages")
-        if opts.stages and cfg.dependent_turns:
-            raise InputError("stages and dependent turns do not go together (a stage is a closed loop of its own "
-                             "requests)", file=trace_path, field="stages")
+        if opts.stages:  # refused before the server is asked anything, by the Issuer's own rules
+            try:
+                Issuer(self.measured, stages=opts.stages, dependent_turns=cfg.dependent_turns)
+            except ValueError as e:
+                raise InputError(f"{e} (the trace has {len(self.measured)} measured requests)", file=trace_path,
+                                 field="stages") from None
         self.server = server_settings_from_server(self.root, opts.request_headers())
         # the server applies its engine's length rule to what it is sent; config.json says which
         self.cfg = replace(self.cfg, overlong=engine_rule(self.server.kind))

@@ -102,13 +102,12 @@ def _idle_prompt(rng: np.random.Generator, nonce: str, k: int, longest: int, sho
 
 
 def profile(server: ServerSettings, seed: int = 0, quick: bool = False, nonce: str | None = None) -> Profile:
-    """The load for a server with these settings (its sequence cap, token budget, maximum length and
-    pool; a setting it did not report is taken as vLLM's default). ``nonce``: what makes its tokens
-    new [drawn at random]."""
+    """The load for a server with these settings (its sequence cap, maximum length and pool; a
+    setting it did not report is taken as vLLM's default). ``nonce``: what makes its tokens new
+    [drawn at random]."""
     if nonce is None:
         nonce = os.urandom(4).hex()
     max_len = server.max_model_len or 8192
-    budget = server.max_num_batched_tokens or 2048
     longest = max(4 * MIN_PROMPT, max_len - MAX_OUTPUT - 1)  # decodes up to the longest context the server takes
     pool = (server.usable_blocks * server.block_size) if server.usable_blocks and server.block_size else None
     if pool is not None:
