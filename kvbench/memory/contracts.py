@@ -43,6 +43,7 @@ class SeqKV:
     compacted: bool = False  # slots no longer hold positions 0..num_kv-1: never register again
     tier_match: TierMatch | None = None  # the last lookup's hits in the tiers behind the pool
     prompt_len: int = 0  # tokens of its prompt (a sliding window caches where a resend would hit)
+    num_tokens: int = 0  # prompt and generated tokens so far (a recurrent state's chunks end by them)
     groups: Any = None  # several KV cache groups: a table per group (kvbench.memory.hybrid.GroupTables)
 
 

@@ -23,6 +23,25 @@ The rules, each from vLLM 0.34 (``vllm/v1/core/``):
   ending at the prompt's last block boundary and at the shared-prefix junction the last lookup found
   (``reachable_block_mask``); a block left uncached is never cached later;
 - free (``KVCacheCoordinator.free``): group by group in group order, each tail first.
+
+A Mamba or linear-attention group (kind ``mamba``: one recurrent state per sequence, vLLM's MambaSpec
+under ``MambaManager`` in "align" mode, what prefix caching turns on) follows the same pool with its own
+rules (``vllm/v1/core/single_type_kv_cache_manager.py: MambaManager``):
+- a block holds the state after the tokens up to its end (block j: (j + 1) x bs); a sequence holds the
+  block of its running state, nulls before it, and across a step that crosses a block boundary also
+  the block it is copied from (``allocate_new_blocks``: at most one new block a step, two with a
+  prefill checkpoint; ``remove_skipped_blocks`` frees the older one at the next allocation);
+- only a state that exists can be cached, and under the default retention interval of 0 only at the
+  prompt's last block boundary below its last token and at the shared-prefix junction
+  (``reachable_block_mask``): nothing while decoding;
+- lookup from the right: the hit ends at the last block boundary, within the full-attention hit, whose
+  state every Mamba group caches (``find_longest_cache_hit``); a state cached during this step cannot
+  be hit before the next one (``cached_blocks_this_step``: the allocation is refused);
+- the scheduler stops a prefill chunk where a state must be kept (``split``, vLLM's
+  ``Scheduler._mamba_block_aligned_split``): at block boundaries, at the last boundary below the last
+  token, at a junction.
+Without prefix caching ("none" mode) a state group holds one block per sequence for its life, and
+nothing is split.
 """
 from __future__ import annotations
 
@@ -57,6 +76,12 @@ class GroupTables:
     keys: list[list[int] | None]
     boundary: int = 0  # the shared-prefix junction of the last lookup (vLLM shared_prefix_boundary)
     shared: bool = False  # forked: a sample's tail may be shared with its siblings (copy on write)
+    # Mamba groups (the same in each): MambaManager's last_state_block_idx, _num_retired_blocks, whether
+    # the request is in _allocated_block_reqs, and the index of this allocation's checkpoint block (-1: none)
+    state_from: int = -1
+    retired: int = 0
+    state_held: bool = False
+    checkpoint: int = -1
 
 
 @dataclass(slots=True)
@@ -105,9 +130,18 @@ class HybridKV:
         self.pool = BlockPool(num_blocks, bs, enable_cache=prefix_cache, policy=cache_policy,
                               duplicate_keys=cache_policy == "lru")
         self.caps = [g.admission_cap(bs, max_batched_tokens, max_model_len) for g in self.groups]
-        # (group, is it sliding, its window or chunk) of the groups that free what they no longer attend
+        self.max_batched_tokens = max_batched_tokens
+        # (group, is it sliding, its window or chunk) of the groups that free what they no longer attend;
+        # a recurrent state's groups (window 0) free all but their last state
         self._windowed = [(i, g.kind == "sliding", g.window) for i, g in enumerate(self.groups)
-                          if g.kind in ("sliding", "chunked")]
+                          if g.kind in ("sliding", "chunked", "mamba")]
+        self._states = [i for i, g in enumerate(self.groups) if g.kind == "mamba"]
+        self.state_checkpoints = any(self.groups[i].spec.checkpoints for i in self._states)
+        # the scheduler ends prefill chunks where a state must be kept (split): align mode only
+        self.aligned_split = prefix_cache and bool(self._states)
+        self._step_keys: set[int] = set()  # the state keys cached during this step (salted per group)
+        self._ref = next((i for i, g in enumerate(self.groups) if g.kind != "mamba"), 0)  # a table by position
+        self._token_groups = [i for i, g in enumerate(self.groups) if g.kind != "mamba"]  # KV per token
         first_full = next((i for i, g in enumerate(self.groups) if g.kind in ("full", "mla")), 0)
         self.salts = [0 if i == first_full else ((i + 1) * _SALT) & _MASK for i in range(len(self.groups))]
         self.roots = [ROOT_KEY ^ salt for salt in self.salts]
@@ -229,6 +263,14 @@ class HybridKV:
         if n_max <= 0:
             return out, 0
         at = self._finder(s, sg.ids, n_max, strict)
+        if g.kind == "mamba":  # the last block boundary whose state every group caches (MambaManager)
+            for j in range(n_max - 1, -1, -1):
+                got = at(j)
+                if got is not None:
+                    for i, b in zip(sg.ids, got):
+                        out[i] = [NULL] * j + [b]
+                    return out, (j + 1) * bs
+            return out, 0
         if g.kind == "sliding":
             need = cdiv(g.window - 1, bs)
             run = 0
@@ -322,11 +364,13 @@ class HybridKV:
         return self._lookup(s, limit).tokens if limit > 0 else 0
 
     # -- allocation --------------------------------------------------------------------------
-    def _to_allocate(self, g: int, st: GroupTables, num_tokens: int, hit: list[int], computed: int,
+    def _to_allocate(self, s: SeqKV, g: int, st: GroupTables, num_tokens: int, hit: list[int], computed: int,
                      capped: bool) -> int:
         """Blocks group ``g`` takes to hold ``num_tokens`` (vLLM get_num_blocks_to_allocate): new ones,
         and hit blocks no sequence holds (taking them leaves fewer to evict)."""
         bs = self.block_size
+        if self.groups[g].kind == "mamba":
+            return self._state_to_allocate(s, g, st, num_tokens, hit, computed)
         required = cdiv(num_tokens, bs)
         cap = self.caps[g]
         if capped and cap is not None:
@@ -339,10 +383,102 @@ class HybridKV:
         refcnt = self.pool.refcnt
         return new + sum(1 for b in hit[max(0, skipped - held):] if b != NULL and refcnt[b] == 0)
 
+    def _state_to_allocate(self, s: SeqKV, g: int, st: GroupTables, num_tokens: int, hit: list[int],
+                           computed: int) -> int:
+        """MambaManager.get_num_blocks_to_allocate (align mode): at most one new block (and a checkpoint's)
+        whatever the tokens, and the hit's block if no sequence holds it; a hit on a state cached during
+        this step cannot be taken before the next (more blocks than the pool has)."""
+        table = st.tables[g]
+        if not self.prefix_cache:  # "none" mode: one block (of max_model_len tokens) for the sequence's life
+            return 0 if table else 1
+        if hit and self._step_keys and self._keys(s, g, len(hit))[len(hit) - 1] in self._step_keys:
+            return self.num_blocks + 1
+        new = cdiv(num_tokens, self.block_size) - len(hit) - len(table)
+        if new > 0:
+            new = min(new, 1 + (self._checkpoint_at(s, st, g, computed, num_tokens) >= 0))
+        return new + (1 if hit and hit[-1] != NULL and self.pool.refcnt[hit[-1]] == 0 else 0)
+
+    def _checkpoint_at(self, s: SeqKV, st: GroupTables, g: int, start: int, end: int) -> int:
+        """The block a prefill chunk from ``start`` to ``end`` exports its checkpoint into, or -1
+        (MambaManager._needs_internal_checkpoint: the chunk reaching the prefill's end, and the state at
+        the last block boundary below it valid to export; is_mamba_prefill_checkpoint_valid)."""
+        if not self.state_checkpoints or end < max(s.prompt_len, s.num_tokens - 1):
+            return -1
+        bs = self.block_size
+        if not _checkpoint_valid(start, end, max(0, (end - 1) // bs * bs), bs):
+            return -1
+        idx, table = cdiv(end, bs) - 2, st.tables[g]
+        return idx if idx >= 0 and (idx >= len(table) or table[idx] == NULL) else -1
+
+    def _alloc_states(self, st: GroupTables, end: int) -> None:
+        """MambaManager.allocate_new_blocks (align mode) in every state group: nothing while the step
+        stays within the running state's block; else the running state's block becomes the copy source
+        (freed at the next allocation), nulls up to the block the step ends in, and one new block there
+        (two with a checkpoint, the one before it receiving the exported state)."""
+        p, bs = self.pool, self.block_size
+        if not self.prefix_cache:
+            for g in self._states:
+                if not st.tables[g]:
+                    p.alloc_into(st.tables[g], 1)
+                    p.add_fill(st.tables[g][0], bs)
+            return
+        required, ckpt = cdiv(end, bs), int(st.checkpoint >= 0)
+        for g in self._states:
+            table = st.tables[g]
+            if required <= len(table) and not ckpt:
+                continue
+            prev = len(table)
+            if prev:
+                st.state_from = prev - 1  # (held: the running state; a new request: its hit's state)
+            if prev < required - 1 - ckpt:
+                table.extend([NULL] * (required - 1 - ckpt - prev))
+            more = required - len(table)
+            if more > 0:
+                p.alloc_into(table, more)
+                p.add_fill_many(table[-more:], bs)  # (a state fills its page: a block's worth of live KV)
+        st.state_held = True
+
+    def split(self, s: SeqKV, computed: int, num_new: int) -> int:
+        """The tokens of a prefill chunk from ``computed`` the scheduler may run, ``num_new`` at most, so
+        that it ends where a state must be kept (vLLM Scheduler._mamba_block_aligned_split): a chunk
+        before the prefill's end ends on a block boundary (0 tokens when the budget does not reach one),
+        and never runs past the last boundary below the sequence's last token (unless the prefill
+        exports that checkpoint itself), a boundary when it starts mid-block, or the junction."""
+        st, bs = self._state(s), self.block_size
+        start, end = computed, computed + num_new
+        prefill_end = max(s.prompt_len, s.num_tokens - 1)
+        if start >= prefill_end:
+            return num_new
+        last = max(0, (s.num_tokens - 1) // bs * bs)
+        inside = False
+        if self.state_checkpoints and end >= prefill_end:
+            inside = _checkpoint_valid(start, end, max(0, (prefill_end - 1) // bs * bs), bs)
+            if inside:
+                last = 0
+        if end < prefill_end:
+            aligned = end // bs * bs
+            if aligned > start or bs <= self.max_batched_tokens:
+                end = aligned
+        junction = st.boundary
+        stops = ((start // bs + 1) * bs if start % bs and not inside else 0, last,
+                 start + (junction - start) // bs * bs if start < junction < end else 0)
+        end = min((x for x in stops if start < x < end), default=end)
+        return max(end - start, 0)
+
+    def new_step(self) -> None:
+        """A scheduler step begins: states cached in the last one may be hit (MambaManager.new_step_starts)."""
+        self._step_keys.clear()
+
     def _drop_skipped(self, st: GroupTables, computed: int) -> None:
         """Free, group by group, the blocks no longer attended to (vLLM remove_skipped_blocks)."""
         bs = self.block_size
+        states = None
         for g, sliding, w in self._windowed:  # (KVGroup.skipped_tokens, inline: every step runs it)
+            if not w:  # a recurrent state's group
+                if states is None:
+                    states = self._state_skips(st, computed)
+                self._drop_states(st, g, *states)
+                continue
             n = min((computed - w + 1 if sliding else computed // w * w) // bs, len(st.tables[g]))
             table = st.tables[g]
             if n <= 0 or table[n - 1] == NULL:  # nothing left the window since the last step
@@ -355,6 +491,35 @@ class HybridKV:
                 table[j] = NULL
             if freed:
                 self.pool.release_all(freed)
+        if states is not None and states[0] < states[1]:
+            st.retired = states[1]
+
+    def _state_skips(self, st: GroupTables, computed: int) -> tuple[int, int, int]:
+        """(first, last, copy source) of what the state groups free now: every block before the one
+        holding the state after ``computed - 1`` tokens not yet retired, and the copy source once the
+        state has moved past it (MambaManager.remove_skipped_blocks, _remove_blocks_in_range)."""
+        if not self.prefix_cache:
+            return 0, 0, -1
+        bs = self.block_size
+        first = st.retired
+        last = min((computed - 1) // bs if computed > 1 else 0, len(st.tables[self._states[0]]))
+        src = st.state_from if 0 <= st.state_from < cdiv(computed, bs) - 1 else -1
+        return first, last, src
+
+    def _drop_states(self, st: GroupTables, g: int, first: int, last: int, src: int) -> None:
+        table = st.tables[g]
+        last = min(last, len(table))
+        if first < last:
+            freed = []
+            for j in range(last - 1, first - 1, -1):
+                if table[j] != NULL:
+                    freed.append(table[j])
+                    table[j] = NULL
+            if freed:
+                self.pool.release_all(freed)
+        if 0 <= src < len(table) and table[src] != NULL:
+            self.pool.release_all((table[src],))
+            table[src] = NULL
 
     def allocate(self, s: SeqKV, num_new: int, hits: Any = (), watermark: int = 0,
                  must_fit: int = 0, forks: int = 0, external: int = 0) -> bool:
@@ -369,7 +534,7 @@ class HybridKV:
         if not (must_fit or external or st.shared) and hits == () and None not in st.cached:
             # a running sequence's step within the blocks it holds (decodes: all but one step a block)
             end = s.num_kv + num_new
-            if -(-end // bs) <= len(st.tables[0]):
+            if -(-end // bs) <= len(st.tables[self._ref]):
                 self._drop_skipped(st, s.num_kv)
                 if self.prefix_cache and s.tokens is not None:
                     full = min(end, len(s.tokens)) // bs
@@ -385,14 +550,16 @@ class HybridKV:
         computed = local + external
         self.last_loaded = None
         if must_fit:
-            need = sum(self._to_allocate(g, st, must_fit, hit_blocks[g], computed, True)
+            need = sum(self._to_allocate(s, g, st, must_fit, hit_blocks[g], computed, True)
                        for g in range(len(self.groups)))
             if need + watermark > p.num_available:
                 self.last_shortfall = need + watermark
                 return False
         end = computed + num_new
         self._drop_skipped(st, computed)
-        need = sum(self._to_allocate(g, st, end, hit_blocks[g], computed, False) for g in range(len(self.groups)))
+        need = sum(self._to_allocate(s, g, st, end, hit_blocks[g], computed, False) for g in range(len(self.groups)))
+        if self._states:  # this allocation's checkpoint block (MambaManager._checkpoints)
+            st.checkpoint = self._checkpoint_at(s, st, self._states[0], computed, end)
         shared_tails = []
         if num_new and s.num_kv % bs:  # a sample's first write into a tail its siblings share: copy it
             shared_tails = [g for g, t in enumerate(st.tables) if t and t[-1] != NULL and p.refcnt[t[-1]] > 1]
@@ -423,7 +590,12 @@ class HybridKV:
             table[-1] = dst
             self.copies.append((src, dst))
             self.cow_copies += 1
+        kinds = self.groups
         for g, table in enumerate(st.tables):
+            if kinds[g].kind == "mamba":
+                if g == self._states[0]:
+                    self._alloc_states(st, end)
+                continue
             more = cdiv(end, bs) - len(table)
             if more > 0:
                 p.alloc_into(table, more)
@@ -444,7 +616,11 @@ class HybridKV:
         if start >= end:
             return
         grp, table = self.groups[g], st.tables[g]
-        if grp.kind == "sliding":
+        if grp.kind == "mamba":  # the states a later lookup can reach: the prompt's last boundary, the junction
+            positions = [j for j in {(s.prompt_len - 1) // bs - 1, st.boundary // bs - 1 if st.boundary else -1}
+                         if start <= j < end]
+            positions.sort()
+        elif grp.kind == "sliding":
             need = cdiv(grp.window - 1, bs)
             marks = np.zeros(end - start, dtype=bool)
             for b in (s.prompt_len - 1, *((st.boundary,) if st.boundary else ())):
@@ -470,6 +646,8 @@ class HybridKV:
             a, b = run[0], run[-1] + 1
             self.pool.register_run(table[a:b], keys[a:b], keys[a - 1] if a else self.roots[g],
                                    s.tokens[a * bs:b * bs])
+        if grp.kind == "mamba":
+            self._step_keys.update(keys[j] for j in positions)
 
     def commit(self, s: SeqKV, n: int) -> None:
         self.commit_all((s,), (n,))
@@ -483,16 +661,17 @@ class HybridKV:
             st = s.groups
             assert st is not None  # (allocated before it is committed)
             start, end = s.num_kv, s.num_kv + n
+            tables = st.tables if not self._states else [st.tables[g] for g in self._token_groups]
             if n == 1:  # a decode: one position in every group
                 j = start // bs
-                for table in st.tables:
+                for table in tables:
                     b = table[j]
                     if b != NULL:
                         fill[b] += 1
                         live += 1
                 s.num_kv = end
                 continue
-            for table in st.tables:
+            for table in tables:
                 pos = start
                 while pos < end:
                     j, off = divmod(pos, bs)
@@ -547,6 +726,14 @@ class HybridKV:
     def group_tables(self, s: SeqKV) -> list[list[int]]:
         """The sequence's block table of each group (NULL where freed): what a forward reads."""
         return self._state(s).tables
+
+
+def _checkpoint_valid(start: int, end: int, position: int, bs: int) -> bool:
+    """Whether a prefill chunk from ``start`` to ``end`` can export the state at ``position`` itself
+    (vLLM is_mamba_prefill_checkpoint_valid, hash block = state block = alignment = bs): the chunk
+    starts on a boundary, spans at least two more blocks, and holds the position a whole block in."""
+    return (start % bs == 0 and cdiv(end, bs) - 2 > (start - 1) // bs and start + bs <= position
+            and start < position < end and (position - start) % bs == 0)
 
 
 __all__ = ["NULL", "GroupTables", "HybridHit", "HybridKV"]

@@ -41,7 +41,7 @@ class RequestState:
 
 @dataclass(slots=True, eq=False)
 class Sequence(SeqKV):
-    """One sample of a request being generated. ``num_tokens`` = prompt + generated tokens.
+    """One sample of a request being generated (``num_tokens``, SeqKV's: prompt + generated tokens).
 
     ``seats``: the sequences it counts for against ``max_num_seqs``: itself, plus the samples it will
     fork after its first token (n - 1) until it has forked."""
@@ -50,7 +50,6 @@ class Sequence(SeqKV):
     rs: RequestState = field(kw_only=True)  # every sequence serves a request
     sample: int = 0  # which of the request's n samples (kvbench.trace.tokens: its token stream)
     seats: int = 1
-    num_tokens: int = 0
     num_out: int = 0
     last_token: int = 0
     last_emit_s: float = NAN  # when it last emitted a token (inter-token latency)

@@ -111,6 +111,9 @@ class Scheduler:
         self.tier_hit_tokens = {name: 0 for name in kv.tiers.names} if kv.tiers is not None else {}
         self.resumed_loaded_tokens = 0  # resumed requests' tokens loaded from the tiers
         self.lane: DecodeLane | None = None  # the running batch's steady decodes in arrays (enable_lane)
+        # a KV manager with recurrent state in align mode ends prefill chunks where a state must be kept
+        # (HybridKV.split: vLLM's Scheduler._mamba_block_aligned_split, after the budget's cut)
+        self._split = kv.split if getattr(kv, "aligned_split", False) else None  # type: ignore[attr-defined]
 
     def enable_lane(self) -> bool:
         """Run the steady decodes in a DecodeLane (kvbench.scheduler.lane) from now on, where the
@@ -159,6 +162,9 @@ class Scheduler:
         budget = cfg.max_batched_tokens
         running, lane = self.running, self.lane
         allocate, seqs, nums = kv.allocate, plan.seqs, plan.num_new  # per running sequence: bound once
+        split = self._split
+        if split is not None:
+            kv.new_step()  # type: ignore[attr-defined]  # (a KV manager with recurrent state)
         if lane is not None:
             lane.begin()
         i = 0
@@ -173,6 +179,11 @@ class Scheduler:
             num_new = s.num_tokens - s.num_kv - s.dropped
             if num_new > budget:
                 num_new = budget
+            if split is not None:  # a prefill chunk ends where a state must be kept
+                num_new = split(s, s.num_kv, num_new)
+                if not num_new:  # (vLLM: skipped this step)
+                    i += 1
+                    continue
             while not allocate(s, num_new):
                 victim = running.pop()  # the last admitted (vLLM: self.running.pop())
                 if lane is not None:
@@ -215,6 +226,10 @@ class Scheduler:
             hits = kv.lookup(s, s.num_tokens)
             cached = kv.num_cached_tokens(s, hits)
             num_new = min(s.num_tokens - cached, budget)
+            if self._split is not None:
+                num_new = self._split(s, cached, num_new)
+                if not num_new:
+                    break
             if not kv.allocate(s, num_new, hits, wm, must_fit=s.num_tokens if full else 0,
                                forks=s.seats - 1):
                 break
