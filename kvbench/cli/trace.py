@@ -246,7 +246,8 @@ def refuse_kv_groups(spec, kv_dtype: str, block_size: int) -> None:
 
     layout = group_layers(spec.kv_layers(kv_dtype, 1), block_size)
     if layout.is_hybrid:
-        raise InputError(f"{spec.name} keeps its KV in groups ({layout.describe()}) whose windows cache only where "
+        kept = "recurrent states are" if layout.has_state else "windows are"
+        raise InputError(f"{spec.name} keeps its KV in groups ({layout.describe()}) whose {kept} cached only where "
                          "a lookup can end; the what-if simulates one cache of whole blocks: measure it with "
                          "kvbench replay (its hit rate with a pool that never evicts is the ceiling)", field="--model")
 

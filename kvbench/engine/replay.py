@@ -134,6 +134,9 @@ class Replay:
         executor = make_executor(cfg, self.model)
         # the model's KV cache groups (one for a plain model; several with windows: vLLM's hybrid manager)
         self.kv_layout = kv_layout_of(cfg, executor)
+        if self.kv_layout.block_size != cfg.block_size:  # recurrent state: vLLM's block size, not the one asked
+            cfg = self.cfg = dataclasses.replace(cfg, block_size=self.kv_layout.block_size)
+            self.slab_reserve_tokens = self._slab_reserve_tokens()
         check_hybrid(cfg, self.kv_layout, self.model.name)
         self.num_blocks = pool_blocks(cfg, executor, kv_layout=self.kv_layout)  # per replica
         self._block_bytes = self.kv_layout.bytes_per_block * cfg.tp

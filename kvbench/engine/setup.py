@@ -27,7 +27,10 @@ def kv_layout_of(cfg: ReplayConfig, executor) -> KVLayout:
     disable = cfg.disable_hybrid_kv_cache_manager
     if disable is None:
         disable = any(layer.kind == "chunked" for layer in layers)
-    return group_layers(layers, cfg.block_size, disable)
+    try:
+        return group_layers(layers, cfg.block_size, disable)
+    except ValueError as e:
+        raise InputError(str(e), field="--disable-hybrid-kv-cache-manager" if disable else "--model") from None
 
 
 def pool_blocks(cfg: ReplayConfig, executor, model=None, kv_layout: KVLayout | None = None) -> int:
@@ -75,8 +78,9 @@ def check_hybrid(cfg: ReplayConfig, layout: KVLayout, model: str) -> None:
         why, field = ("the model executor runs full and sliding-window groups only (chunked local attention is not "
                       "implemented in its forward)", "--executor")
     if why is not None:
-        raise InputError(f"{model} keeps its KV in groups ({groups}): {why}; use --disable-hybrid-kv-cache-manager "
-                         "to run it as full attention", field=field)
+        way_out = ("" if layout.has_state else  # (vLLM cannot run a recurrent state as attention)
+                   "; use --disable-hybrid-kv-cache-manager to run it as full attention")
+        raise InputError(f"{model} keeps its KV in groups ({groups}): {why}{way_out}", field=field)
 
 
 def check_model_memory(cfg: ReplayConfig, model) -> None:

@@ -28,6 +28,15 @@ from kvbench.errors import InputError
 from kvbench.memory.specs import LayerKV
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+MAMBA_TYPES = ("gdn", "mamba2", "mamba1")
+
+
+def _split(n: int, tp: int, what: str) -> int:
+    """``n`` split over ``tp`` ranks (vLLM's divide: it must divide)."""
+    if n % tp:
+        raise InputError(f"a recurrent layer's {what} ({n}) does not split over {tp} GPUs (choose a --tp that "
+                         f"divides it)", field="--tp")
+    return n // tp
 
 # Linear weights a quantization may cover; the router, norms, embedding and LM head always stay in the
 # checkpoint's unquantized dtype (vLLM builds them without a quant method).
@@ -166,6 +175,22 @@ class ModelSpec:
     v_head_dim: int = 0
     q_lora_rank: int = 0
     quant: WeightQuant | None = None  # None: every weight in the dtype asked for (--dtype)
+    # Recurrent layers (layer kind "mamba"): Gated DeltaNet ("gdn": Qwen3-Next, Qwen3.5), Mamba-2
+    # ("mamba2": Granite 4.0-H, Nemotron-H, Falcon-H1) or Mamba-1 ("mamba1": Jamba). A sequence's state in
+    # such a layer is a conv state of (conv_kernel - 1) x conv_dim and an SSM state of heads x head_dim x
+    # state_size, conv_dim = inner + 2 x groups x state_size (vLLM MambaStateShapeCalculator; GDN: heads and
+    # head_dim are the value heads', groups and state_size the key heads', inner = heads x head_dim;
+    # Mamba-1: conv_dim = inner, an SSM state of inner x state_size). ssm_dtype: the SSM state's dtype
+    # when not the model's (Nemotron-H keeps it in fp32).
+    mamba_type: str = ""
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state_size: int = 0
+    mamba_groups: int = 0
+    mamba_inner: int = 0
+    mamba_conv_kernel: int = 0
+    mamba_ssm_dtype: str = ""
+    attn_output_gate: bool = False  # Qwen3-Next: the query projection also makes a sigmoid gate on the output
 
     def __post_init__(self) -> None:
         if self.layer_kinds and len(self.layer_kinds) != self.num_layers:
@@ -176,6 +201,8 @@ class ModelSpec:
         for kind, window in (("sliding", self.sliding_window), ("chunked", self.attention_chunk_size)):
             if kind in kinds and window < 1:
                 raise ValueError(f"{self.name}: a {kind} layer needs a window >= 1")
+        if ("mamba" in kinds) != (self.mamba_type in MAMBA_TYPES):
+            raise ValueError(f"{self.name}: recurrent layers need a mamba_type ({', '.join(MAMBA_TYPES)}) and it them")
 
     @property
     def is_moe(self) -> bool:
@@ -207,13 +234,73 @@ class ModelSpec:
                              field="--tp")
         return self.num_kv_heads // tp if self.num_kv_heads >= tp else 1
 
-    def kv_layers(self, kv_dtype: str, tp: int = 1) -> list[LayerKV]:
+    def kv_layers(self, kv_dtype: str, tp: int = 1, state_dtype: str = "bf16",
+                  checkpoints: bool = False) -> list[LayerKV]:
         """One LayerKV per layer, in layer order: the KV one of ``tp`` ranks keeps for it, in
         ``kv_dtype`` (a DTYPE_BYTES key). MLA: one latent head of kv_lora_rank + qk_rope_head_dim values
-        on every rank, so its bytes per GPU do not fall with tp."""
+        on every rank, so its bytes per GPU do not fall with tp. A recurrent layer: its state on a rank
+        in ``state_dtype`` (the model's: vLLM's --mamba-cache-dtype auto), ``checkpoints`` whether its
+        prefill exports states itself (a GDN layer on Hopper)."""
         dtype_bytes, heads = DTYPE_BYTES[kv_dtype], self.kv_heads_per_rank(tp)
-        spec = {kind: LayerKV(kind, heads, self.head_dim, dtype_bytes, self.window(kind)) for kind in set(self.kinds)}
+        spec = {kind: LayerKV(kind, heads, self.head_dim, dtype_bytes, self.window(kind)) for kind in set(self.kinds)
+                if kind != "mamba"}
+        if "mamba" in self.kinds:
+            spec["mamba"] = LayerKV("mamba", 1, 1, 1, state_bytes=self.state_bytes(tp, state_dtype),
+                                    checkpoints=checkpoints and self.mamba_type == "gdn")
         return [spec[kind] for kind in self.kinds]
+
+    def state_shapes(self, tp: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A recurrent layer's (conv state, SSM state) shapes on one of ``tp`` ranks (vLLM
+        MambaStateShapeCalculator: mamba1_state_shape, mamba2_state_shape, gated_delta_net_state_shape;
+        a Mamba-2 model's groups are replicated up to tp when tp does not divide them)."""
+        k, inner, n = self.mamba_conv_kernel, self.mamba_inner, self.mamba_state_size
+        if self.mamba_type == "mamba1":
+            return (k - 1, _split(inner, tp, "mamba_inner")), (_split(inner, tp, "mamba_inner"), n)
+        groups = self.mamba_groups
+        if self.mamba_type == "mamba2" and groups % tp:
+            groups = tp
+        conv_dim = inner + 2 * groups * n
+        return ((k - 1, _split(conv_dim, tp, "conv_dim")),
+                (_split(self.mamba_heads, tp, "mamba_heads"), self.mamba_head_dim, n))
+
+    def state_bytes(self, tp: int = 1, dtype: str = "bf16") -> int:
+        """One sequence's state in one recurrent layer on one of ``tp`` ranks (vLLM
+        MambaSpec.page_size_bytes, unpadded): the conv state in ``dtype``, the SSM state in
+        ``mamba_ssm_dtype`` when the model names one."""
+        conv, ssm = self.state_shapes(tp)
+        return (math.prod(conv) * DTYPE_BYTES[dtype]
+                + math.prod(ssm) * DTYPE_BYTES[self.mamba_ssm_dtype or dtype])
+
+    def mamba_weights(self, tp: int = 1) -> float:
+        """One recurrent layer's projections on one GPU. GDN (vLLM's Qwen3-Next): in_proj_qkvz and in_proj_ba
+        (h x (2 Hk Dk + 2 Hv Dv + 2 Hv)), the depthwise conv (conv_dim x K), out_proj (Hv Dv x h). Mamba-2:
+        in_proj (h x (2 I + 2 G N + H)), the conv, out_proj (I x h). Mamba-1: in_proj (h x 2 I), x_proj
+        (I x (R + 2 N), R = ceil(h / 16)), dt_proj (R x I), out_proj (I x h)."""
+        h, inner, n, g, k = self.hidden_size, self.mamba_inner, self.mamba_state_size, self.mamba_groups, self.mamba_conv_kernel
+        if self.mamba_type == "mamba1":
+            r = -(-h // 16)
+            return (2 * h * inner + inner * (r + 2 * n) + r * inner + inner * h + inner * k) / tp
+        conv_dim = inner + 2 * g * n
+        extra = 2 * self.mamba_heads if self.mamba_type == "gdn" else self.mamba_heads
+        return (h * (conv_dim + inner + extra) + conv_dim * k + inner * h) / tp
+
+    def state_flops(self, tp: int = 1) -> float:
+        """FLOPs of one token's state update and read-out in one recurrent layer on one GPU: the SSM
+        state's elements, each touched about six times (decay, the rank-one update, the output)."""
+        _, ssm = self.state_shapes(tp)
+        return 6.0 * math.prod(ssm)
+
+    @property
+    def num_state_layers(self) -> int:
+        return self.kinds.count("mamba")
+
+    def mixer_weights(self, tp: int = 1) -> float:
+        """The token mixer's projections on one GPU averaged over the layers: attention's, and a
+        recurrent layer's (mamba_weights) where the model has them."""
+        states = self.num_state_layers
+        if not states:
+            return self.attn_weights(tp)
+        return ((self.num_layers - states) * self.attn_weights(tp) + states * self.mamba_weights(tp)) / self.num_layers
 
     def kv_bytes_per_token(self, dtype: str = "bf16") -> int:
         """KV of one token over every layer, on one GPU holding the whole model (sum of kv_layers)."""
@@ -224,6 +311,8 @@ class ModelSpec:
         hq, layers, kinds = self.num_heads // tp, self.kv_layers(kv_dtype, tp), self.kinds
         out = []
         for kind in dict.fromkeys(kinds):
+            if kind == "mamba":  # (no attention: StepCost prices its state)
+                continue
             count, kv = kinds.count(kind), kinds.count(kind) * layers[kinds.index(kind)].bytes_per_token
             if kind != "mla":  # QK^T and PV: 2 d FLOPs each per head per pair
                 pair = 4.0 * count * hq * self.head_dim
@@ -243,7 +332,8 @@ class ModelSpec:
         h, hq = self.hidden_size, self.num_heads // tp
         if not self.kv_lora_rank:
             d, hkv = self.head_dim, self.kv_heads_per_rank(tp)
-            return h * hq * d + 2 * h * hkv * d + hq * d * h
+            gate = h * hq * d if self.attn_output_gate else 0
+            return h * hq * d + gate + 2 * h * hkv * d + hq * d * h
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim
         q = h * self.q_lora_rank + self.q_lora_rank * hq * qk if self.q_lora_rank else h * hq * qk
         return (q + h * (self.kv_lora_rank + self.qk_rope_head_dim)
@@ -282,7 +372,7 @@ class ModelSpec:
         moe, dense, h = self.moe_layers, self.num_layers - self.moe_layers, self.hidden_size
         routed, shared, router = self.mlp_parts(self.num_experts) if self.is_moe else (0.0, 0.0, 0)
         emb = self.vocab_size * h
-        counts = {"attn": self.num_layers * self.attn_weights(), "mlp": dense * self.mlp_weights(0, moe=False),
+        counts = {"attn": self.num_layers * self.mixer_weights(), "mlp": dense * self.mlp_weights(0, moe=False),
                   "experts": moe * routed, "shared_experts": moe * shared, "router": moe * router,
                   "norms": self.num_layers * self.norm_weights() + h, "embedding": emb,
                   "lm_head": 0 if self.tie_word_embeddings else emb}
@@ -330,8 +420,9 @@ _SHARED_EXPERT_BY_ARCHITECTURE = {"llama4_text": 1}
 _RECURRENT_FIELDS = ("mamba_d_state", "ssm_state_size", "layers_block_type", "hybrid_override_pattern",
                      "attn_layer_period", "attn_layer_indices", "linear_num_value_heads", "attn_type_list",
                      "linear_attn_config", "block_types")
-LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
-_RECURRENT_TYPES = ("linear_attention", "mamba", "mamba2", "conv", "recurrent", "lightning_attention")
+LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
+               "attention": "full", "linear_attention": "mamba", "mamba": "mamba"}
+_RECURRENT_TYPES = ("mamba2", "conv", "recurrent", "lightning_attention")
 QUANT_METHODS = ("fp8", "mxfp4", "awq", "gptq")
 _POSITIVE_INT_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
                         "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings",
@@ -340,8 +431,11 @@ _POSITIVE_INT_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads
                         "n_shared_experts", "first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step",
                         "interleave_moe_layer_step", "intermediate_size_mlp", "kv_lora_rank", "qk_rope_head_dim",
                         "qk_nope_head_dim", "v_head_dim", "q_lora_rank", "sliding_window", "sliding_window_pattern",
-                        "max_window_layers", "attention_chunk_size", "no_rope_layer_interval")
-_MAY_BE_ZERO = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "experts_per_token",
+                        "max_window_layers", "attention_chunk_size", "no_rope_layer_interval", "full_attention_interval",
+                        "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                        "linear_value_head_dim", "linear_conv_kernel_dim", "mamba_n_heads", "mamba_d_head",
+                        "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_expand", "shared_intermediate_size")
+_MAY_BE_ZERO = ("shared_intermediate_size", "num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "experts_per_token",
                 "shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace", "max_window_layers")
 # Module names a modules_to_not_convert pattern is matched against, per kind of weight.
 _MODULE_NAMES = {
@@ -415,12 +509,15 @@ def _layer_kinds(f: _Fields, layers: int, max_len: int, mla: bool) -> tuple[tupl
         kinds = []
         for i, t in enumerate(types):
             if t in _RECURRENT_TYPES:
-                raise f.error("layer_types", f"layer {i} is a {t} layer: kvbench models attention layers only "
-                                             "(full, sliding, chunked, MLA), not recurrent state")
+                raise f.error("layer_types", f"layer {i} is a {t} layer: kvbench reads Gated DeltaNet "
+                                             "(linear_attention) and Mamba-2 (mamba) layers, not this recurrent state")
             if t not in LAYER_TYPES:
                 raise f.error("layer_types", f"unknown layer type {t!r} at layer {i} "
                                              f"(kvbench reads {', '.join(LAYER_TYPES)})")
             kinds.append(LAYER_TYPES[t])
+    elif f.get("full_attention_interval") is not None:  # Qwen3-Next: every interval-th layer full, GDN between
+        every = f.get("full_attention_interval")
+        kinds = ["full" if (i + 1) % every == 0 else "mamba" for i in range(layers)]
     elif f.get("attention_chunk_size") is not None:
         # Llama 4: a NoPE layer (no_rope_layers[i] == 0) attends globally, the others chunked-local
         # (vLLM's llama4.py); an empty list means every no_rope_layer_interval-th layer is NoPE.
@@ -457,6 +554,53 @@ def _layer_kinds(f: _Fields, layers: int, max_len: int, mla: bool) -> tuple[tupl
     if mla:
         kinds = ["mla"] * layers
     return tuple(kinds), window, chunk
+
+
+# The recurrent layers kvbench reads, by the field that names them: Gated DeltaNet (Qwen3-Next, Qwen3.5) and
+# Granite 4.0-H's Mamba-2. Others are refused naming the field (_RECURRENT_FIELDS).
+_GDN_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+               "linear_conv_kernel_dim")
+_MAMBA2_FIELDS = ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv")
+_REFUSED_RECURRENT = {
+    "hybrid_override_pattern": "Nemotron-H's layers (a Mamba, an attention or an MLP block each, not a mixer and an "
+                               "MLP per layer) are not modelled",
+    "attn_layer_period": "Jamba's Mamba-1 layers are not read",
+    "layers_block_type": "this model's recurrent layers are not read",
+}
+
+
+def _recurrent(f: _Fields, kinds: tuple[str, ...]) -> dict[str, Any]:
+    """The recurrent layers' shape (ModelSpec's mamba_* fields) of a config whose layers include them: Gated
+    DeltaNet from its linear_* fields (Qwen3NextForCausalLM.get_mamba_state_shape_from_config), Mamba-2
+    from Granite 4.0-H's mamba_* fields (GraniteMoeHybridForCausalLM's)."""
+    if "mamba" not in kinds:
+        for key in (*_RECURRENT_FIELDS, *_GDN_FIELDS, *_MAMBA2_FIELDS):
+            if key in f.c:
+                raise f.error(key, "a recurrent (Mamba or linear-attention) layer's state, but no layer_types (or "
+                                   "full_attention_interval) says which layers are recurrent")
+        return {}
+    gdn = f.architecture.startswith(("qwen3_next", "qwen3_5"))
+    if gdn or f.get("linear_num_value_heads") is not None or f.get("linear_num_key_heads") is not None:
+        hk, hv, dk, dv, k = (f.need(key) for key in _GDN_FIELDS)
+        ssm = f.get("mamba_ssm_dtype")  # Qwen3.5: the recurrent state in this dtype (vLLM's config hook)
+        if ssm is not None and ssm not in _STATE_DTYPES:
+            raise f.error("mamba_ssm_dtype", f"must be one of {', '.join(_STATE_DTYPES)}, got {ssm!r}")
+        return {"mamba_type": "gdn", "mamba_heads": hv, "mamba_head_dim": dv, "mamba_state_size": dk,
+                "mamba_groups": hk, "mamba_inner": hv * dv, "mamba_conv_kernel": k,
+                "mamba_ssm_dtype": _STATE_DTYPES.get(ssm, "") if ssm else "",
+                "attn_output_gate": bool(f.get("attn_output_gate", True))}
+    if f.architecture.startswith("granitemoehybrid") or f.get("mamba_n_heads") is not None:
+        h, d, n, g, k = (f.need(key) for key in _MAMBA2_FIELDS)
+        inner = f.get("mamba_expand", 2) * f.need("hidden_size")
+        if h * d != inner:
+            raise f.error("mamba_n_heads", f"{h} heads x {d} != the {inner} inner dimensions (mamba_expand x hidden_size)")
+        return {"mamba_type": "mamba2", "mamba_heads": h, "mamba_head_dim": d, "mamba_state_size": n,
+                "mamba_groups": g, "mamba_inner": inner, "mamba_conv_kernel": k}
+    raise f.error("layer_types", "recurrent layers without the fields of their state (linear_num_key_heads ... for "
+                                 "Gated DeltaNet, mamba_n_heads ... for Mamba-2)")
+
+
+_STATE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def _dense_layers(f: _Fields, layers: int) -> tuple[int, ...]:
@@ -526,10 +670,14 @@ def read_hf_config(path: str, name: str | None = None) -> ModelSpec:
     if not isinstance(raw, dict):
         raise InputError("must be a JSON object", file=cfg_path)
     f = _Fields(raw, cfg_path)
-    for key in _RECURRENT_FIELDS:
+    for key, why in _REFUSED_RECURRENT.items():
         if key in f.c:
-            raise f.error(key, "a recurrent (Mamba or linear-attention) layer's state: kvbench models attention "
-                               "KV only (full, sliding, chunked, MLA layers)")
+            raise f.error(key, f"a recurrent (Mamba or linear-attention) layer's state: {why} (kvbench reads Gated "
+                               "DeltaNet and Granite 4.0-H's Mamba-2)")
+    for key in _RECURRENT_FIELDS:
+        if key in f.c and key not in _GDN_FIELDS + _MAMBA2_FIELDS and key != "linear_num_value_heads":
+            raise f.error(key, "a recurrent (Mamba or linear-attention) layer's state kvbench does not read "
+                               "(it reads Gated DeltaNet and Granite 4.0-H's Mamba-2)")
     for key in _POSITIVE_INT_FIELDS:
         v = f.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (0 if key in _MAY_BE_ZERO else 1)):
@@ -539,6 +687,7 @@ def read_hf_config(path: str, name: str | None = None) -> ModelSpec:
     max_len = f.get("max_position_embeddings", 4096)
     mla = f.get("kv_lora_rank") is not None
     kinds, window, chunk = _layer_kinds(f, layers, max_len, mla)
+    recurrent = _recurrent(f, kinds)
     if mla:
         rope, nope, v_dim = f.need("qk_rope_head_dim"), f.need("qk_nope_head_dim"), f.need("v_head_dim")
         kv_heads, head_dim = 1, f.get("kv_lora_rank") + rope
@@ -563,6 +712,8 @@ def read_hf_config(path: str, name: str | None = None) -> ModelSpec:
             shared = f.get("n_shared_experts") * expert_size
         elif f.get("shared_expert_intermediate_size"):  # Qwen2-MoE: one, behind a sigmoid gate
             shared, gate = f.get("shared_expert_intermediate_size"), True
+        elif f.get("shared_intermediate_size"):  # Granite 4.0-H: one, ungated
+            shared = f.get("shared_intermediate_size")
         elif f.architecture in _SHARED_EXPERT_BY_ARCHITECTURE:
             shared = _SHARED_EXPERT_BY_ARCHITECTURE[f.architecture] * expert_size
     rope_params = f.get("rope_parameters") if isinstance(f.get("rope_parameters"), dict) else {}
@@ -583,6 +734,7 @@ def read_hf_config(path: str, name: str | None = None) -> ModelSpec:
         kv_lora_rank=f.get("kv_lora_rank", 0), qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=v_dim,
         q_lora_rank=f.get("q_lora_rank", 0) if mla else 0,
         quant=_quantization(f),
+        **recurrent,
     )
 
 

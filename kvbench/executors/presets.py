@@ -55,8 +55,12 @@ MODELS["llama-3.1-70b"] = replace(MODELS["llama-3-70b"], name="llama-3.1-70b")
 # attention and quantized weights, which the model executor's dense bf16 forward refuses
 # (modeling.check_runnable). Each is read from its published config.json (configs/: openai/gpt-oss-20b
 # and -120b, google/gemma-3-27b-it and meta-llama/Llama-4-Scout-17B-16E-Instruct (the language model
-# under text_config), deepseek-ai/DeepSeek-V3), so the parser is what they go through.
-HYBRID_PRESETS = ("gpt-oss-20b", "gpt-oss-120b", "gemma-3-27b", "llama-4-scout", "deepseek-v3")
+# under text_config), deepseek-ai/DeepSeek-V3), so the parser is what they go through. Two keep most of
+# their layers as recurrent state: Qwen/Qwen3-Next-80B-A3B-Instruct (Gated DeltaNet, a full-attention
+# layer in four) and ibm-granite/granite-4.0-h-tiny (Mamba-2, attention at layers 5, 15, 25, 35); their
+# config.json written out here from the published files' fields.
+HYBRID_PRESETS = ("gpt-oss-20b", "gpt-oss-120b", "gemma-3-27b", "llama-4-scout", "deepseek-v3", "qwen3-next-80b-a3b",
+                  "granite-4.0-h-tiny")
 SIM_MODELS: dict[str, ModelSpec] = {name: read_hf_config(os.path.join(CONFIGS_DIR, f"{name}.json"), name=name)
                                     for name in HYBRID_PRESETS}
 

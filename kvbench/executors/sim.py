@@ -56,6 +56,11 @@ Operations: FLOPs and bytes per GPU -> time = max(FLOPs / rate, bytes / bandwidt
   allreduce  N > 1: two per layer of the step's activations (T h bc bytes), ring:
              2 L (allreduce_latency_s + 2 (N - 1) / N x T h bc / link_bw)
   overhead   step_overhead_s + seq_overhead_s x Q     (Q = #chunks + #decodes: sequences scheduled)
+  recurrent  Mamba / Gated DeltaNet layers (L_s of them, ModelSpec.mamba_type): their projections are
+             W_attn's share for those layers (ModelSpec.mixer_weights averages the two kinds); each token
+             updates the state, 6 x its SSM elements per layer (ModelSpec.state_flops), priced as
+             attention; each prefill chunk and each decode reads and writes the sequence's state once:
+             2 x state bytes over the L_s layers (ModelSpec.state_bytes)                 kv_bw
   front end  not a step's: each request request_s + request_token_s x its prompt in the API server, one
              at a time, then request_latency_s (holding no other request) before the scheduler sees it
              (engine.issuer.FrontEnd; --no-front-end: none)
@@ -271,8 +276,11 @@ class StepCost:
         self.hq = m.num_heads // n
         self.hkv = m.kv_heads_per_rank(n)  # vLLM: KV heads divided, or replicated one per GPU
         self.kv_tok = sum(layer.bytes_per_token for layer in m.kv_layers(kv_dtype, n))  # bytes per token per GPU
-        self.w_attn = m.attn_weights(n)
+        self.w_attn = m.mixer_weights(n)  # (attention's, averaged with recurrent layers' where there are some)
         self.w_head = h * m.vocab_size / n
+        states = m.num_state_layers  # recurrent layers: a state per sequence read and written each step
+        self.state_bytes = states * m.state_bytes(n, compute_dtype(weight_dtype)) if states else 0
+        self.state_flops = states * m.state_flops(n) if states else 0.0
         moe = m.moe_layers
         self.layer_classes = [(count, is_moe) for count, is_moe in ((moe, True), (m.num_layers - moe, False))
                               if count]  # (layers, whether their MLP is a MoE)
@@ -333,7 +341,7 @@ class StepCost:
         """KV bytes one GPU holds for one sequence of ``tokens`` at most: a sliding layer keeps its
         window and the step's new tokens, a chunked one its chunk and them (vLLM's
         max_memory_usage_bytes, without the block rounding)."""
-        return sum(g.kv * g.tokens_held(tokens, max_batched_tokens) for g in self.groups)
+        return sum(g.kv * g.tokens_held(tokens, max_batched_tokens) for g in self.groups) + self.state_bytes
 
     # -- one step -----------------------------------------------------------------------------
     def work(self, batch: StepBatch) -> Work:
@@ -347,6 +355,9 @@ class StepCost:
                 f, b = g.prefill(start, n)
                 flops += f
                 read += b
+            if self.state_bytes:
+                flops += self.state_flops * n
+                read += 2 * self.state_bytes
             w.prefill.append((flops, read))
             w.prefill_span.append(2 * start + n)
         ctx = batch.decode_context_total()
@@ -357,6 +368,10 @@ class StepCost:
             keys = g.decode_keys(contexts, ctx)
             flops += g.decode_pair * keys
             read += g.kv * keys
+        if self.state_bytes:
+            d = len(batch.decode_positions)
+            flops += self.state_flops * d
+            read += 2 * self.state_bytes * d
         w.decode_flops, w.decode_bytes = flops, float(read)
         w.prefill_tokens, w.decode_seqs, w.context_tokens = n_pre, len(batch.decode_positions), ctx
         w.seqs = len(batch.prefill_lens) + w.decode_seqs
@@ -512,6 +527,12 @@ def calibration_mismatches(c: dict, model: ModelSpec, gpu: GPUSpec, kv_dtype: st
     return out
 
 
+# GPUs on which vLLM 0.34's Gated DeltaNet prefill is FlashInfer's, which exports the state at the prompt's
+# last block boundary itself (vLLM _resolve_gdn_prefill_backend: SM90; Blackwell only with CUDA 13 builds,
+# not assumed here): there the prompt's last chunk runs to its end in one step (kvbench.memory.hybrid).
+STATE_CHECKPOINT_GPUS = ("h100", "h200", "h20")
+
+
 # -- the executor --------------------------------------------------------------------------------
 class SimExecutor:
     name = "sim"
@@ -561,7 +582,8 @@ class SimExecutor:
     def kv_layers(self) -> list[LayerKV]:
         """Each layer's KV on one GPU, in the dtype cached (ModelSpec.kv_layers at --tp): their bytes
         summed are kv; the pool counts them on each of the N GPUs (kv_bytes_per_token)."""
-        return self.model.kv_layers(self.kv_dtype, self.tp)
+        return self.model.kv_layers(self.kv_dtype, self.tp, compute_dtype(self.shape.dtypes[0]),
+                                    checkpoints=self.gpu.name in STATE_CHECKPOINT_GPUS)
 
     def default_kv_bytes(self) -> int:
         """The KV pool when none is asked: every GPU's memory left after weights and activations."""
