@@ -44,6 +44,10 @@ SHAPES = {
     "llama-4-scout": ({("chunked", 8192): 36, ("full", 0): 12}, 4096, 107_769_861_120, 215_539_722_240),
     # 61 MLA layers of one latent of 512 + 64 bf16 values: 1,152 B a layer
     "deepseek-v3": ({("mla", 0): 61}, 1152, 671_026_404_352, 673_150_545_584),
+    # every 4th of 48 layers full attention (2 KV heads x 256: 2,048 B a layer), the rest Gated DeltaNet
+    "qwen3-next-80b-a3b": ({("mamba", 0): 36, ("full", 0): 12}, 2048, 79_674_378_240, 159_348_756_480),
+    # attention at layers 5, 15, 25, 35 (4 KV heads x 128: 2,048 B a layer), the rest Mamba-2
+    "granite-4.0-h-tiny": ({("mamba", 0): 36, ("full", 0): 4}, 2048, 6_938_801_664, 13_877_603_328),
 }
 
 
@@ -84,8 +88,9 @@ def test_each_preset_has_its_published_shape(name):
     m = SIM_MODELS[name]
     assert counts(m) == kinds
     layers = m.kv_layers("bf16")
-    assert len(layers) == m.num_layers and {layer.bytes_per_token for layer in layers} == {layer_kv}
-    assert m.kv_bytes_per_token() == m.num_layers * layer_kv == sum(layer.bytes_per_token for layer in layers)
+    attention = [layer for layer in layers if layer.kind != "mamba"]  # (a recurrent layer keeps no KV per token)
+    assert len(layers) == m.num_layers and {layer.bytes_per_token for layer in attention} == {layer_kv}
+    assert m.kv_bytes_per_token() == len(attention) * layer_kv == sum(layer.bytes_per_token for layer in layers)
     assert m.kv_bytes_per_token("fp8") * 2 == m.kv_bytes_per_token()
     assert (m.num_params, m.weight_bytes()) == (params, weight_bytes)
     assert m.name == name and m.max_model_len > max(m.sliding_window, m.attention_chunk_size)
@@ -105,6 +110,8 @@ def test_the_presets_match_their_published_parameter_counts_and_checkpoints():
     assert embedding == pytest.approx(1_416e6, rel=0.01)
     assert 0.98 * 109e9 < SIM_MODELS["llama-4-scout"].num_params < 109e9  # its vision encoder left out
     assert SIM_MODELS["deepseek-v3"].num_params == pytest.approx(671e9, rel=1e-3)
+    assert SIM_MODELS["qwen3-next-80b-a3b"].num_params == pytest.approx(80e9, rel=0.01)  # its MTP layer left out
+    assert SIM_MODELS["granite-4.0-h-tiny"].num_params == pytest.approx(7e9, rel=0.01)
     assert 0.66e12 < SIM_MODELS["deepseek-v3"].weight_bytes() < 0.69e12  # block fp8, bf16 embedding and norms
 
 
@@ -204,13 +211,18 @@ def test_the_parser_gives_what_transformers_builds():
         text = cfg.get_text_config()
         m = SIM_MODELS[name]
         if getattr(text, "layer_types", None) is not None:
-            assert [{"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}[t]
+            assert [{"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
+                     "linear_attention": "mamba", "mamba": "mamba", "attention": "full"}[t]
                     for t in text.layer_types] == list(m.kinds), name
         with torch.device("meta"):
             net = transformers.AutoModelForCausalLM.from_config(text)
         params = {n: p.numel() for n, p in net.named_parameters()}
         weights = sum(v for n, v in params.items() if not n.endswith(("bias", "sinks", "e_score_correction_bias")))
-        extra_norms = {"gemma-3-27b": 62 * (2 * 5376 + 2 * 128)}.get(name, 0)  # pre/post-MLP norms, q/k norms
+        extra_norms = {"gemma-3-27b": 62 * (2 * 5376 + 2 * 128),  # pre/post-MLP norms, q/k norms
+                       # per recurrent layer its decay (A_log, per head), gated norm (Qwen: per value dim, Granite:
+                       # the inner dims) and Granite's skip (D, per head); Qwen's q/k norms per attention layer
+                       "qwen3-next-80b-a3b": 36 * (32 + 128) + 12 * 2 * 256,
+                       "granite-4.0-h-tiny": 36 * (48 + 48 + 3072)}.get(name, 0)
         assert weights == m.num_params + extra_norms, name
 
 
@@ -288,7 +300,8 @@ def test_bad_configs_are_refused_naming_the_field(name):
 @pytest.mark.parametrize("fields, field, words", [
     ({"layer_types": ["full_attention"] * 3}, "layer_types", "4 layer types"),
     ({"layer_types": ["sliding_attention"] * 4}, "sliding_window", "required field missing"),
-    ({"layer_types": ["mamba"] * 4}, "layer_types", "mamba layer"),
+    ({"layer_types": ["mamba"] * 4}, "layer_types", "recurrent layers without the fields of their state"),
+    ({"layer_types": ["mamba2"] * 4}, "layer_types", "mamba2 layer"),
     ({"sliding_window": -128}, "sliding_window", "positive integer"),
     ({"kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "sliding_window": 64},
      "sliding_window", "MLA"),
@@ -313,7 +326,7 @@ def test_the_cli_refuses_a_bad_config_in_one_line_and_replays_a_preset(tmp_path)
     bad = str(BAD / "linear-attention.json")
     r = subprocess.run([sys.executable, "-m", "kvbench", "replay", "traces/chat.jsonl", "--model", bad, "--limit", "2",
                         "--out", str(tmp_path / "bad")], capture_output=True, text=True, cwd=ROOT, env=env)
-    assert r.returncode == 2 and bad in r.stderr and "layer_types" in r.stderr, r.stderr
+    assert r.returncode == 2 and bad in r.stderr and "linear_num_key_heads" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     r = subprocess.run([sys.executable, "-m", "kvbench", "replay", "traces/chat.jsonl", "--model", "gpt-oss-120b",
                         "--gpu", "h100", "--limit", "3", "--json", "--out", str(tmp_path / "ok")],
