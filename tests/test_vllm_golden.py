@@ -110,9 +110,15 @@ def replay_like_vllm(golden: dict, tmp_path: Path):
     # the weights of DeepSeek-V3 and Llama 4 Scout fit eight H200s; the pool is given in blocks, so the
     # group of GPUs changes no decision
     tp = 8 if model in ("deepseek-v3", "llama-4-scout") else 1
+    # Qwen3-Next's state is one GPU's (tp 1): a B200 holds its weights and runs the Triton GDN prefill; the
+    # -h100 golden is FlashInfer's GDN prefill, which exports its checkpoint itself: a Hopper GPU (an H200,
+    # fp8 weights to hold them on one)
+    gpu, dtype = {"qwen3-next-80b-a3b": ("b200", "auto"), "qwen3-next-80b-a3b-h100": ("h200", "fp8")}.get(
+        model, ("h200", "auto"))
+    model = model.removesuffix("-h100")
     # the goldens run vLLM's hybrid manager on for every model (Llama 4 too, which vLLM turns it off for
     # unless VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1, as the driver sets)
-    cfg = ReplayConfig(executor="sim", model=model, calibration=str(clock), tp=tp,
+    cfg = ReplayConfig(executor="sim", model=model, calibration=str(clock), tp=tp, gpu=gpu, dtype=dtype,
                        disable_hybrid_kv_cache_manager=False if "hybrid" in golden else None,
                        num_blocks=golden["kvbench_num_blocks"], block_size=golden["block_size"],
                        max_num_seqs=golden["max_num_seqs"], max_batched_tokens=golden["max_batched_tokens"],

@@ -31,7 +31,15 @@ No vLLM source is modified; no vLLM function is monkeypatched. The only non-defa
 Hybrid models: `--layers MODEL` (a preset of hybrid.py or a JSON layer list) replaces the one
 full-attention group by vLLM's own grouping of per-layer specs (sliding window, chunked local, MLA,
 full), built and checked by hybrid.py with the hybrid KV cache manager on; the summary's "hybrid"
-record has the groups, the coordinator and each manager's admission cap.
+record has the groups, the coordinator and each manager's admission cap. With Mamba / linear-attention
+layers (hybrid.py's "mamba" type) the run is vLLM's align mode: prefix caching and chunked prefill on,
+cache_config.mamba_cache_mode = "align" and mamba_block_size = --block-size set by hand (the tiny
+model is a Llama, so vLLM's MambaModelConfig hook and platform alignment do not run), and
+--block-size must be what vLLM's _align_hybrid_block_size makes of a user --block-size 16
+(hybrid.aligned_block_size: 544 for Qwen3-Next, 576 with its GDN prefill checkpoints, 400 for
+Granite 4.0-H Tiny); the driver asserts the scheduler runs the Mamba block-aligned split
+(Scheduler.need_mamba_block_aligned_split) and the Mamba groups' managers are MambaManager in align
+mode, and the "hybrid" record's "mamba" part says so.
 Install kvbench into vLLM's venv with `pip install --no-deps -e .` (not PYTHONPATH=<repo>: the repo's
 kernels/ folder would shadow the `kernels` package that transformers probes for, in this process and
 in the subprocess where vLLM inspects the model class).
@@ -101,6 +109,24 @@ def build_scheduler(args):
         if not vllm.triton_utils.HAS_TRITON:
             vllm.triton_utils.HAS_TRITON = True  # see the module docstring: no kernel runs here
 
+    layers = None
+    args.mamba = None
+    if args.layers:
+        import hybrid
+        args.layers_name, layers, args.layers_expect = hybrid.load_layers(args.layers)
+        if hybrid.has_mamba(layers):
+            # vLLM's align mode needs the block size its platform aligns for the model
+            # (Platform._align_hybrid_block_size); --block-size is that aligned size, for a user
+            # --block-size 16 (FlashAttention, TP 1).
+            if args.no_prefix_caching:
+                sys.exit("Mamba hybrids run in vLLM's align mode here, which is prefix caching on")
+            al = hybrid.aligned_block_size(layers, 16)
+            if args.block_size != al["block_size"]:
+                sys.exit(f"{args.layers_name}: vLLM aligns --block-size 16 to {al['block_size']} "
+                         f"(Mamba state {al['mamba_state_bytes']:,} B, attention {al['attn_page_bytes_per_token']:,} "
+                         f"B/token, prefill checkpoints {al['prefill_checkpoints']}); pass --block-size "
+                         f"{al['block_size']}, not {args.block_size}")
+            args.mamba = {"user_block_size": 16, "alignment": al}
     model_config = ModelConfig(model=ensure_tiny_model(args.max_model_len), skip_tokenizer_init=True,
                                max_model_len=args.max_model_len, dtype="float32")
     cache_config = CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
@@ -133,8 +159,14 @@ def build_scheduler(args):
         # Hybrid mode (hybrid.py): vLLM's own grouping of the per-layer specs, checked, and the
         # scheduler's KVCacheConfig built the way EngineCore._initialize_kv_caches builds it.
         import hybrid
+        name, expect = args.layers_name, args.layers_expect
+        if args.mamba:
+            # Align mode as vLLM's MambaModelConfig hook and _align_hybrid_block_size set it (the
+            # tiny model is a Llama, so neither runs): prefix caching + chunked prefill on,
+            # mamba_cache_mode "align", mamba_block_size = the aligned block size;
+            # prefix_cache_retention_interval stays at its default.
+            hybrid.set_mamba_align(vllm_config, args.block_size)
         hybrid.prepare_config(vllm_config)
-        name, layers, expect = hybrid.load_layers(args.layers)
         specs = hybrid.layer_specs(layers, args.block_size, args.kv_cache_dtype)
         groups = hybrid.group_layers(vllm_config, specs)
         args.kv_cache_groups = hybrid.check_groups(groups, layers, expect)
@@ -157,6 +189,33 @@ def build_scheduler(args):
             d["max_admission_blocks_per_request"] = m.max_admission_blocks_per_request
         args.coordinator = type(coord).__name__
         args.prefix_cache_retention_interval = coord.retention_interval
+        if args.mamba:
+            from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+            cc = vllm_config.cache_config
+            assert cc.mamba_cache_mode == "align" and cc.mamba_block_size == args.block_size, cc
+            assert cc.enable_prefix_caching and vllm_config.scheduler_config.enable_chunked_prefill
+            assert sched.has_mamba_layers and sched.need_mamba_block_aligned_split, \
+                "vLLM's scheduler does not run the Mamba block-aligned split"
+            assert type(coord).__name__ == "HybridKVCacheCoordinator", type(coord).__name__
+            mamba_groups = [d for d in args.kv_cache_groups if d["kind"] == "mamba"]
+            assert mamba_groups
+            for d, m in zip(args.kv_cache_groups, coord.single_type_managers):
+                if d["kind"] == "mamba":
+                    assert isinstance(m, MambaManager) and m.mamba_cache_mode == "align", (d, m)
+                    d["mamba"]["has_prefill_checkpoint_blocks"] = bool(m.has_prefill_checkpoint_blocks)
+            ckpt = args.mamba["alignment"]["prefill_checkpoints"]
+            assert sched.mamba_has_prefill_checkpoint_blocks == ckpt, (sched.mamba_has_prefill_checkpoint_blocks, ckpt)
+            args.mamba.update({
+                "aligned_block_size": args.block_size, "mamba_cache_mode": cc.mamba_cache_mode,
+                "mamba_block_size": cc.mamba_block_size,
+                "need_mamba_block_aligned_split": sched.need_mamba_block_aligned_split,
+                "mamba_has_prefill_checkpoint_blocks": sched.mamba_has_prefill_checkpoint_blocks,
+                "mamba_prefill_checkpoint_alignment": sched.mamba_prefill_checkpoint_alignment,
+                "mamba_partial_cache_hit": sched.mamba_partial_cache_hit,
+                "cache_hit_alignment_tokens": kv_cache_config.cache_hit_alignment_tokens,
+                "managers": sorted({d["manager"] for d in args.kv_cache_groups}),
+                "coordinator": args.coordinator,
+                "prefix_cache_retention_interval": cc.prefix_cache_retention_interval})
     sc = vllm_config.scheduler_config
     assert type(sched) is Scheduler and sc.async_scheduling is False, "async scheduling must be off"
     assert vllm_config.cache_config.block_size == args.block_size
@@ -186,7 +245,10 @@ def main(argv=None):
                     help="vLLM 0.34's SchedulerConfig.cache_aware_admission_threshold")
     ap.add_argument("--layers", default=None,
                     help="hybrid mode: per-layer KV specs, a preset of hybrid.py (gpt-oss-120b, gemma-3-27b, "
-                         "llama-4-scout, deepseek-v3) or a JSON layer list; vLLM groups them itself")
+                         "llama-4-scout, deepseek-v3; Mamba hybrids: qwen3-next-80b-a3b[-h100], "
+                         "granite-4.0-h-tiny, nemotron-h-8b) or a JSON layer list; vLLM groups them itself. "
+                         "With Mamba layers: vLLM's align mode, and --block-size must be the size vLLM "
+                         "aligns a user --block-size 16 to (hybrid.py align)")
     ap.add_argument("--kv-cache-dtype", default=None, choices=["fp8"],
                     help="hybrid mode: every layer's KV in fp8 (default: the layer list's dtype)")
     ap.add_argument("--hash", default="sha256", choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
@@ -291,18 +353,22 @@ def main(argv=None):
         total_preempt += len(preempted)
 
         entries = []
+        starts = []  # each scheduled request's computed tokens before this step
         prefill_tokens = 0
         n_decode = 0
         sampled = []
         for rid, n in nst.items():
             vr = sched.requests[rid]
             computed_before = vr.num_computed_tokens - n
-            is_decode = n == 1 and computed_before == vr.num_tokens - 1
+            # a decode: one token after the last, once the request has sampled (a prompt's last token
+            # scheduled alone, as Mamba's block-aligned split can leave it, is a prefill)
+            is_decode = n == 1 and computed_before == vr.num_tokens - 1 and vr.num_output_tokens > 0
             if is_decode:
                 n_decode += 1
             else:
                 prefill_tokens += n
             entries.append([rid, n])
+            starts.append(computed_before)
             pr = per_req[rid]
             if pr["admit_step"] is None:
                 # First admission: tokens already computed before this step = local prefix hit.
@@ -318,6 +384,7 @@ def main(argv=None):
                 sampled.append([])
         dur = prefill_tokens * prefill_s + (decode_s if n_decode else 0)
         rec = {"step": step, "clock": round(sec(clock), 9), "dur": round(sec(dur), 9), "sched": entries,
+               "start": starts,
                "prefill_tokens": prefill_tokens, "decodes": n_decode, "preempted": preempted,
                "running": len(sched.running), "waiting": len(sched.waiting) + len(sched.kv_holding_waiting),
                "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks()}
@@ -386,7 +453,7 @@ def main(argv=None):
             "kv_cache_layout": cc.kv_cache_layout,
             "prefix_cache_retention_interval": args.prefix_cache_retention_interval,
             "scheduler_block_size": sched.block_size, "hash_block_size": sched.hash_block_size,
-            "kv_cache_groups": args.kv_cache_groups},
+            "kv_cache_groups": args.kv_cache_groups, "mamba": args.mamba},
         "steps_file": os.path.abspath(args.out), "requests_file": os.path.abspath(req_out),
         "wall_s": round(time.time() - t0, 1),
     }

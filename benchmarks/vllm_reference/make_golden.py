@@ -89,6 +89,23 @@ for _model, _pools in HYBRID_POOLS.items():
     CONFIGS[f"hybrid-{_model}-chat50x"] = {
         "trace": "traces/chat.jsonl at 50x its rate (t x 0.02)",
         "trace_spec": CHAT_50X, "layers": _model, "vllm_num_gpu_blocks": _pools["chat50x"]}
+# Mamba / linear-attention hybrids (hybrid.py's "mamba" layers), vLLM's align mode (prefix caching
+# on): the block size is the one vLLM's platform aligns a user --block-size 16 to
+# (hybrid.aligned_block_size; drive.py refuses another): a block holds one Mamba state per layer of a
+# Mamba group, or block_size tokens of a full-attention layer.
+MAMBA_BLOCK_SIZES = {"qwen3-next-80b-a3b": 544, "qwen3-next-80b-a3b-h100": 576, "granite-4.0-h-tiny": 400}
+MAMBA_POOLS = {  # name suffix -> (model, trace name, vLLM num_gpu_blocks)
+    "qwen3-next-80b-a3b-chat50x": ("qwen3-next-80b-a3b", "chat50x", 600),
+    "qwen3-next-80b-a3b-mooncake2000": ("qwen3-next-80b-a3b", "mooncake2000", 4000),
+    "granite-4.0-h-tiny-chat50x": ("granite-4.0-h-tiny", "chat50x", 2500),
+    "qwen3-next-80b-a3b-h100-chat50x": ("qwen3-next-80b-a3b-h100", "chat50x", 600),
+}
+for _suffix, (_model, _trace, _blocks) in MAMBA_POOLS.items():
+    CONFIGS[f"hybrid-{_suffix}"] = {
+        **({"trace": "mooncake_conversation.jsonl converted by kvbench, first 2000 requests",
+            "trace_spec": mooncake(0, 2000)} if _trace == "mooncake2000" else
+           {"trace": "traces/chat.jsonl at 50x its rate (t x 0.02)", "trace_spec": CHAT_50X}),
+        "layers": _model, "block_size": MAMBA_BLOCK_SIZES[_model], "vllm_num_gpu_blocks": _blocks}
 HYBRID_INDEX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hybrid_goldens.json")
 
 DUPKEY_TRACE = os.path.join(DATA, "vllm-0.34-dupkey-trace.jsonl")
@@ -118,6 +135,7 @@ def reduce(steps_path: str, name: str) -> dict:
             return [json.loads(line) for line in fh]
 
     steps, reqs = lines(steps_path), lines(base + ".requests.jsonl")
+    by_req = {r["id"]: r for r in reqs}
     with open(base + ".summary.json", encoding="utf-8") as fh:
         summ = json.load(fh)
     sc = summ["config"]
@@ -139,7 +157,21 @@ def reduce(steps_path: str, name: str) -> dict:
             "prefix_cache_retention_interval", "scheduler_block_size", "hash_block_size")}
         extra["hybrid"]["kv_cache_groups"] = [{k: g[k] for k in (
             "group", "kind", "window", "chunk", "spec", "manager", "num_layers", "layers", "block_size",
-            "page_size_bytes", "max_admission_blocks_per_request")} for g in hybrid["kv_cache_groups"]]
+            "page_size_bytes", "max_admission_blocks_per_request") + (("mamba",) if "mamba" in g else ())}
+            for g in hybrid["kv_cache_groups"]]
+        if hybrid.get("mamba"):
+            # vLLM's align mode: the aligned block size and what the scheduler/managers run with, and
+            # per request every prefill chunk ([step, computed tokens before, tokens]) and the prefix
+            # hit of each re-admission after a preemption ([step, hit tokens]): the Mamba rules
+            # (block-aligned chunk ends, hits only at cached states) show there first.
+            extra["hybrid"]["mamba"] = hybrid["mamba"]
+            chunks: dict = {}
+            for st in steps:
+                for (rid, n), start in zip(st["sched"], st["start"]):
+                    if n > 1 or start < by_req[rid]["prompt"]:  # not a decode
+                        chunks.setdefault(rid, []).append([st["step"], start, n])
+            extra["prefill_chunks"] = chunks
+            extra["readmit_cached"] = {r["id"]: r["readmits"] for r in reqs if r["readmits"]}
     return {
         "name": name,
         **extra,
