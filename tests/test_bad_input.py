@@ -199,8 +199,8 @@ def test_what_a_hybrid_model_cannot_run_is_refused(worker, tmp_path, extra, flag
     r = worker.run(["replay", TRACE, "--executor", "sim", "--limit", "2", "--model", "gpt-oss-120b", *extra,
                     "--disable-hybrid-kv-cache-manager", "--out", tmp_path / "r2"], tmp_path)
     assert r["code"] == 0, r["stderr"][-300:]
-    check_refused(worker.run(["trace", "whatif", TRACE, "--model", "gemma-3-27b", "--budgets", "1GiB"], tmp_path),
-                  "--model", "sliding 1024 x 9")
+    check_refused(worker.run(["trace", "whatif", TRACE, "--model", "gemma-3-27b", "--budgets", "1GiB",
+                              "--policies", "arc"], tmp_path), "--policies", "sliding 1024 x 9")
 
 
 def test_model_executor_refuses_what_its_device_cannot_hold(worker, tmp_path):

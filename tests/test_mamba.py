@@ -208,3 +208,45 @@ def test_the_pool_for_a_memory_is_vllms_planning_block_size_included(plan):
     assert layout.bytes_per_block == plan["bytes_per_block"]
     for row in plan["planning"]:
         assert layout.num_blocks(row["available_bytes"]) == row["num_blocks"]
+
+
+@pytest.mark.parametrize("model,tp", [("gpt-oss-120b", 1), ("gemma-3-27b", 1), ("qwen3-next-80b-a3b", 2),
+                                      ("granite-4.0-h-tiny", 1)])
+def test_whatif_unlimited_equals_a_replay_that_never_evicts(tmp_path, model, tp):
+    """The what-if of a model in groups, with a pool that never evicts, hits what a replay of the same
+    requests hits on a pool too large to evict, one request at a time (the trace slowed 100x): every
+    group's caching rules, a window's and a recurrent state's sparse caching, and the split of a state's
+    prefill included. (On an H200, Qwen3-Next's GDN prefill exports its checkpoints: block 576.)"""
+    from kvbench.cli.trace import whatif_layout
+    from kvbench.trace.format import load_trace
+    from kvbench.whatif.groups import hits_per_request
+
+    trace = str(ROOT / "traces" / "agent.jsonl")  # (its turns resend named answers)
+    requests = load_trace(trace, limit=120)
+    layout = whatif_layout(get_model(model), "bf16", 16, tp, "h200")
+    hits, too_large = hits_per_request(requests, layout, None)
+    cfg = ReplayConfig(executor="sim", model=model, tp=tp, gpu="h200", limit=120, time_scale=100.0,
+                       num_blocks=1_000_000)
+    rp = Replay(trace, cfg, str(tmp_path / "run"))
+    rp.finished = []
+    summary = rp.run()
+    assert summary["peak_running"] <= 2 and summary["preemptions"] == 0 and too_large == 0
+    assert rp.kv_layout == layout
+    assert {rs.req.id: rs.cached_tokens for rs in rp.finished} == {r.id: h for r, h in zip(requests, hits)}
+    assert 0 < sum(hits) < sum(r.prompt_len for r in requests)
+
+
+def test_whatif_of_groups_evicts_and_refuses_what_it_does_not_model(capsys):
+    from kvbench.cli.main import main
+
+    chat = str(ROOT / "traces" / "chat.jsonl")
+    main(["trace", "whatif", chat, "--model", "granite-4.0-h-tiny", "--budgets", "64MiB,1GiB,64GiB", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    rates = [row["hit_rate"] for row in out["rows"]]
+    assert out["block_size"] == 400 and rates[0] < rates[1] <= rates[2] == pytest.approx(out["ceiling"])
+    for extra, option in ((["--policies", "lru,arc"], "--policies"), (["--prefix-mode", "radix"], "--prefix-mode"),
+                          (["--replicas", "2"], "--replicas")):
+        with pytest.raises(SystemExit) as e:
+            main(["trace", "whatif", chat, "--model", "granite-4.0-h-tiny", *extra])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and option in err and "mamba x 4" in err and len(err.splitlines()) == 1, err

@@ -238,18 +238,23 @@ def _print_table(title: str, s) -> None:
 
 # ---------------------------------------------------------------------------------------- whatif
 
-def refuse_kv_groups(spec, kv_dtype: str, block_size: int) -> None:
-    """The what-if simulates one prefix cache of whole blocks: a model whose KV falls into several
-    groups (sliding windows that cache only where a lookup can end, chunked-local layers) is refused,
-    naming its groups, until the what-if learns them."""
+def whatif_layout(spec, kv_dtype: str, block_size: int, tp: int = 1, gpu: str = "h200"):
+    """The model's KV cache groups as a replay would run them (engine.setup.kv_layout_of's default: the
+    hybrid manager on, off for chunked local attention; a recurrent state on one of ``tp`` GPUs, with
+    the prefill checkpoints of ``gpu``'s GDN kernel)."""
+    from kvbench.executors.sim import STATE_CHECKPOINT_GPUS
     from kvbench.memory.groups import group_layers
 
-    layout = group_layers(spec.kv_layers(kv_dtype, 1), block_size)
-    if layout.is_hybrid:
-        kept = "recurrent states are" if layout.has_state else "windows are"
-        raise InputError(f"{spec.name} keeps its KV in groups ({layout.describe()}) whose {kept} cached only where "
-                         "a lookup can end; the what-if simulates one cache of whole blocks: measure it with "
-                         "kvbench replay (its hit rate with a pool that never evicts is the ceiling)", field="--model")
+    layers = spec.kv_layers(kv_dtype, tp, checkpoints=gpu in STATE_CHECKPOINT_GPUS)
+    try:
+        return group_layers(layers, block_size, disable_hybrid=any(s.kind == "chunked" for s in layers))
+    except ValueError as e:
+        raise InputError(str(e), field="--model") from None
+
+
+def refuse_for_groups(layout, name: str, option: str, why: str) -> None:
+    """One line: what the what-if does not model for a model with several KV cache groups."""
+    raise InputError(f"{name} keeps its KV in groups ({layout.describe()}): {why}", field=option)
 
 
 DEFAULT_BUDGETS = "8GiB,16GiB,32GiB,64GiB,128GiB,1024GiB"
@@ -318,6 +323,12 @@ Examples:
 @click.option("--offload", type=click.Choice(["write-through", "write-back"]), default="write-through",
               show_default=True, help="with --tiers: store every computed block in every lower tier, or "
                                       "what the tier above evicts")
+@click.option("--tp", type=Count(1, 64), default=1, show_default=True,
+              help="a model with recurrent (Mamba, linear-attention) layers: the GPUs its state is split "
+                   "over, which sets vLLM's block size (as in kvbench replay)")
+@click.option("--gpu", default="h200", show_default=True,
+              help="a model with Gated DeltaNet layers: the GPU, whose GDN prefill kernel (Hopper: "
+                   "FlashInfer's, exporting its checkpoints) sets vLLM's block size")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of a table")
 @click.option("--out", type=click.Path(file_okay=False),
               help="also write whatif.parquet, whatif.png and whatif.json into this directory")
@@ -326,7 +337,7 @@ Examples:
                    "~/.cache/kvbench); KVBENCH_NO_CACHE=1 does the same")
 def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, policies, prefix_mode, warmup,
            jobs, replicas, router, router_prefix_blocks, budget_counts, tiers_text, tier_policy, offload,
-           as_json, out, no_cache):
+           tp, gpu, as_json, out, no_cache):
     """Prefix hit rate against KV cache size and cache policy, straight from a trace.
 
     Prompts are replayed one after another in trace order (no concurrency, no decode) through a
@@ -344,7 +355,10 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     from kvbench import whatif as wi
 
     spec = get_model(model)
-    refuse_kv_groups(spec, kv_dtype, block_size)
+    layout = whatif_layout(spec, kv_dtype, block_size, tp, gpu)
+    if layout.is_hybrid:
+        return _whatif_groups(trace_path, spec, layout, kv_dtype, tp, budgets, budget_blocks, policies, prefix_mode,
+                              warmup, replicas, budget_counts, tiers_text, as_json, out)
     per_token = spec.kv_bytes_per_token(kv_dtype)
     block_bytes = per_token * block_size
     if out:  # before the work: a path that cannot hold the results is refused now
@@ -404,6 +418,55 @@ def whatif(trace_path, block_size, model, kv_dtype, budgets, budget_blocks, poli
     for (_, label), n in sorted(too_large.items()):
         _note(f"at {label}, {n} counted requests have more whole blocks than the budget: each ran as "
               "its first blocks that fit (an engine with this pool would refuse it)")
+
+
+def _whatif_groups(trace_path, spec, layout, kv_dtype, tp, budgets, budget_blocks, policies, prefix_mode, warmup,
+                   replicas, budget_counts, tiers_text, as_json, out):
+    """The what-if of a model with several KV cache groups (kvbench.whatif.groups): each request through
+    the replay's hybrid pool and rules, vLLM's free queue (lru) evicting; what it does not model is
+    refused in one line, naming the option."""
+    from kvbench.trace.format import load_trace
+    from kvbench import whatif as wi
+    from kvbench.whatif.groups import whatif_groups
+
+    name = spec.name
+    if prefix_mode == "radix":
+        refuse_for_groups(layout, name, "--prefix-mode", "SGLang runs such a model on its own hybrid radix caches "
+                          "(mem_cache/swa_radix_cache.py, mamba_radix_cache.py), which kvbench does not model; "
+                          "drop --prefix-mode radix for vLLM's")
+    chosen = ["lru"] if policies is None else _split(policies, "--policies")
+    if chosen != ["lru"]:
+        refuse_for_groups(layout, name, "--policies", "vLLM's hybrid manager evicts by its free queue (lru), the "
+                          "only policy modelled for groups: give --policies lru")
+    if replicas > 1:
+        refuse_for_groups(layout, name, "--replicas", "the what-if of replicas is not modelled for groups: "
+                          "measure it with kvbench replay --replicas")
+    if tiers_text is not None or budget_counts == "cache":
+        refuse_for_groups(layout, name, "--tiers" if tiers_text is not None else "--budget-counts",
+                          "tiers and stores behind the pool are not modelled for groups")
+    block_bytes = layout.bytes_per_block * tp
+    plan = _budget_plan(budgets, budget_blocks, layout.block_size, block_bytes)
+    if out:
+        make_out_dir(out)
+    _note(f"{name} {kv_dtype} on {tp} GPU(s): KV cache groups {layout.describe()}; a block of "
+          f"{layout.block_size} tokens is {wi.format_bytes(block_bytes)} of the pool")
+    requests = load_trace(trace_path)
+    got = whatif_groups(requests, layout, plan, warmup=warmup, max_model_len=spec.max_model_len)
+    window = len(requests) - got["window_start"]
+    result = wi.WhatIf(trace=trace_path, model=name, kv_dtype=kv_dtype,
+                       kv_bytes_per_token=spec.kv_bytes_per_token(kv_dtype), block_size=layout.block_size,
+                       warmup=warmup, requests=len(requests), window_requests=window,
+                       window_prompt_tokens=got["window_prompt_tokens"], distinct_blocks=got["distinct_blocks"],
+                       ceiling=got["rows"][0]["ceiling"] if got["rows"] else 0.0,
+                       ceiling_hit_tokens=got["ceiling_hit_tokens"], rows=got["rows"])
+    if not _show(result, wi.write_outputs(result, out) if out else [], as_json, wi.table):
+        return
+    _note(f"ceiling: {result.ceiling:.4f} with every group's rules (where a window or a recurrent state is kept); "
+          f"{got['ideal']:.4f} for a cache of every whole block")
+    for r in result.rows:
+        if r["too_large_requests"]:
+            _note(f"at {r['budget']}, {r['too_large_requests']} requests did not fit the pool even empty: "
+                  "counted as misses (an engine with this pool would refuse them)")
 
 
 def _question(settings: dict) -> dict:
