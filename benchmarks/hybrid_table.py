@@ -17,9 +17,10 @@ import os
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.replay import Replay
 from kvbench.engine.sizes import parse_size
-from kvbench.errors import RunError
+from kvbench.errors import InputError, RunError
 
-MODELS = (("gpt-oss-120b", 1), ("gemma-3-27b", 1), ("llama-4-scout", 4), ("deepseek-v3", 8))
+MODELS = (("gpt-oss-120b", 1), ("gemma-3-27b", 1), ("llama-4-scout", 4), ("deepseek-v3", 8),
+          ("qwen3-next-80b-a3b", 2), ("granite-4.0-h-tiny", 1))
 
 
 def run(trace: str, model: str, tp: int, kv_mem: int, disabled: bool, out: str, scale: float,
@@ -48,13 +49,29 @@ def main() -> None:
         for disabled in (False, True):
             try:
                 s, rp = run(a.trace, model, tp, per_gpu, disabled, a.out, a.time_scale, a.max_model_len)
+            except InputError as e:  # a recurrent state cannot be allocated as attention
+                if not disabled:
+                    raise
+                print(f"| {model} ({tp}) | | as full attention | not possible: {str(e).split(': ', 1)[-1]} "
+                      "| | | | | |", flush=True)
+                continue
             except RunError as e:  # a request too large for this pool: the row says so
                 print(f"| {model} ({tp}) | | {'as full attention' if disabled else 'by group'} | refused: "
                       f"{str(e).split(': ', 1)[-1]} | | | | | |", flush=True)
                 continue
             layout = rp.kv_layout
-            groups = ", ".join(f"{g.kind}{' ' + str(g.window) if g.window else ''} x {len(g.layers)} "
-                               f"({g.spec.bytes_per_token * len(g.layers):,} B)" for g in layout.groups)
+            runs: list[list] = []  # equal groups in a row as one: "3 x (mamba x 12 (...))"
+            for g in layout.groups:
+                text = (f"{g.kind}{' ' + str(g.window) if g.window else ''} x {len(g.layers)} "
+                        + (f"({g.spec.state_bytes * len(g.layers):,} B a sequence)" if g.kind == "mamba"
+                           else f"({g.spec.bytes_per_token * len(g.layers):,} B)"))
+                if runs and runs[-1][0] == text:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([text, 1])
+            groups = ", ".join(t if n == 1 else f"{n} x ({t})" for t, n in runs)
+            if layout.has_state:
+                groups += f"; block {layout.block_size} tokens"
             how = "as full attention" if disabled else ("by group" if layout.is_hybrid else "one group")
             print(f"| {model} ({tp}) | {groups} | {how} | {s['num_blocks']:,} | {s['peak_running']} / "
                   f"{s['mean_running']:.1f} | {s['preemptions']} | {s['prefix_hit_rate']:.3f} | "

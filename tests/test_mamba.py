@@ -250,3 +250,35 @@ def test_whatif_of_groups_evicts_and_refuses_what_it_does_not_model(capsys):
             main(["trace", "whatif", chat, "--model", "granite-4.0-h-tiny", *extra])
         err = capsys.readouterr().err
         assert e.value.code == 2 and option in err and "mamba x 4" in err and len(err.splitlines()) == 1, err
+
+
+JAMBA = {"model_type": "jamba", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 65536, "max_position_embeddings": 262144,
+         "attn_layer_period": 8, "attn_layer_offset": 4, "expert_layer_period": 2, "expert_layer_offset": 1,
+         "num_experts": 16, "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+         "mamba_dt_rank": 256, "tie_word_embeddings": False}  # ai21labs/Jamba-v0.1's config.json
+NEMOTRON_H = {"model_type": "nemotron_h", "hidden_size": 4096, "intermediate_size": 21504, "num_hidden_layers": 52,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+              "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+              "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4,
+              "vocab_size": 131072, "max_position_embeddings": 8192, "tie_word_embeddings": False}  # Nemotron-H-8B
+
+
+@pytest.mark.parametrize("cfg,layers,state,block,params", [
+    # Jamba: Mamba-1, attention at i % 8 == 4, a MoE on odd layers; its state (3, 8192) + (8192, 16) bf16
+    (JAMBA, (28, 4), 3 * 8192 * 2 + 8192 * 16 * 2, 80, 51.57e9),
+    # Nemotron-H: 24 Mamba-2 and 4 attention blocks (the 24 MLP blocks' weights shared out over them); vLLM's
+    # hook keeps the SSM state in fp32: (3, 10240) bf16 + (128, 64, 128) fp32 = 4,255,744 B, block 1,040
+    (NEMOTRON_H, (24, 4), 3 * 10240 * 2 + 128 * 64 * 128 * 4, 1040, 8.10e9),
+])
+def test_jamba_and_nemotron_h_are_read_as_vllm_shapes_them(tmp_path, cfg, layers, state, block, params):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    m = read_hf_config(str(path))
+    assert (m.kinds.count("mamba"), m.kinds.count("full")) == layers and m.state_bytes(1) == state
+    assert group_layers(m.kv_layers("bf16", 1), 16).block_size == block
+    assert m.num_params == pytest.approx(params, rel=1e-3)  # transformers' count on the meta device: 51.570e9, 8.101e9
+    path.write_text(json.dumps({**cfg, **({"hybrid_override_pattern": "ME*"} if "hybrid_override_pattern" in cfg
+                                          else {"attn_layer_period": 64, "attn_layer_offset": 40})}))
+    with pytest.raises(InputError, match="hybrid_override_pattern|attn_layer_period"):
+        read_hf_config(str(path))

@@ -311,7 +311,8 @@ def test_bad_configs_are_refused_naming_the_field(name):
     ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}},
      "quantization_config.weight_block_size", "two positive integers"),
     ({"quantization_config": "fp8"}, "quantization_config", "JSON object"),
-    ({"hybrid_override_pattern": "M-M*"}, "hybrid_override_pattern", "Mamba"),
+    ({"hybrid_override_pattern": "M-M"}, "hybrid_override_pattern", "4 characters of M \\(Mamba\\)"),
+    ({"hybrid_override_pattern": "M-M*"}, "mamba_num_heads", "required field missing"),
     ({"text_config": [1]}, "text_config", "JSON object"),
 ])
 def test_more_bad_fields_are_refused(tmp_path, fields, field, words):

@@ -67,11 +67,14 @@ def check_hybrid(cfg: ReplayConfig, layout: KVLayout, model: str) -> None:
     if cfg.layout == "slab" and cfg.executor == "model":
         why, field = "a slab holds every group in one reservation, which the model executor does not read", "--layout"
     elif cfg.layout == "paged" and cfg.prefix_cache and cfg.prefix_mode == "radix":
-        why, field = "radix mode follows SGLang's single-tree cache (its hybrid caches are not modelled)", "--prefix-mode"
+        why, field = ("radix mode follows SGLang's single-tree cache; SGLang runs such a model on its hybrid radix "
+                      "caches (mem_cache/swa_radix_cache.py, mamba_radix_cache.py), not modelled: use --prefix-mode "
+                      "hash, vLLM's"), "--prefix-mode"
     elif cfg.eviction != "none":
         why, field = "token eviction packs one block table", "--eviction"
     elif cfg.tier_sizes():
-        why, field = "the prefix-cache tiers store one table's blocks", "--cpu-kv-mem"
+        why, field = ("the prefix-cache tiers store one table's blocks (vLLM 0.34's OffloadingConnector offloads "
+                      "per group, which kvbench does not model yet)"), "--cpu-kv-mem"
     elif cfg.prefix_cache and needs_future(cfg.cache_policy):
         why, field = f"--cache-policy {cfg.cache_policy} reads one table's future", "--cache-policy"
     elif cfg.executor == "model" and any(g.kind not in ("full", "sliding") for g in layout.groups):

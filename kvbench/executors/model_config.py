@@ -434,8 +434,10 @@ _POSITIVE_INT_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads
                         "max_window_layers", "attention_chunk_size", "no_rope_layer_interval", "full_attention_interval",
                         "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                         "linear_value_head_dim", "linear_conv_kernel_dim", "mamba_n_heads", "mamba_d_head",
-                        "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_expand", "shared_intermediate_size")
-_MAY_BE_ZERO = ("shared_intermediate_size", "num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "experts_per_token",
+                        "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_expand", "shared_intermediate_size",
+                        "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
+                        "attn_layer_period", "attn_layer_offset", "expert_layer_period", "expert_layer_offset")
+_MAY_BE_ZERO = ("attn_layer_offset", "expert_layer_offset", "shared_intermediate_size", "num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "experts_per_token",
                 "shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace", "max_window_layers")
 # Module names a modules_to_not_convert pattern is matched against, per kind of weight.
 _MODULE_NAMES = {
@@ -515,6 +517,12 @@ def _layer_kinds(f: _Fields, layers: int, max_len: int, mla: bool) -> tuple[tupl
                 raise f.error("layer_types", f"unknown layer type {t!r} at layer {i} "
                                              f"(kvbench reads {', '.join(LAYER_TYPES)})")
             kinds.append(LAYER_TYPES[t])
+    elif f.get("attn_layer_period") is not None:  # Jamba: attention where i % period == offset, Mamba-1 between
+        period, offset = f.get("attn_layer_period"), f.get("attn_layer_offset", 0)
+        kinds = ["full" if i % period == offset else "mamba" for i in range(layers)]
+        if "full" not in kinds:
+            raise f.error("attn_layer_period", f"no attention layer in {layers} layers (period {period}, offset "
+                                               f"{offset}): a model of recurrent layers only is not modelled")
     elif f.get("full_attention_interval") is not None:  # Qwen3-Next: every interval-th layer full, GDN between
         every = f.get("full_attention_interval")
         kinds = ["full" if (i + 1) % every == 0 else "mamba" for i in range(layers)]
@@ -561,12 +569,31 @@ def _layer_kinds(f: _Fields, layers: int, max_len: int, mla: bool) -> tuple[tupl
 _GDN_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                "linear_conv_kernel_dim")
 _MAMBA2_FIELDS = ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv")
-_REFUSED_RECURRENT = {
-    "hybrid_override_pattern": "Nemotron-H's layers (a Mamba, an attention or an MLP block each, not a mixer and an "
-                               "MLP per layer) are not modelled",
-    "attn_layer_period": "Jamba's Mamba-1 layers are not read",
-    "layers_block_type": "this model's recurrent layers are not read",
-}
+_NEMOTRON_FIELDS = ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel")
+_JAMBA_FIELDS = ("mamba_d_state", "mamba_d_conv")
+_READ_RECURRENT = (*_GDN_FIELDS, *_MAMBA2_FIELDS, *_NEMOTRON_FIELDS, *_JAMBA_FIELDS, "hybrid_override_pattern",
+                   "attn_layer_period")
+_REFUSED_RECURRENT = {"layers_block_type": "this model's recurrent layers are not read"}
+
+
+def _nemotron_pattern(f: _Fields, layers: int, inter: int) -> tuple[int, int, tuple[str, ...]]:
+    """Nemotron-H's ``hybrid_override_pattern``: one block per character, a Mamba-2 mixer (M), attention
+    (*) or an MLP alone (-), each with its own norm and residual (vLLM's NemotronHForCausalLM). kvbench's
+    layer is a mixer and an MLP, so the model reads as its M and * blocks, each carrying an equal share of
+    the MLP blocks' weights (a gated MLP of the same weights, FLOPs and bytes; a non-gated relu^2 MLP of
+    I has 2 h I): -> (layers, intermediate size of that MLP, kinds)."""
+    pattern = f.get("hybrid_override_pattern")
+    if not isinstance(pattern, str) or len(pattern) != layers or set(pattern) - set("M*-E"):
+        raise f.error("hybrid_override_pattern", f"must be {layers} characters of M (Mamba), * (attention) and - "
+                                                 f"(MLP), got {pattern!r}")
+    if "E" in pattern:
+        raise f.error("hybrid_override_pattern", "Nemotron-H's MoE blocks (E) are not modelled")
+    mixers = [c for c in pattern if c in "M*"]
+    if "*" not in mixers:
+        raise f.error("hybrid_override_pattern", "no attention block (*): a model of recurrent layers only is not "
+                                                 "modelled")
+    share = pattern.count("-") * 2 * inter / (3 * len(mixers))
+    return len(mixers), round(share), tuple("mamba" if c == "M" else "full" for c in mixers)
 
 
 def _recurrent(f: _Fields, kinds: tuple[str, ...]) -> dict[str, Any]:
@@ -589,6 +616,18 @@ def _recurrent(f: _Fields, kinds: tuple[str, ...]) -> dict[str, Any]:
                 "mamba_groups": hk, "mamba_inner": hv * dv, "mamba_conv_kernel": k,
                 "mamba_ssm_dtype": _STATE_DTYPES.get(ssm, "") if ssm else "",
                 "attn_output_gate": bool(f.get("attn_output_gate", True))}
+    if f.get("hybrid_override_pattern") is not None:  # Nemotron-H (NemotronHForCausalLM's state shapes)
+        h, d, n, g, k = (f.need(key) for key in _NEMOTRON_FIELDS)
+        ssm = f.get("mamba_ssm_cache_dtype", "float32")  # vLLM's NemotronHForCausalLMConfig: fp32 unless named
+        if ssm not in _STATE_DTYPES:
+            raise f.error("mamba_ssm_cache_dtype", f"must be one of {', '.join(_STATE_DTYPES)}, got {ssm!r}")
+        return {"mamba_type": "mamba2", "mamba_heads": h, "mamba_head_dim": d, "mamba_state_size": n,
+                "mamba_groups": g, "mamba_inner": h * d, "mamba_conv_kernel": k, "mamba_ssm_dtype": _STATE_DTYPES[ssm]}
+    if f.get("attn_layer_period") is not None:  # Jamba: Mamba-1 (JambaForCausalLM's state shapes)
+        n, k = (f.need(key) for key in _JAMBA_FIELDS)
+        return {"mamba_type": "mamba1", "mamba_heads": 0, "mamba_head_dim": 0, "mamba_state_size": n,
+                "mamba_groups": 0, "mamba_inner": f.get("mamba_expand", 2) * f.need("hidden_size"),
+                "mamba_conv_kernel": k}
     if f.architecture.startswith("granitemoehybrid") or f.get("mamba_n_heads") is not None:
         h, d, n, g, k = (f.need(key) for key in _MAMBA2_FIELDS)
         inner = f.get("mamba_expand", 2) * f.need("hidden_size")
@@ -597,7 +636,7 @@ def _recurrent(f: _Fields, kinds: tuple[str, ...]) -> dict[str, Any]:
         return {"mamba_type": "mamba2", "mamba_heads": h, "mamba_head_dim": d, "mamba_state_size": n,
                 "mamba_groups": g, "mamba_inner": inner, "mamba_conv_kernel": k}
     raise f.error("layer_types", "recurrent layers without the fields of their state (linear_num_key_heads ... for "
-                                 "Gated DeltaNet, mamba_n_heads ... for Mamba-2)")
+                                 "Gated DeltaNet, mamba_n_heads ... for Granite's Mamba-2)")
 
 
 _STATE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -608,6 +647,9 @@ def _dense_layers(f: _Fields, layers: int) -> tuple[int, ...]:
     if f.get("first_k_dense_replace") is not None or f.get("moe_layer_freq") is not None:  # DeepSeek
         first, freq = f.get("first_k_dense_replace", 0), f.get("moe_layer_freq", 1)
         return tuple(i for i in range(layers) if not (i >= first and i % freq == 0))
+    if f.get("expert_layer_period") is not None:  # Jamba: a MoE where i % period == offset
+        period, offset = f.get("expert_layer_period"), f.get("expert_layer_offset", 0)
+        return tuple(i for i in range(layers) if i % period != offset)
     if f.get("moe_layers") is not None:  # Llama 4, written out
         moe = set(_int_list(f, "moe_layers", 0))
         return tuple(i for i in range(layers) if i not in moe)
@@ -673,11 +715,11 @@ def read_hf_config(path: str, name: str | None = None) -> ModelSpec:
     for key, why in _REFUSED_RECURRENT.items():
         if key in f.c:
             raise f.error(key, f"a recurrent (Mamba or linear-attention) layer's state: {why} (kvbench reads Gated "
-                               "DeltaNet and Granite 4.0-H's Mamba-2)")
+                               "DeltaNet, Granite 4.0-H's and Nemotron-H's Mamba-2 and Jamba's Mamba-1)")
     for key in _RECURRENT_FIELDS:
-        if key in f.c and key not in _GDN_FIELDS + _MAMBA2_FIELDS and key != "linear_num_value_heads":
-            raise f.error(key, "a recurrent (Mamba or linear-attention) layer's state kvbench does not read "
-                               "(it reads Gated DeltaNet and Granite 4.0-H's Mamba-2)")
+        if key in f.c and key not in _READ_RECURRENT:
+            raise f.error(key, "a recurrent (Mamba or linear-attention) layer's state kvbench does not read (it reads "
+                               "Gated DeltaNet, Granite 4.0-H's and Nemotron-H's Mamba-2 and Jamba's Mamba-1)")
     for key in _POSITIVE_INT_FIELDS:
         v = f.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (0 if key in _MAY_BE_ZERO else 1)):
@@ -686,7 +728,11 @@ def read_hf_config(path: str, name: str | None = None) -> ModelSpec:
     inter, vocab = f.need("intermediate_size"), f.need("vocab_size")
     max_len = f.get("max_position_embeddings", 4096)
     mla = f.get("kv_lora_rank") is not None
-    kinds, window, chunk = _layer_kinds(f, layers, max_len, mla)
+    if f.get("hybrid_override_pattern") is not None:  # Nemotron-H: its mixer blocks, the MLP blocks shared out
+        layers, inter, kinds = _nemotron_pattern(f, layers, inter)
+        window = chunk = 0
+    else:
+        kinds, window, chunk = _layer_kinds(f, layers, max_len, mla)
     recurrent = _recurrent(f, kinds)
     if mla:
         rope, nope, v_dim = f.need("qk_rope_head_dim"), f.need("qk_nope_head_dim"), f.need("v_head_dim")
