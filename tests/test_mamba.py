@@ -13,7 +13,7 @@ import pytest
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.replay import Replay
 from kvbench.errors import InputError
-from kvbench.executors.model_config import read_hf_config
+from kvbench.executors.hf_config import read_hf_config
 from kvbench.executors.presets import get_model
 from kvbench.memory.groups import group_layers
 
@@ -281,4 +281,11 @@ def test_jamba_and_nemotron_h_are_read_as_vllm_shapes_them(tmp_path, cfg, layers
     path.write_text(json.dumps({**cfg, **({"hybrid_override_pattern": "ME*"} if "hybrid_override_pattern" in cfg
                                           else {"attn_layer_period": 64, "attn_layer_offset": 40})}))
     with pytest.raises(InputError, match="hybrid_override_pattern|attn_layer_period"):
+        read_hf_config(str(path))
+
+
+def test_falcon_h1_is_refused_naming_why(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**JAMBA, "model_type": "falcon_h1", "mamba_d_ssm": 3072}))
+    with pytest.raises(InputError, match="model_type.*every layer"):
         read_hf_config(str(path))

@@ -1,4 +1,4 @@
-"""Model shapes read from real config.json files (kvbench/executors/model_config.py), the presets built
+"""Model shapes read from real config.json files (kvbench/executors/hf_config.py), the presets built
 from the published configs (kvbench/executors/configs/), the bad configs refused, and the sim's cost per
 layer kind (sliding window, chunked-local, MLA, quantized weights).
 
@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from kvbench.errors import InputError
-from kvbench.executors.model_config import AttnGroup, read_hf_config
+from kvbench.executors.hf_config import read_hf_config
+from kvbench.executors.model_config import AttnGroup
 from kvbench.executors.presets import CONFIGS_DIR, GPUS, HYBRID_PRESETS, MODELS, SIM_MODELS, get_model
 from kvbench.executors.sim import StepCost, make_sim
 from kvbench.memory.specs import LayerKV

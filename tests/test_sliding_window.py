@@ -111,7 +111,7 @@ def test_the_sliding_config_is_read_as_transformers_builds_it(tmp_path):
 
     import transformers
 
-    from kvbench.executors.model_config import read_hf_config
+    from kvbench.executors.hf_config import read_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps(SLIDING_CONFIG))
     spec = read_hf_config(str(tmp_path))

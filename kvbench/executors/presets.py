@@ -13,7 +13,8 @@ import os
 from dataclasses import asdict, dataclass, replace
 
 from kvbench.errors import InputError
-from kvbench.executors.model_config import DTYPE_BYTES, ModelSpec, WeightQuant, read_hf_config
+from kvbench.executors.hf_config import read_hf_config
+from kvbench.executors.model_config import DTYPE_BYTES, ModelSpec, WeightQuant
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")  # presets' config.json
 # (re-exported: the executors and the CLI read these names from here)

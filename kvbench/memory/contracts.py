@@ -87,6 +87,7 @@ class KVManager(Protocol):
     watermark_frac: float  # the share of blocks kept free at admission for running sequences to grow
     tiers: Tiers | None
     last_loaded: TierMatch | None  # after a successful allocate: the tier hits it loaded
+    aligned_split: bool  # prefill chunks must end where a recurrent state is kept (``split``)
 
     @property
     def capacity_tokens(self) -> int: ...
@@ -166,6 +167,15 @@ class KVManager(Protocol):
 
     def set_clock(self, now: float) -> None:
         """The time the cache policies and tiers are told (learned: seconds since a use)."""
+        ...
+
+    def split(self, s: SeqKV, computed: int, num_new: int) -> int:
+        """The tokens of a chunk from ``computed`` (at most ``num_new``) the scheduler may run: all of
+        them, unless a recurrent state must be kept inside (kvbench.memory.states); 0: none this step."""
+        ...
+
+    def new_step(self) -> None:
+        """A scheduler step begins (what was cached in the last one may now be hit)."""
         ...
 
     def enable_events(self) -> None:

@@ -147,6 +147,14 @@ class PagedKV:
     def cache_evictions(self) -> int:
         return self.pool.evictions
 
+    aligned_split = False  # no recurrent state: a chunk is never cut (KVManager.split)
+
+    def split(self, s: SeqKV, computed: int, num_new: int) -> int:
+        return num_new
+
+    def new_step(self) -> None:
+        pass
+
     def set_clock(self, now: float) -> None:
         self.pool.clock = now
         if self.tiers is not None:

@@ -190,6 +190,14 @@ class SlabKV:
         bs = self.block_size
         return (s.base + logical // bs) * bs + logical % bs
 
+    aligned_split = False  # no recurrent state: a chunk is never cut (KVManager.split)
+
+    def split(self, s: SeqKV, computed: int, num_new: int) -> int:
+        return num_new
+
+    def new_step(self) -> None:
+        pass
+
     def set_clock(self, now: float) -> None:
         """Nothing in a slab reads the time."""
 

@@ -113,7 +113,7 @@ class Scheduler:
         self.lane: DecodeLane | None = None  # the running batch's steady decodes in arrays (enable_lane)
         # a KV manager with recurrent state in align mode ends prefill chunks where a state must be kept
         # (HybridKV.split: vLLM's Scheduler._mamba_block_aligned_split, after the budget's cut)
-        self._split = kv.split if getattr(kv, "aligned_split", False) else None  # type: ignore[attr-defined]
+        self._split = kv.split if kv.aligned_split else None
 
     def enable_lane(self) -> bool:
         """Run the steady decodes in a DecodeLane (kvbench.scheduler.lane) from now on, where the
@@ -164,7 +164,7 @@ class Scheduler:
         allocate, seqs, nums = kv.allocate, plan.seqs, plan.num_new  # per running sequence: bound once
         split = self._split
         if split is not None:
-            kv.new_step()  # type: ignore[attr-defined]  # (a KV manager with recurrent state)
+            kv.new_step()
         if lane is not None:
             lane.begin()
         i = 0
