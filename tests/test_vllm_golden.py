@@ -122,6 +122,7 @@ def replay_like_vllm(golden: dict, tmp_path: Path):
                        disable_hybrid_kv_cache_manager=False if "hybrid" in golden else None,
                        num_blocks=golden["kvbench_num_blocks"], block_size=golden["block_size"],
                        max_num_seqs=golden["max_num_seqs"], max_batched_tokens=golden["max_batched_tokens"],
+                       prefix_cache=golden.get("prefix_caching", True),  # (off: vLLM's Mamba "none" mode)
                        admission_window=golden.get("admission_window", 0),
                        admission_threshold=golden.get("admission_threshold", 0.5))
     rp = Replay(str(trace), cfg, str(tmp_path / "run"))

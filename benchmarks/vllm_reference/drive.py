@@ -39,7 +39,13 @@ model is a Llama, so vLLM's MambaModelConfig hook and platform alignment do not 
 (hybrid.aligned_block_size: 544 for Qwen3-Next, 576 with its GDN prefill checkpoints, 400 for
 Granite 4.0-H Tiny); the driver asserts the scheduler runs the Mamba block-aligned split
 (Scheduler.need_mamba_block_aligned_split) and the Mamba groups' managers are MambaManager in align
-mode, and the "hybrid" record's "mamba" part says so.
+mode, and the "hybrid" record's "mamba" part says so. With --no-prefix-caching a Mamba layer list runs
+vLLM's "none" mode instead (what MambaModelConfig.verify_and_update_config makes of prefix caching
+off): mamba_cache_mode "none", the Mamba specs' block size = max_model_len (one block per Mamba group
+per request), the page still padded to the attention page at the aligned --block-size (the same
+alignment, without the GDN checkpoint lcm); asserted: KVCacheCoordinatorNoPrefixCache, MambaManager
+in "none" mode, no block-aligned split, scheduler = hash block size = lcm(group block sizes), and no
+request block hasher (as EngineCore without prefix caching); "prefix_caching": false in the record.
 Install kvbench into vLLM's venv with `pip install --no-deps -e .` (not PYTHONPATH=<repo>: the repo's
 kernels/ folder would shadow the `kernels` package that transformers probes for, in this process and
 in the subprocess where vLLM inspects the model class).
@@ -117,16 +123,19 @@ def build_scheduler(args):
         if hybrid.has_mamba(layers):
             # vLLM's align mode needs the block size its platform aligns for the model
             # (Platform._align_hybrid_block_size); --block-size is that aligned size, for a user
-            # --block-size 16 (FlashAttention, TP 1).
-            if args.no_prefix_caching:
-                sys.exit("Mamba hybrids run in vLLM's align mode here, which is prefix caching on")
-            al = hybrid.aligned_block_size(layers, 16)
+            # --block-size 16 (FlashAttention, TP 1). With --no-prefix-caching: vLLM's "none" mode
+            # (MambaModelConfig.verify_and_update_config), where the attention block size is raised
+            # the same way (pages must match) but without the GDN checkpoint alignment.
+            mode = "none" if args.no_prefix_caching else "align"
+            al = hybrid.aligned_block_size(layers, 16, mamba_cache_mode=mode)
             if args.block_size != al["block_size"]:
                 sys.exit(f"{args.layers_name}: vLLM aligns --block-size 16 to {al['block_size']} "
                          f"(Mamba state {al['mamba_state_bytes']:,} B, attention {al['attn_page_bytes_per_token']:,} "
                          f"B/token, prefill checkpoints {al['prefill_checkpoints']}); pass --block-size "
                          f"{al['block_size']}, not {args.block_size}")
             args.mamba = {"user_block_size": 16, "alignment": al}
+            if args.no_prefix_caching:
+                args.mamba["prefix_caching"] = False
     model_config = ModelConfig(model=ensure_tiny_model(args.max_model_len), skip_tokenizer_init=True,
                                max_model_len=args.max_model_len, dtype="float32")
     cache_config = CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
@@ -160,14 +169,25 @@ def build_scheduler(args):
         # scheduler's KVCacheConfig built the way EngineCore._initialize_kv_caches builds it.
         import hybrid
         name, expect = args.layers_name, args.layers_expect
-        if args.mamba:
+        mamba_mode, mamba_block_size = "align", None
+        if args.mamba and args.no_prefix_caching:
+            # "None" mode as vLLM's MambaModelConfig hook sets it with prefix caching off (the tiny
+            # model is a Llama, so the hook does not run): mamba_cache_mode "none", mamba_block_size
+            # = max_model_len; each Mamba layer's MambaSpec (MambaBase.get_kv_cache_spec) takes that
+            # block size and the page padded to the attention page at the aligned block size.
+            hybrid.set_mamba_none(vllm_config)
+            mamba_mode, mamba_block_size = "none", vllm_config.cache_config.mamba_block_size
+            assert mamba_block_size == args.max_model_len, mamba_block_size
+        elif args.mamba:
             # Align mode as vLLM's MambaModelConfig hook and _align_hybrid_block_size set it (the
             # tiny model is a Llama, so neither runs): prefix caching + chunked prefill on,
             # mamba_cache_mode "align", mamba_block_size = the aligned block size;
             # prefix_cache_retention_interval stays at its default.
             hybrid.set_mamba_align(vllm_config, args.block_size)
         hybrid.prepare_config(vllm_config)
-        specs = hybrid.layer_specs(layers, args.block_size, args.kv_cache_dtype)
+        specs = hybrid.layer_specs(layers, args.block_size, args.kv_cache_dtype,
+                                   **({"mamba_cache_mode": mamba_mode, "mamba_block_size": mamba_block_size}
+                                      if mamba_mode == "none" else {}))
         groups = hybrid.group_layers(vllm_config, specs)
         args.kv_cache_groups = hybrid.check_groups(groups, layers, expect)
         args.layers_name, args.num_layers = name, len(layers)
@@ -182,14 +202,57 @@ def build_scheduler(args):
         coord = sched.kv_cache_manager.coordinator
         got = [type(m).__name__ for m in coord.single_type_managers]
         assert len(got) == len(args.kv_cache_groups), got
-        if len(got) > 1:
+        if len(got) > 1 and not args.no_prefix_caching:
             assert type(coord).__name__ == "HybridKVCacheCoordinator", type(coord).__name__
         for d, m in zip(args.kv_cache_groups, coord.single_type_managers):
             d["manager"] = type(m).__name__
             d["max_admission_blocks_per_request"] = m.max_admission_blocks_per_request
         args.coordinator = type(coord).__name__
         args.prefix_cache_retention_interval = coord.retention_interval
-        if args.mamba:
+        if args.mamba and args.no_prefix_caching:
+            from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+            cc = vllm_config.cache_config
+            assert cc.mamba_cache_mode == "none" and cc.mamba_block_size == args.max_model_len, cc
+            assert not cc.enable_prefix_caching and not sched.kv_cache_manager.enable_caching
+            assert sched.has_mamba_layers and not sched.need_mamba_block_aligned_split, \
+                "vLLM's scheduler runs the Mamba block-aligned split without prefix caching"
+            assert type(coord).__name__ == "KVCacheCoordinatorNoPrefixCache", type(coord).__name__
+            pages = set()
+            for d, m in zip(args.kv_cache_groups, coord.single_type_managers):
+                pages.add(d["page_size_bytes"])
+                if d["kind"] == "mamba":
+                    assert isinstance(m, MambaManager) and m.mamba_cache_mode == "none", (d, m)
+                    assert d["block_size"] == args.max_model_len and m.block_size == args.max_model_len, d
+                    assert d["mamba"]["page_size_padded"] == args.mamba["alignment"]["mamba_page_size_padded"], d
+                else:
+                    assert d["block_size"] == args.block_size, d
+            assert pages == {args.mamba["alignment"]["attn_page_bytes"]}, pages
+            # resolve_kv_cache_block_sizes: prefix caching (and connectors) off -> both the lcm of
+            # the group block sizes; nothing is hashed (EngineCore makes no block hasher).
+            from math import lcm
+            assert sched_block_size == hash_block_size == lcm(args.block_size, args.max_model_len), \
+                (sched_block_size, hash_block_size)
+            args.mamba.update({
+                "aligned_block_size": args.block_size, "mamba_cache_mode": cc.mamba_cache_mode,
+                "mamba_block_size": cc.mamba_block_size,
+                "need_mamba_block_aligned_split": sched.need_mamba_block_aligned_split,
+                "managers": sorted({d["manager"] for d in args.kv_cache_groups}),
+                "coordinator": args.coordinator})
+            # vLLM's own hook and platform alignment on the real model config (hybrid.py), where
+            # the extra packages are there (README.md); recorded apart from the golden's record.
+            try:
+                args.vllm_alignment = hybrid.vllm_aligned_block_size(
+                    args.layers_name, 16, args.max_model_len, enable_prefix_caching=False)
+            except Exception as e:  # noqa: BLE001
+                args.vllm_alignment = {"error": f"{type(e).__name__}: {e}"}
+            else:
+                got_al = {k: args.vllm_alignment[k] for k in (
+                    "mamba_cache_mode", "block_size", "mamba_block_size", "mamba_page_size_padded")}
+                want = {"mamba_cache_mode": "none", "block_size": args.block_size,
+                        "mamba_block_size": min(args.max_model_len, hybrid.MAX_MODEL_LEN[args.layers_name]),
+                        "mamba_page_size_padded": args.mamba["alignment"]["mamba_page_size_padded"]}
+                assert got_al == want, (got_al, want)
+        elif args.mamba:
             from vllm.v1.core.single_type_kv_cache_manager import MambaManager
             cc = vllm_config.cache_config
             assert cc.mamba_cache_mode == "align" and cc.mamba_block_size == args.block_size, cc
@@ -222,6 +285,8 @@ def build_scheduler(args):
     hash_fn = get_hash_fn_by_name(args.hash)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(hash_block_size, hash_fn, vllm_config.num_hash_lookahead_tokens)
+    if args.mamba and args.no_prefix_caching:
+        hasher = None  # EngineCore makes no request block hasher without prefix caching or a connector
     return sched, hasher, vllm_config
 
 
@@ -237,7 +302,8 @@ def main(argv=None):
     ap.add_argument("--watermark", type=float, default=0.0)
     ap.add_argument("--no-reserve-full-isl", action="store_true",
                     help="scheduler_reserve_full_isl=False (default True, as vLLM)")
-    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="prefix caching off; with Mamba layers: vLLM's Mamba \"none\" mode")
     ap.add_argument("--cache-aware-admission-window", type=int, default=0,
                     help="vLLM 0.34's SchedulerConfig.cache_aware_admission_window (default 0: off, "
                          "strict arrival order, as vLLM's default)")
@@ -453,7 +519,9 @@ def main(argv=None):
             "kv_cache_layout": cc.kv_cache_layout,
             "prefix_cache_retention_interval": args.prefix_cache_retention_interval,
             "scheduler_block_size": sched.block_size, "hash_block_size": sched.hash_block_size,
-            "kv_cache_groups": args.kv_cache_groups, "mamba": args.mamba},
+            "kv_cache_groups": args.kv_cache_groups, "mamba": args.mamba,
+            **({"prefix_caching": False, "vllm_update_block_size_for_backend": args.vllm_alignment}
+               if args.mamba and args.no_prefix_caching else {})},
         "steps_file": os.path.abspath(args.out), "requests_file": os.path.abspath(req_out),
         "wall_s": round(time.time() - t0, 1),
     }

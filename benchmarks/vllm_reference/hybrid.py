@@ -348,14 +348,17 @@ def aligned_block_size(layers: list[dict], user_block_size: int | None, prefill_
 
 
 def layer_specs(layers: list[dict], block_size: int, kv_cache_dtype: str | None = None,
-                mamba_cache_mode: str = "align") -> dict:
+                mamba_cache_mode: str = "align", mamba_block_size: int | None = None) -> dict:
     """vLLM's per-layer KVCacheSpec for each layer, as the layers' get_kv_cache_spec build them
     (Attention, ChunkedLocalAttention, MLAAttention, MambaBase / Qwen's GDN layer), keyed by layer name
     in layer order. ``kv_cache_dtype`` ("fp8") overrides every attention layer's dtype, as
     ``--kv-cache-dtype`` does (a Mamba state keeps its own dtypes: --mamba-cache-dtype is apart).
     A Mamba layer's block size is ``block_size`` (the aligned size: align mode sets
     ``mamba_block_size = block_size``) and its page is padded to the attention page at that block size
-    (``mamba_page_size_padded``), which must hold the state: every page ends equal."""
+    (``mamba_page_size_padded``), which must hold the state: every page ends equal. In "none" mode
+    (prefix caching off) the Mamba block size is ``mamba_block_size`` (vLLM's MambaModelConfig hook
+    sets ``cache_config.mamba_block_size = max_model_len``; ``MambaBase.get_kv_cache_spec`` takes it),
+    the page still padded to the attention page at ``block_size``."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
@@ -375,7 +378,7 @@ def layer_specs(layers: list[dict], block_size: int, kv_cache_dtype: str | None 
     for i, layer in enumerate(layers):
         kind = layer["type"]
         if kind == "mamba":
-            specs[LAYER_NAME.format(i)] = mamba_spec(layer, block_size, padded, mamba_cache_mode)
+            specs[LAYER_NAME.format(i)] = mamba_spec(layer, mamba_block_size or block_size, padded, mamba_cache_mode)
             continue
         dtype, quant, cache_dtype_str = _dtype(kv_cache_dtype or layer.get("dtype", "bfloat16"))
         kw = dict(block_size=block_size, num_kv_heads=int(layer["num_kv_heads"]),
@@ -552,10 +555,23 @@ def set_mamba_align(vllm_config, block_size: int) -> None:
     cc.mamba_block_size = block_size
 
 
+def set_mamba_none(vllm_config) -> None:
+    """vLLM's "none" mode, by hand (as ``MambaModelConfig.verify_and_update_config`` sets it with
+    prefix caching off): ``mamba_cache_mode = "none"``, ``mamba_block_size = max_model_len`` (each
+    request holds one block per Mamba group for its whole life); ``_align_hybrid_block_size`` still
+    raises the attention block size and pads the Mamba page, but leaves ``mamba_block_size`` alone."""
+    cc = vllm_config.cache_config
+    assert not cc.enable_prefix_caching, "none mode is Mamba without prefix caching"
+    cc.mamba_cache_mode = "none"
+    if cc.mamba_block_size is None:
+        cc.mamba_block_size = vllm_config.model_config.max_model_len
+
+
 EXTRA_SITE = os.environ.get("KVBENCH_VLLM_EXTRA", "/work/vllm034/extra")
 
 
-def vllm_aligned_block_size(name: str, user_block_size: int | None, max_model_len: int | None = None) -> dict:
+def vllm_aligned_block_size(name: str, user_block_size: int | None, max_model_len: int | None = None,
+                            enable_prefix_caching: bool = True) -> dict:
     """vLLM's own ``Platform.update_block_size_for_backend`` (phases 1-3, ``_align_hybrid_block_size``)
     on a real ``VllmConfig`` of the preset's model (HF_CONFIGS written as a weight-less config.json),
     so the Mamba page comes from the model class's ``get_mamba_state_shape_from_config`` /
@@ -568,7 +584,8 @@ def vllm_aligned_block_size(name: str, user_block_size: int | None, max_model_le
     Building the config needs ``compressed_tensors`` and ``loguru`` (imported by vLLM's model
     registry, in this process and in the model-inspection subprocess), not in the driver's venv:
     they are looked for in ``KVBENCH_VLLM_EXTRA`` (default /work/vllm034/extra, ``pip install
-    --target``). Returns the same keys as ``aligned_block_size`` plus the model class's shapes."""
+    --target``). Returns the same keys as ``aligned_block_size`` plus the model class's shapes.
+    ``enable_prefix_caching=False``: the hook's "none" mode (``mamba_block_size = max_model_len``)."""
     import tempfile
 
     if os.path.isdir(EXTRA_SITE):
@@ -622,7 +639,7 @@ def vllm_aligned_block_size(name: str, user_block_size: int | None, max_model_le
     vcfg = VllmConfig(
         model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=max_model_len,
                                  dtype="bfloat16"),
-        cache_config=CacheConfig(block_size=user_block_size, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=user_block_size, enable_prefix_caching=enable_prefix_caching),
         scheduler_config=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, enable_chunked_prefill=True,
                                          max_model_len=max_model_len, is_encoder_decoder=False,
                                          async_scheduling=False),

@@ -106,6 +106,18 @@ for _suffix, (_model, _trace, _blocks) in MAMBA_POOLS.items():
             "trace_spec": mooncake(0, 2000)} if _trace == "mooncake2000" else
            {"trace": "traces/chat.jsonl at 50x its rate (t x 0.02)", "trace_spec": CHAT_50X}),
         "layers": _model, "block_size": MAMBA_BLOCK_SIZES[_model], "vllm_num_gpu_blocks": _blocks}
+# vLLM's Mamba "none" mode: prefix caching off (MambaModelConfig.verify_and_update_config sets
+# mamba_cache_mode "none" and mamba_block_size = max_model_len: one block per Mamba group for a
+# request's whole life); the attention block size is still the aligned one, the coordinator
+# KVCacheCoordinatorNoPrefixCache, no block-aligned split (drive.py --no-prefix-caching).
+NOCACHE_POOLS = {  # name suffix -> (model, trace name, vLLM num_gpu_blocks)
+    "granite-4.0-h-tiny-chat50x-nocache": ("granite-4.0-h-tiny", "chat50x", 400),
+}
+for _suffix, (_model, _trace, _blocks) in NOCACHE_POOLS.items():
+    CONFIGS[f"hybrid-{_suffix}"] = {
+        "trace": "traces/chat.jsonl at 50x its rate (t x 0.02); prefix caching off (Mamba \"none\" mode)",
+        "trace_spec": CHAT_50X, "layers": _model, "block_size": MAMBA_BLOCK_SIZES[_model],
+        "vllm_num_gpu_blocks": _blocks, "prefix_caching": False}
 HYBRID_INDEX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hybrid_goldens.json")
 
 DUPKEY_TRACE = os.path.join(DATA, "vllm-0.34-dupkey-trace.jsonl")
@@ -144,6 +156,7 @@ def reduce(steps_path: str, name: str) -> dict:
         cfg["vllm_num_gpu_blocks"], cfg["block_size"], cfg["max_num_seqs"], cfg["max_batched_tokens"]), sc
     assert (sc["prefill_ms_per_token"], sc["decode_step_ms"]) == (CLOCK["prefill_ms_per_token"], CLOCK["decode_step_ms"])
     assert not sc["async_scheduling"]
+    assert sc["enable_prefix_caching"] == cfg.get("prefix_caching", True), sc
     assert (sc.get("cache_aware_admission_window") or 0) == cfg["admission_window"], sc
     if cfg["admission_window"]:
         assert sc["cache_aware_admission_threshold"] == cfg["admission_threshold"], sc
@@ -155,6 +168,9 @@ def reduce(steps_path: str, name: str) -> dict:
         extra["hybrid"] = {k: hybrid[k] for k in (
             "model", "num_layers", "kv_cache_dtype", "coordinator", "kv_cache_layout",
             "prefix_cache_retention_interval", "scheduler_block_size", "hash_block_size")}
+        if cfg.get("prefix_caching") is False:
+            assert hybrid["prefix_caching"] is False, hybrid
+            extra["hybrid"]["prefix_caching"] = False
         extra["hybrid"]["kv_cache_groups"] = [{k: g[k] for k in (
             "group", "kind", "window", "chunk", "spec", "manager", "num_layers", "layers", "block_size",
             "page_size_bytes", "max_admission_blocks_per_request") + (("mamba",) if "mamba" in g else ())}
@@ -174,6 +190,7 @@ def reduce(steps_path: str, name: str) -> dict:
             extra["readmit_cached"] = {r["id"]: r["readmits"] for r in reqs if r["readmits"]}
     return {
         "name": name,
+        **({"prefix_caching": False} if cfg.get("prefix_caching") is False else {}),
         **extra,
         "source": f"vLLM {summ['vllm_version']} Scheduler + KVCacheManager, benchmarks/vllm_reference/drive.py",
         "vllm_version": summ["vllm_version"],
@@ -223,6 +240,8 @@ def make(name: str, vllm_python: str, work: str, mooncake_path: str) -> str:
            "--cache-aware-admission-threshold", str(cfg["admission_threshold"])]
     if cfg.get("layers"):
         cmd += ["--layers", cfg["layers"]]
+    if cfg.get("prefix_caching") is False:
+        cmd += ["--no-prefix-caching"]
     t0 = time.time()
     # cwd outside the checkout: the repository's kernels/ would shadow the `kernels` package
     # transformers probes for (see README.md).
@@ -251,6 +270,7 @@ def index_hybrid(golden: dict, path: str) -> None:
         "preempted_requests": summ["preempted_requests"], "prefix_hit_rate": round(summ["prefix_hit_rate"], 4),
         "hit_tokens": summ["hit_tokens"], "prompt_tokens": summ["prompt_tokens"],
         "coordinator": h["coordinator"],
+        **({"prefix_caching": False} if golden.get("prefix_caching") is False else {}),
         "groups": [[g["kind"], g["window"] or g["chunk"], g["num_layers"]] for g in h["kv_cache_groups"]],
         "bytes": os.path.getsize(path)}
     index["vllm_version"] = golden["vllm_version"]

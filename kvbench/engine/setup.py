@@ -24,6 +24,8 @@ def kv_layout_of(cfg: ReplayConfig, executor) -> KVLayout:
     with chunked local attention (Llama 4: VllmConfig.__post_init__ turns it off for the latency it
     costs, unless VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1), on for every other."""
     layers = executor.kv_layers()
+    if not (cfg.prefix_cache and cfg.layout == "paged"):  # vLLM's "none" mode: no prefill checkpoints either
+        layers = [dataclasses.replace(s, checkpoints=False) if s.checkpoints else s for s in layers]
     disable = cfg.disable_hybrid_kv_cache_manager
     if disable is None:
         disable = any(layer.kind == "chunked" for layer in layers)
