@@ -3,7 +3,7 @@
 scheduled sequence per step (the scheduler + block pool hot path).
 
     python benchmarks/bench_replay.py [--trace ../shared/traces/real/mooncake_conversation.jsonl]
-                                      [--model llama-3-8b --gpu h200] [--limit N] [--profile | --phases]
+                                      [--model llama-3-8b --gpu h200 --tp 1] [--limit N] [--profile | --phases]
 
 The trace is converted to kvbench's format first (not timed). One process, one core. --phases times
 the loop's parts (each method wrapped in a timer: a few per cent slower) and prints where the replay's
@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--trace", default=str(DEFAULT))
     ap.add_argument("--model", default="llama-3-8b")
     ap.add_argument("--gpu", default="h200")
+    ap.add_argument("--tp", type=int, default=1, help="GPUs per replica (a model too large for one)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--num-blocks", type=int, default=None, help="pool size [default: the GPU preset's]")
@@ -49,7 +50,7 @@ def main() -> None:
         if a.convert_from:  # a public format: convert it first (not timed)
             trace = os.path.join(tmp, "trace.jsonl")
             convert(a.convert_from, a.trace, trace)
-        cfg = ReplayConfig(executor="sim", model=a.model, gpu=a.gpu, block_size=a.block_size,
+        cfg = ReplayConfig(executor="sim", model=a.model, gpu=a.gpu, tp=a.tp, block_size=a.block_size,
                            limit=a.limit, num_blocks=a.num_blocks)
         t0 = time.perf_counter()
         rp = Replay(trace, cfg, os.path.join(tmp, "run"))
@@ -66,6 +67,7 @@ def main() -> None:
         seq_steps = int(pq.read_table(os.path.join(tmp, "run", "steps.parquet"), columns=["decode_seqs"])
                         .column("decode_seqs").to_numpy().sum())
     print(f"{'trace':<28} {Path(a.trace).name}")
+    print(f"{'model (KV cache groups)':<28} {a.model}: {rp.kv_layout.describe()}")
     print(f"{'requests / completed':<28} {s['requests']:,} / {s['completed']:,}")
     print(f"{'output tokens':<28} {s['output_tokens']:,}")
     print(f"{'engine steps':<28} {s['steps']:,}")
