@@ -118,6 +118,7 @@ class HybridKV(StateGroups):
         self._windowed = [(i, g.kind == "sliding", g.window) for i, g in enumerate(self.groups)
                           if g.kind in ("sliding", "chunked", "mamba")]
         self._states = [i for i, g in enumerate(self.groups) if g.kind == "mamba"]
+        self._windows = [i for i, g in enumerate(self.groups) if g.kind in ("sliding", "chunked")]
         self.state_checkpoints = any(self.groups[i].spec.checkpoints for i in self._states)
         # the scheduler ends prefill chunks where a state must be kept (split): align mode only
         self.aligned_split = prefix_cache and bool(self._states)
@@ -368,12 +369,20 @@ class HybridKV(StateGroups):
     def _drop_skipped(self, st: GroupTables, computed: int) -> None:
         """Free, group by group, the blocks no longer attended to (vLLM remove_skipped_blocks)."""
         bs = self.block_size
-        states = None
+        if self._states and not self._windows:  # state groups only (beside full attention): one check for all
+            states = self._state_skips(st, computed)
+            if states is not None:
+                for g in self._states:
+                    self._drop_states(st, g, *states)
+                self._states_dropped(st, states)
+            return
+        states, checked = None, False
         for g, sliding, w in self._windowed:  # (KVGroup.skipped_tokens, inline: every step runs it)
             if not w:  # a recurrent state's group
-                if states is None:
-                    states = self._state_skips(st, computed)
-                self._drop_states(st, g, *states)
+                if not checked:
+                    states, checked = self._state_skips(st, computed), True
+                if states is not None:
+                    self._drop_states(st, g, *states)
                 continue
             n = min((computed - w + 1 if sliding else computed // w * w) // bs, len(st.tables[g]))
             table = st.tables[g]
@@ -387,8 +396,8 @@ class HybridKV(StateGroups):
                 table[j] = NULL
             if freed:
                 self.pool.release_all(freed)
-        if states is not None and states[0] < states[1]:
-            st.retired = states[1]
+        if states is not None:
+            self._states_dropped(st, states)
 
     def allocate(self, s: SeqKV, num_new: int, hits: Any = (), watermark: int = 0,
                  must_fit: int = 0, forks: int = 0, external: int = 0) -> bool:

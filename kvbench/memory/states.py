@@ -142,17 +142,28 @@ class StateGroups:
         """A scheduler step begins: states cached in the last one may be hit (MambaManager.new_step_starts)."""
         self._step_keys.clear()
 
-    def _state_skips(self, st: GroupTables, computed: int) -> tuple[int, int, int]:
+    def _state_skips(self, st: GroupTables, computed: int) -> tuple[int, int, int] | None:
         """(first, last, copy source) of what the state groups free now: every block before the one
         holding the state after ``computed - 1`` tokens not yet retired, and the copy source once the
-        state has moved past it (MambaManager.remove_skipped_blocks, _remove_blocks_in_range)."""
+        state has moved past it (MambaManager.remove_skipped_blocks, _remove_blocks_in_range); None:
+        nothing (most steps: a decode within its block)."""
         if not self.prefix_cache:
-            return 0, 0, -1
+            return None
         bs = self.block_size
         first = st.retired
         last = min((computed - 1) // bs if computed > 1 else 0, len(st.tables[self._states[0]]))
         src = st.state_from if 0 <= st.state_from < cdiv(computed, bs) - 1 else -1
-        return first, last, src
+        return (first, last, src) if first < last or src >= 0 else None
+
+    @staticmethod
+    def _states_dropped(st: GroupTables, states: tuple[int, int, int]) -> None:
+        """After every state group freed ``states``: the blocks retired, the copy source gone (vLLM keeps
+        its index over a null block: freeing it again would do nothing)."""
+        first, last, src = states
+        if first < last:
+            st.retired = last
+        if src >= 0:
+            st.state_from = -1
 
     def _drop_states(self, st: GroupTables, g: int, first: int, last: int, src: int) -> None:
         table = st.tables[g]
