@@ -80,8 +80,8 @@ def check_hybrid(cfg: ReplayConfig, layout: KVLayout, model: str) -> None:
     elif cfg.prefix_cache and needs_future(cfg.cache_policy):
         why, field = f"--cache-policy {cfg.cache_policy} reads one table's future", "--cache-policy"
     elif cfg.executor == "model" and any(g.kind not in ("full", "sliding") for g in layout.groups):
-        why, field = ("the model executor runs full and sliding-window groups only (chunked local attention is not "
-                      "implemented in its forward)", "--executor")
+        why, field = ("the model executor runs full and sliding-window groups only (chunked local attention, MLA and "
+                      "recurrent layers are not implemented in its forward)", "--executor")
     if why is not None:
         way_out = ("" if layout.has_state else  # (vLLM cannot run a recurrent state as attention)
                    "; use --disable-hybrid-kv-cache-manager to run it as full attention")
