@@ -289,3 +289,28 @@ def test_falcon_h1_is_refused_naming_why(tmp_path):
     path.write_text(json.dumps({**JAMBA, "model_type": "falcon_h1", "mamba_d_ssm": 3072}))
     with pytest.raises(InputError, match="model_type.*every layer"):
         read_hf_config(str(path))
+
+
+def test_parallel_samples_are_refused_on_a_recurrent_model_naming_the_line(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"id": "a", "t": 0, "output_len": 4, "prompt": [{"tokens": list(range(1000, 1100))}]})
+                     + "\n" + json.dumps({"id": "b", "t": 1, "output_len": 4, "n": 3,
+                                          "prompt": [{"tokens": list(range(2000, 2100))}]}) + "\n")
+    cfg = ReplayConfig(executor="sim", model="granite-4.0-h-tiny")
+    with pytest.raises(InputError, match="3 samples") as e:
+        Replay(str(trace), cfg, str(tmp_path / "run"))
+    assert f"{trace}:2: field 'n'" in str(e.value)
+    Replay(str(trace), ReplayConfig(executor="sim", model="gpt-oss-20b"), str(tmp_path / "ok"))  # (attention: forks)
+
+
+def test_external_tokens_and_the_slab_for_state_groups():
+    from kvbench.memory.contracts import SeqKV
+    from kvbench.memory.hybrid import HybridKV
+
+    layout = group_layers(get_model("granite-4.0-h-tiny").kv_layers("bf16", 1), 16)
+    kv = HybridKV(100, layout)
+    s = SeqKV(tokens=np.arange(1000, 1900, dtype=np.int32), prompt_len=900, num_tokens=900)
+    with pytest.raises(ValueError, match="recurrent state"):
+        kv.allocate(s, 100, external=800)
+    # a slab holds one block per state group, filled (as the paged layout counts a state)
+    assert layout.slab_blocks(900) == 9 * 1 + 3 and layout.slab_live(900) == 9 * 400 + 900

@@ -101,7 +101,7 @@ def test_what_the_model_executor_still_refuses():
     cfg = ReplayConfig(executor="model", device="cpu")
     check_hybrid(cfg, group_layers(QWEN2_SWA.kv_layers("fp32"), 8), QWEN2_SWA.name)
     chunked = replace(LLAMA_SWA, layer_kinds=("chunked", "full"), sliding_window=0, attention_chunk_size=64)
-    with pytest.raises(InputError, match="--executor.*chunked local attention is not implemented"):
+    with pytest.raises(InputError, match="--executor.*chunked local attention, MLA and recurrent layers are not implemented"):
         check_hybrid(cfg, group_layers(chunked.kv_layers("fp32"), 8), chunked.name)
 
 

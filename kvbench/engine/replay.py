@@ -138,6 +138,7 @@ class Replay:
             cfg = self.cfg = dataclasses.replace(cfg, block_size=self.kv_layout.block_size)
             self.slab_reserve_tokens = self._slab_reserve_tokens()
         check_hybrid(cfg, self.kv_layout, self.model.name)
+        self._check_samples()
         self.num_blocks = pool_blocks(cfg, executor, kv_layout=self.kv_layout)  # per replica
         self._block_bytes = self.kv_layout.bytes_per_block * cfg.tp
         self.physical_blocks = self._physical_blocks()
@@ -165,6 +166,20 @@ class Replay:
         # a staged closed loop (engine.issuer: (requests, concurrency) per stage), as a profiling run sent it
         self.stages: list[tuple[int, int]] | None = None
         self._check_all_fit()
+
+    def _check_samples(self) -> None:
+        """A model with recurrent state and a request of n > 1 samples is refused, naming its line:
+        vLLM fans the request out into n requests that each look the prompt up, and each sibling can only
+        hit the state at the prompt's last block boundary (recomputing the rest, a step later when they
+        arrive together); kvbench's samples fork one prefill, which would understate that cost."""
+        if not self.kv_layout.has_state:
+            return
+        many = np.flatnonzero((self.trace.n > 1) & self._admitted)
+        if len(many):
+            r = self.trace.request(int(many[0]))
+            raise InputError(f"{r.n} samples of one prompt on {self.model.name}, whose recurrent state vLLM does not "
+                             "share between samples (it runs n requests): not modelled; give each sample its own "
+                             "request (n 1)", file=self.trace_path, line=r.line, field="n")
 
     def claim(self) -> str:
         """Create the run directory (``run`` does it first if nobody has): after every check, so a

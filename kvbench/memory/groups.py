@@ -151,8 +151,10 @@ class KVLayout:
         return sum(-(-g.slab_tokens(reserve) // bs) for g in self.groups)
 
     def slab_live(self, num_tokens: int) -> int:
-        """The slots of a slab that ``num_tokens`` tokens fill, over every group."""
-        return int(sum(g.slab_tokens(num_tokens) for g in self.groups))
+        """The slots of a slab that ``num_tokens`` tokens fill, over every group (a recurrent state fills its
+        block, as the paged layout counts it)."""
+        return int(sum(self.block_size if g.kind == "mamba" and num_tokens > 0 else g.slab_tokens(num_tokens)
+                       for g in self.groups))
 
     def num_blocks(self, kv_bytes: int) -> int:
         """Blocks a pool of ``kv_bytes`` holds (vLLM: available memory // bytes per block, the null

@@ -424,6 +424,8 @@ class HybridKV(StateGroups):
         hit_blocks = hit.blocks if hit is not None and hit.tokens else [[] for _ in self.groups]
         if external and (s.num_kv or any(st.tables)):
             raise ValueError("external tokens are taken by an empty table only")
+        if external and self._states:  # (vLLM allocates the loaded state's block too: not modelled)
+            raise ValueError("external tokens are not modelled for a recurrent state's groups")
         local = s.num_kv + (hit.tokens if hit is not None else 0)
         computed = local + external
         self.last_loaded = None
