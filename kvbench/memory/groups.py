@@ -186,7 +186,8 @@ class KVLayout:
         return {"groups": [{"kind": g.kind, "window": g.window or None, "layers": len(g.layers),
                             "bytes_per_token": g.spec.bytes_per_token * len(g.layers),
                             "page_bytes": self.page_bytes if g.kind == "mamba" else g.spec.page_bytes(self.block_size),
-                            **({"state_bytes": g.spec.state_bytes} if g.kind == "mamba" else {})}
+                            # a sequence's recurrent state over the group's layers (as bytes_per_token is)
+                            **({"state_bytes": g.spec.state_bytes * len(g.layers)} if g.kind == "mamba" else {})}
                            for g in self.groups],
                 "bytes_per_block": self.bytes_per_block, "hybrid_disabled": self.hybrid_disabled,
                 "block_size": self.block_size, "asked_block_size": self.asked_block_size or self.block_size}
