@@ -18,6 +18,11 @@ to the same sum, which is what an InfiniGen recall threshold compares against.
 
 Randomness is a counter-based hash (splitmix64) of (seed, request index, position or epoch): no
 per-sequence RNG state, the same weights whatever the batch composition or preemptions.
+
+The weights are the same bits on every CPU: numpy's ``exp`` and ``power`` take other code paths where
+the CPU has AVX-512 (a last-bit difference, which decides near-ties between kept and recalled tokens:
+the agent trace's InfiniGen run recalled 23,656 tokens on one machine and 23,645 on another), so the
+recency decay is a table of products of one constant and the Zipf weights a table built once.
 """
 from __future__ import annotations
 
@@ -40,6 +45,22 @@ REREAD_P = {"agent": 0.5, "rag": 0.15, "chat": 0.02, "best-of-n": 0.02}
 REREAD_P_DEFAULT = 0.1
 
 _M64 = (1 << 64) - 1
+_DECAY = float.fromhex("0x1.f03f56a88b5d8p-1")  # exp(-1 / RECENT_TAU), rounded to the nearest double
+assert RECENT_TAU == 32.0  # (the constant above is its decay)
+_RANK_W = HEAVY_W * np.array([0.0] + [float(r) ** -1.1 for r in range(1, HEAVY_RANKS + 1)])
+_recent = np.array([RECENT_W])  # RECENT_W * _DECAY ** age, by age (grown by recent_weights)
+
+
+def recent_weights(max_age: int) -> np.ndarray:
+    """RECENT_W * exp(-age / RECENT_TAU) for ages 0..max_age (at least), the same bits on every CPU:
+    successive products (IEEE multiplication is exact to the rounding rule everywhere)."""
+    global _recent
+    if len(_recent) <= max_age:
+        n = max(max_age + 1, 2 * len(_recent))
+        steps = np.full(n, _DECAY)
+        steps[0] = RECENT_W
+        _recent = np.multiply.accumulate(steps)
+    return _recent
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -79,13 +100,13 @@ def reread_chance(workload: str | None) -> float:
 
 def raw_weights(key: int, pos: np.ndarray, t: int, reread_p: float) -> np.ndarray:
     """Unnormalised weights of positions ``pos`` (int64 [n]) for the query at position t -> float64 [n]."""
-    age = (t - pos).astype(np.float64)
-    w = BASE_W + RECENT_W * np.exp(-age / RECENT_TAU)
+    age = t - pos
+    w = BASE_W + recent_weights(int(age.max()) if len(age) else 0)[age]
     w[pos < SINKS] += SINK_W
     heavy = _uniform(key, 1, pos) < HEAVY_P
     if heavy.any():
-        rank = 1 + np.floor(_uniform(key, 2, pos[heavy]) * HEAVY_RANKS)
-        w[heavy] += HEAVY_W * rank ** -1.1
+        rank = 1 + (_uniform(key, 2, pos[heavy]) * HEAVY_RANKS).astype(np.int64)
+        w[heavy] += _RANK_W[rank]
     old_end = t - RECENT_CUT
     if old_end > REREAD_SPAN:
         epoch = t // EPOCH
