@@ -14,6 +14,7 @@ import click
 
 from kvbench.cli.types import Count, Finite
 from kvbench.engine import config as C
+from kvbench.engine.link import LINKS
 from kvbench.engine.config import (
     MAX_BLOCK_SIZE,
     MAX_NUM_BLOCKS,
@@ -98,6 +99,17 @@ REPLAY_OPTIONS: list[Opt] = [
     Opt("router_cache_weight", Finite(0, C.MAX_ROUTER_WEIGHT), "kv-aware: cost weight of the prompt blocks a replica must prefill (Dynamo's overlap weight)"),
     Opt("router_load_weight", Finite(0, C.MAX_ROUTER_WEIGHT), "kv-aware: cost weight of the replica's active blocks"),
     Opt("router_event_delay", Finite(0, C.MAX_ROUTER_WEIGHT), "kv-aware: engine seconds before a replica's KV event reaches the router's index"),
+    Opt("prefill_instances", Count(0, C.MAX_REPLICAS), "disaggregated serving: P prefill instances (with "
+        "--decode-instances D), the prompt's KV crossing --link to a decode instance, as vLLM's KV connectors "
+        "(NIXL) run it; 0: every replica does both phases"),
+    Opt("decode_instances", Count(0, C.MAX_REPLICAS), "disaggregated serving: D decode instances (with "
+        "--prefill-instances P)"),
+    Opt("link", click.Choice(tuple(LINKS)), "the network between prefill and decode instances, per GPU: "
+        + "; ".join(f"{s.name}: {s.what}" for s in LINKS.values())),
+    Opt("link_gbps", Finite(0, 1e5, min_open=True), "the link's rate in Gb/s per GPU and direction (instead of "
+        "the preset's line rate: what a transfer reaches)"),
+    Opt("link_latency_us", Finite(0, 1e7, min_open=True), "microseconds a transfer adds to its bytes' time "
+        "(instead of the preset's)"),
     Opt("cpu_kv_mem", str, "prefix-cache tier in host DRAM behind the GPU pool, e.g. 512GiB (0: none)"),
     Opt("disk_kv_mem", str, "prefix-cache tier on local NVMe behind the CPU tier, e.g. 4TiB (0: none)"),
     Opt("offload", click.Choice(C.OFFLOADS), "blocks enter the tiers when computed (vLLM's, LMCache's offloading), or when evicted from the tier above"),
@@ -244,11 +256,11 @@ def run_with_progress(trace: str, cfg: ReplayConfig, out: str | None, quiet: boo
     Without ``out`` the run goes to a new directory under runs/ named after the trace. Ctrl-C
     leaves a readable partial run (complete: false) and exits 130."""
     from kvbench.cli.console import say_compiling
-    from kvbench.engine.replay import Replay
+    from kvbench.engine.runs import replay_class
     from kvbench.jit import REPLAY_MODULES
 
     say_compiling(REPLAY_MODULES)
-    rp = Replay(trace, cfg, out or default_run_dir(trace), force=force, unique=out is None,
+    rp = replay_class(cfg)(trace, cfg, out or default_run_dir(trace), force=force, unique=out is None,
                 invocation=invocation)
     rp.claim()
     click.echo(f"kvbench: {what_runs(rp.cfg)}", err=True)

@@ -128,6 +128,13 @@ class ReplayConfig:
     disk_bw: float = DEFAULT_BW["disk"] / 1e9  # GB/s per direction, NVMe
     cpu_cache_policy: str = "lru"
     disk_cache_policy: str = "lru"
+    # prefill/decode disaggregation (engine/disagg.py): this many prefill and decode instances, the KV
+    # crossing a link between them; 0 and 0: every replica does both phases
+    prefill_instances: int = 0
+    decode_instances: int = 0
+    link: str = "ib-400"  # engine.link.LINKS
+    link_gbps: float | None = None  # per GPU, per direction: the preset's rate when None
+    link_latency_us: float | None = None  # per transfer: the preset's when None
 
     def validate(self) -> "ReplayConfig":
         self.overlong = canonical(self.overlong)
@@ -214,6 +221,7 @@ class ReplayConfig:
             parse_size(self.kv_mem)
         self._validate_tiers()
         self._validate_limits()
+        self._validate_disagg()
         if self.eviction != "none" and not memory.LAYOUTS[self.layout].can_compact:
             raise InputError(f"token eviction ({self.eviction}) frees slots by packing a sequence's kept tokens, "
                              f"which the {self.layout} layout cannot do: use --layout paged, or --eviction none",
@@ -232,6 +240,46 @@ class ReplayConfig:
                 and any(needs_future(p) for p in policies)):
             raise InputError("belady reads the future of the requests issued, which --dependent-turns decides "
                              "as the run goes: cut the trace with --limit instead", field=limit)
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill_instances or self.decode_instances)
+
+    def _validate_disagg(self) -> None:
+        """--prefill-instances P --decode-instances D: what kvbench models of vLLM's KV-connector P/D (engine/disagg.py), or a refusal
+        naming what it does not."""
+        from kvbench.engine.link import LINKS
+
+        if self.link not in LINKS:
+            raise InputError(f"unknown value {self.link!r} (choose from {', '.join(LINKS)})", field="--link")
+        for name, most in (("link_gbps", 1e5), ("link_latency_us", 1e7)):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= most):
+                raise InputError(f"must be a number in (0, {most:g}], got {v!r}", field="--" + name.replace("_", "-"))
+        if not self.disaggregated:
+            return
+        for name in ("prefill_instances", "decode_instances"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_REPLICAS:
+                raise InputError(f"prefill and decode instances must each be in [1, {MAX_REPLICAS}], got {v!r}",
+                                 field="--prefill-instances")
+        refuse = None
+        if self.replicas != 1:
+            refuse = ("--replicas", "--prefill-instances and --decode-instances set the instances: not --replicas")
+        elif self.layout != "paged":
+            refuse = ("--layout", "a KV connector moves paged blocks: disaggregated serving needs --layout paged")
+        elif self.prefix_mode != "hash":
+            refuse = ("--prefix-mode", "vLLM's KV connectors run with its block-hash prefix cache: --prefix-mode hash")
+        elif self.eviction != "none":
+            refuse = ("--eviction", "token eviction is not modelled with disaggregated serving")
+        elif self.tier_sizes():
+            refuse = ("--cpu-kv-mem", "prefix-cache tiers are not modelled with disaggregated serving yet")
+        elif self.executor != "sim":
+            refuse = ("--executor", "disaggregated serving runs on the sim executor (the model executor is one instance)")
+        elif needs_future(self.cache_policy):
+            refuse = ("--cache-policy", f"{self.cache_policy} reads one pool's future: not modelled with disaggregated serving")
+        if refuse is not None:
+            raise InputError(refuse[1], field=refuse[0])
 
     def _validate_tiers(self) -> None:
         for name in ("cpu_bw", "disk_bw"):

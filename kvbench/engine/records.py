@@ -44,6 +44,14 @@ STEP_SCHEMA = pa.schema([
     ("cpu_hit_tokens_cum", pa.int64()), ("disk_hit_tokens_cum", pa.int64()), ("bytes_loaded", pa.int64()),
     ("bytes_stored", pa.int64()), ("load_ms", pa.float64()),
 ])
+# a disaggregated run's requests (engine/disagg.py): where each went and the parts of its TTFT, which sum to it
+TRANSFER_SCHEMA = pa.schema([
+    ("id", pa.string()), ("prefill", pa.int64()), ("decode", pa.int64()),
+    ("prefill_wait_ms", pa.float64()), ("prefill_ms", pa.float64()), ("hop_ms", pa.float64()),
+    ("admit_ms", pa.float64()), ("transfer_ms", pa.float64()), ("first_step_ms", pa.float64()),
+    ("ttft_ms", pa.float64()), ("blocks", pa.int64()), ("bytes", pa.int64()),
+    ("prefill_cached_tokens", pa.int64()), ("decode_cached_tokens", pa.int64()),
+])
 # a live run's tokens as the client received them: one row per streamed chunk (the gaps are step times)
 TOKEN_SCHEMA = pa.schema([("id", pa.string()), ("sample", pa.int64()), ("t_s", pa.float64()),
                           ("tokens", pa.int64())])
@@ -255,7 +263,8 @@ class RunWriter:
     """Opens a claimed run directory: summary.json says incomplete until ``close`` (also reached on
     Ctrl-C or a crash) writes the real one."""
 
-    def __init__(self, run_dir: str, config: dict):
+    def __init__(self, run_dir: str, config: dict, transfers: bool = False):
+        """``transfers``: also write transfers.parquet (a disaggregated run's, TRANSFER_SCHEMA)."""
         self.dir = run_dir
         self.config = {**config, "started_at": now_iso(), "finished_at": None}
         try:
@@ -263,6 +272,8 @@ class RunWriter:
             write_json(os.path.join(run_dir, "config.json"), self.config)
             self.requests = Table(os.path.join(run_dir, "requests.parquet"), REQUEST_SCHEMA, 1024)
             self.steps = Table(os.path.join(run_dir, "steps.parquet"), STEP_SCHEMA, 8192)
+            self.transfers = (Table(os.path.join(run_dir, "transfers.parquet"), TRANSFER_SCHEMA, 1024)
+                              if transfers else None)
         except OSError as e:
             raise InputError(f"cannot write the run ({e.strerror or e})", file=run_dir, field="--out") from None
         self.requests_path = os.path.join(run_dir, "requests.parquet")
@@ -277,6 +288,8 @@ class RunWriter:
                 self.requests.close()
             finally:
                 self.steps.close()
+                if self.transfers is not None:
+                    self.transfers.close()
 
     def close(self, summary: dict) -> None:
         if self.closed:

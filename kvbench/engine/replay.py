@@ -69,6 +69,17 @@ class Progress:
     steps: int = 0
 
 
+def tick(prog: Progress, step: int, st: Totals, clock_s: float,
+         on_progress: Callable[[Progress], None] | None, last: bool = False) -> None:
+    """Progress after a step (reported every 64 steps, and once at the end: ``last``)."""
+    prog.steps = step
+    if on_progress is not None and (last or (step & 63) == 0):
+        prog.requests_done = st.completed + st.rejected
+        prog.clock_s = clock_s if last else max(prog.clock_s, clock_s)  # (the replicas' clocks interleave)
+        prog.output_tokens = st.output_tokens
+        on_progress(prog)
+
+
 GC_YOUNG_THRESHOLD = 50_000  # container allocations (net) between young collections during a run
 
 
@@ -99,6 +110,8 @@ def steady_gc() -> Iterator[None]:
 class Replay:
     """One replay of a trace under one configuration, writing a run directory."""
 
+    disaggregated = False  # (engine.disagg.DisaggReplay: prefill and decode instances)
+
     def __init__(self, trace_path: str, cfg: ReplayConfig, out_dir: str,
                  requests: list[Request] | None = None, *, force: bool = False, unique: bool = False,
                  trace_label: str | None = None, invocation: Invocation | None = None):
@@ -107,6 +120,9 @@ class Replay:
         ``trace_label``: the trace's path as config.json records it, when the file read is a copy
         (a Ray task's local copy of the driver's trace)."""
         self.cfg = cfg.validate()
+        if cfg.disaggregated != self.disaggregated:  # (engine.runs picks the class)
+            raise RunError(f"{type(self).__name__} does not run {'dis' if cfg.disaggregated else ''}aggregated "
+                           "instances: use kvbench.engine.runs.replay_class")
         self.trace_path = trace_path
         self.trace_label = trace_label or os.path.abspath(trace_path)
         self.invocation = invocation or Invocation()
@@ -144,15 +160,16 @@ class Replay:
         self.physical_blocks = self._physical_blocks()
         self._tier_bound = self._run_blocks() if cfg.tier_sizes() else None
         self.replicas = [self._replica(i, executor if i == 0 else make_executor(cfg, self.model))
-                         for i in range(cfg.replicas)]
+                         for i in range(self._instances())]
         # the single engine's parts (replica 0), as tests and selfcheck read them
         first = self.replicas[0]
         self.kv, self.executor, self.evictor, self.sched = first.kv, first.executor, first.evictor, first.sched
-        self.router = Router(cfg.router, cfg.replicas, prefix_blocks=cfg.router_prefix_blocks,
+        routed = self._routed()  # the instances a request's arrival is routed among
+        self.router = Router(cfg.router, len(routed), prefix_blocks=cfg.router_prefix_blocks,
                              cache_weight=cfg.router_cache_weight, load_weight=cfg.router_load_weight,
                              event_delay_s=cfg.router_event_delay)
-        if self.router.index is not None and cfg.replicas > 1:
-            for rep in self.replicas:  # the replicas publish KV events for the router's index
+        if self.router.index is not None and len(routed) > 1:
+            for rep in routed:  # the replicas publish KV events for the router's index
                 rep.kv.enable_events()
         self.accounts = Accounts(cfg, self.replicas, self.router, num_blocks=self.num_blocks,
                                  block_bytes=self._block_bytes, num_requests=self.num_requests,
@@ -166,6 +183,14 @@ class Replay:
         # a staged closed loop (engine.issuer: (requests, concurrency) per stage), as a profiling run sent it
         self.stages: list[tuple[int, int]] | None = None
         self._check_all_fit()
+
+    def _instances(self) -> int:
+        """Engine instances the run builds (engine.disagg: prefill and decode ones)."""
+        return self.cfg.replicas
+
+    def _routed(self) -> list[Replica]:
+        """The instances an arriving request is routed among (engine.disagg: the prefill ones)."""
+        return self.replicas
 
     def _check_samples(self) -> None:
         """A model with recurrent state and a request of n > 1 samples is refused, naming its line:
@@ -343,22 +368,25 @@ class Replay:
         with steady_gc():
             return self._run(on_progress)
 
-    def _run(self, on_progress: Callable[[Progress], None] | None) -> dict:
+    def _begin(self):
+        """What every run's loop starts from: the issuer, the future a belady pool reads, the ideal
+        counter, the run directory's writer. -> (use_tokens, future, writer, cluster totals, progress,
+        the first request's time), the issuer in ``self._issuer``, the ideal in ``self._ideal`` or
+        ``self._ideal_after`` (computed before the run when arrival order is not trace order)."""
         cfg, kv, ex = self.cfg, self.kv, self.executor
         trace = self.trace
-        replicas = self.replicas
         bs = cfg.block_size
         use_tokens = kv.prefix_cache or ex.needs_tokens
         tiers = cfg.tier_sizes()
         belady = needs_future(cfg.cache_policy) or any(needs_future(getattr(cfg, f"{t}_cache_policy")) for t in tiers)
-        limited = cfg.max_requests is not None or cfg.max_seconds is not None
+        self._limited = limited = cfg.max_requests is not None or cfg.max_seconds is not None
         deps = dependencies_in_trace_order(trace.positioned()) if cfg.dependent_turns else {}
         issuer = Issuer.of_times(trace.t, deps, cfg.time_scale, cfg.max_concurrency,
                                  max_requests=cfg.max_requests, max_seconds=cfg.max_seconds, stages=self.stages)
         self._issuer = issuer
         planned = self.planned
         if self.step_log is None and self.step_hook is None:  # they read the sequences each step
-            for each in replicas:
+            for each in self.replicas:
                 each.sched.enable_lane()
         self._issued = np.zeros(len(trace), dtype=bool)  # which arrival positions were issued
         # Belady's policy reads each block's next use: the keys of the requests that may be issued, in memory
@@ -374,23 +402,55 @@ class Replay:
         self._keys_of.once = trace.names.once  # shared streams one request uses (PrefixKeys.count_once)
         # Radix runs use a token-granular ideal (spec §4): a radix tree can hit inside a block; it
         # holds the admitted requests' keys (radix_ideal_hits), the block ideal only the live ones.
-        ideal = None
+        self._ideal_after = None
         self._ideal: IdealCounter | RadixIdealCounter | None = None
         if in_order:
             self._ideal = (RadixIdealCounter(bs, [r for _, r in self._admitted_in_trace_order()], self.streams)
                            if cfg.prefix_mode == "radix" else IdealCounter(bs))
         elif not limited:
-            ideal = self._ideal_in_trace_order()
+            self._ideal_after = self._ideal_in_trace_order()
         self.claim()
-        writer = RunWriter(self.out_dir, self._config_json())
+        writer = RunWriter(self.out_dir, self._config_json(), **self._tables())
         self._writer = writer
-        st = Totals()  # the cluster's: requests and tokens (steps are counted per replica)
-        prog = Progress(planned)
-        complete = False
         clock = float(trace.t[0]) * cfg.time_scale if len(trace) else 0.0
-        t0_s = clock
-        for each in replicas:
+        for each in self.replicas:
             each.clock = clock
+        return use_tokens, future, writer, Totals(), Progress(planned), clock
+
+    def _tables(self) -> dict:
+        """Tables a run writes beside requests and steps (RunWriter's keywords)."""
+        return {}
+
+    def _end(self, writer, st: Totals, t0_s: float, steps: int, complete: bool, wall0: float) -> dict:
+        """Close the run (also when cut short): the tables, then summary.json. -> the summary."""
+        replicas = self.replicas
+        with interrupt_held():  # a second Ctrl-C waits until summary.json is written
+            for each in replicas:
+                each.sched.sync()
+            end = max(r.clock for r in replicas)
+            writer.close_tables()  # the summary's distributions are read back from requests.parquet
+            ideal = self._ideal_after
+            if ideal is None:
+                ideal = self._ideal.result() if self._ideal is not None else self._ideal_in_trace_order(self._issued)
+            if self._limited:  # the run's requests are those issued (also when Ctrl-C cut it first)
+                acc, issuer = self.accounts, self._issuer
+                acc.num_requests, acc.not_issued = issuer.issued, issuer.n - issuer.issued
+                acc.truncated = int(self._cut[self._issued].sum())
+            summary = self.accounts.summary(st, ideal, end - t0_s, steps, complete,
+                                            time.perf_counter() - wall0, writer.requests_path)
+            summary.update(self._summary_extra(summary, end - t0_s))
+            writer.close(summary)
+        self._end_s = end
+        return summary
+
+    def _summary_extra(self, summary: dict, duration_s: float) -> dict:
+        """What a kind of run adds to summary.json (engine.disagg: its ``disagg`` section)."""
+        return {}
+
+    def _run(self, on_progress: Callable[[Progress], None] | None) -> dict:
+        replicas, bs, ex = self.replicas, self.cfg.block_size, self.executor
+        use_tokens, future, writer, st, prog, t0_s = self._begin()
+        issuer = self._issuer
         # The servers' front end (a GPU preset's, or a live fit's): an API server per replica, each taking
         # one request at a time (a request takes the first one free); every request passes one, one
         # refused as too long included (vLLM's API process refuses it). A heap keeps them by when they
@@ -401,6 +461,7 @@ class Replay:
         loads_seen = len(replicas) > 1 and self.router.name != "round-robin"
         step = 0
         wall0 = time.perf_counter()
+        complete = False
         try:
             while True:
                 # the replica whose next step starts first (one replica: that one, whenever it has work)
@@ -460,31 +521,11 @@ class Replay:
                     st.completed += 1
                     st.output_tokens += rs.output_tokens
                     issuer.finished(rs.position, rep.clock)
-                prog.steps = step
-                if on_progress is not None and (step & 63) == 0:
-                    prog.requests_done = st.completed + st.rejected
-                    prog.clock_s = max(prog.clock_s, rep.clock - t0_s)  # the replicas' clocks interleave
-                    prog.output_tokens = st.output_tokens
-                    on_progress(prog)
+                tick(prog, step, st, rep.clock - t0_s, on_progress)
             complete = True
         finally:
-            with interrupt_held():  # a second Ctrl-C waits until summary.json is written
-                for each in replicas:
-                    each.sched.sync()
-                end = max(r.clock for r in replicas)
-                writer.close_tables()  # the summary's distributions are read back from requests.parquet
-                if ideal is None:
-                    ideal = self._ideal.result() if self._ideal is not None else self._ideal_in_trace_order(self._issued)
-                if limited:  # the run's requests are those issued (also when Ctrl-C cut it first)
-                    acc = self.accounts
-                    acc.num_requests, acc.not_issued = issuer.issued, issuer.n - issuer.issued
-                    acc.truncated = int(self._cut[self._issued].sum())
-                summary = self.accounts.summary(st, ideal, end - t0_s, step, complete,
-                                                time.perf_counter() - wall0, writer.requests_path)
-                writer.close(summary)
-        if on_progress is not None:
-            prog.requests_done, prog.clock_s, prog.output_tokens = st.completed + st.rejected, end - t0_s, st.output_tokens
-            on_progress(prog)
+            summary = self._end(writer, st, t0_s, step, complete, wall0)
+        tick(prog, step, st, self._end_s - t0_s, on_progress, last=True)
         return summary
 
     def _arrive(self, r: Request, index: int, future, use_tokens: bool, writer, st, arrival: float,
@@ -494,42 +535,61 @@ class Replay:
         rs = RequestState(req=r, arrival_s=arrival, prompt=None, position=index)
         if seen_s is not None:
             arrival = seen_s
+        accepted = self._accept(rs, writer, st, arrival)
+        if accepted is None:
+            return
+        keys, prompt_len, pieces = accepted
+        rep = self._route_arrival(rs, keys, prompt_len, arrival)
+        self._enqueue(rep, rs, keys, pieces, None if future is None else future[index], use_tokens, arrival)
+
+    def _accept(self, rs: RequestState, writer, st, arrival: float):
+        """A request reaching the engine at ``arrival``: refused (its row written, None), or -> its
+        (block keys, prompt length, pieces), counted in the ideal."""
+        r, index = rs.req, rs.position
         reason = self._reject_reason(index)
         if reason is not None:
             rs.reject_reason = reason
             st.rejected += 1
             self.accounts.request(writer, rs, None)
             self._issuer.finished(index, arrival)
-            return
+            return None
         keys, prompt_len, pieces, shareable = self._keys_of.with_pieces(r)
         if self._ideal is not None:  # the ceiling of the requests this run admits (in order: rank = position)
             self._ideal.add(keys, prompt_len, shareable,
                             block_expiry(pieces, len(keys), self.cfg.block_size, self.trace.names), at=index)
-        replicas = self.replicas
+        return keys, prompt_len, pieces
+
+    def _route_arrival(self, rs: RequestState, keys, prompt_len: int, arrival: float) -> Replica:
+        """The instance (of ``_routed``) the router sends a request reaching the engine at ``arrival`` to."""
+        replicas = self._routed()
         if len(replicas) == 1:
-            rep, expected = replicas[0], None
-        else:
-            bs = self.cfg.block_size
-            look = keys[:lookup_blocks(prompt_len, bs)]  # the blocks a prompt can hit
-            i, expected = self.router.route(arrival, r.session, look, len(look),
-                                            [x.load_at(arrival, bs) for x in replicas]
-                                            if self.router.name != "round-robin" else None)
-            rep = replicas[i]
-            if rep.clock > arrival:  # mid-step: the router's view of it grows by this request
-                rep.since[0] += 1
-                rep.since[1] += -(-prompt_len // bs)
-            if self.router.index is not None:
-                self.accounts.predicted[rs] = expected
+            return replicas[0]
+        bs = self.cfg.block_size
+        look = keys[:lookup_blocks(prompt_len, bs)]  # the blocks a prompt can hit
+        i, expected = self.router.route(arrival, rs.req.session, look, len(look),
+                                        [x.load_at(arrival, bs) for x in replicas]
+                                        if self.router.name != "round-robin" else None)
+        rep = replicas[i]
+        if rep.clock > arrival:  # mid-step: the router's view of it grows by this request
+            rep.since[0] += 1
+            rep.since[1] += -(-prompt_len // bs)
+        if self.router.index is not None:
+            self.accounts.predicted[rs] = expected
+        return rep
+
+    def _enqueue(self, rep: Replica, rs: RequestState, keys, pieces, next_use, use_tokens: bool,
+                 arrival: float):
+        """Queue a request at instance ``rep`` as it reaches it at ``arrival``. -> its sequence."""
         rep.routed += 1
         if not rep.sched.has_work():  # an idle replica starts at the arrival
             rep.clock = max(rep.clock, arrival)
-        seq = rep.sched.new_seq(rs, None, None if future is None else future[index], keys=None,
-                                reserve=self._reserve(r))
+        seq = rep.sched.new_seq(rs, None, next_use, keys=None, reserve=self._reserve(rs.req))
         if use_tokens or rep.kv.prefix_cache:  # a waiting request holds its pieces and keys, no tokens
             seq.pieces = pieces if use_tokens else None
             seq.waiting_keys = keys if rep.kv.prefix_cache else None
             seq.built = False
         rep.sched.add(seq)
+        return seq
 
     def _config_json(self) -> dict:
         return {"settings": self.cfg.to_dict(), "max_model_len_effective": self.max_len,

@@ -25,6 +25,7 @@ class Replica:
     routed: int = 0
     snap: tuple[int, int, int] | None = None  # its load as its current step started (what a router sees then)
     since: list[int] = field(default_factory=lambda: [0, 0])  # [requests, blocks] routed to it since
+    stalled: bool = False  # engine.disagg: nothing it can schedule until a transfer or an arrival
 
     def load(self, bs: int) -> tuple[int, int, int]:
         """What the replica reports to a router: sequences waiting + running, blocks it can hand

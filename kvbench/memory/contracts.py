@@ -133,10 +133,18 @@ class KVManager(Protocol):
         ...
 
     def allocate(self, s: SeqKV, num_new: int, hits: Any = (), watermark: int = 0,
-                 must_fit: int = 0, forks: int = 0, external: int = 0) -> bool:
+                 must_fit: int = 0, forks: int = 0, external: int = 0,
+                 load: bool = False) -> bool:
         """Take the hits and blocks for ``num_new`` more tokens; False, changing nothing, if short.
         ``external``: tokens after the hits whose KV was computed elsewhere (a KV connector's load,
-        vLLM's num_external_computed_tokens): allocated, holding KV at once, counted as computed."""
+        vLLM's num_external_computed_tokens): allocated, holding KV at once, counted as computed.
+        ``load``: the external tokens' KV arrives later (an async load: vLLM's delay_cache_blocks):
+        their blocks are not cached until ``loaded``."""
+        ...
+
+    def loaded(self, s: SeqKV) -> None:
+        """An async load of ``s``'s external tokens has ended: their blocks are cached, and the last
+        token is computed again (vLLM _update_waiting_for_remote_kv), so ``num_kv`` is one less."""
         ...
 
     def commit(self, s: SeqKV, n: int) -> None: ...

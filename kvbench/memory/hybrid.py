@@ -400,7 +400,8 @@ class HybridKV(StateGroups):
             self._states_dropped(st, states)
 
     def allocate(self, s: SeqKV, num_new: int, hits: Any = (), watermark: int = 0,
-                 must_fit: int = 0, forks: int = 0, external: int = 0) -> bool:
+                 must_fit: int = 0, forks: int = 0, external: int = 0,
+                 load: bool = False) -> bool:
         """vLLM's allocate_slots over every group: the hit (a HybridHit, for an empty table) counts as
         computed, and so do ``external`` tokens after it (computed elsewhere: a KV connector's load;
         blocks a window already left get none, vLLM allocate_external_computed_blocks);
@@ -422,6 +423,8 @@ class HybridKV(StateGroups):
                 return True
         hit = hits if isinstance(hits, HybridHit) else None
         hit_blocks = hit.blocks if hit is not None and hit.tokens else [[] for _ in self.groups]
+        if load:
+            raise ValueError("an async KV load is not modelled over KV cache groups")
         if external and (s.num_kv or any(st.tables)):
             raise ValueError("external tokens are taken by an empty table only")
         if external and self._states:  # (vLLM allocates the loaded state's block too: not modelled)
@@ -563,6 +566,9 @@ class HybridKV(StateGroups):
                     pos += take
             s.num_kv = end
         p.tokens_live += live
+
+    def loaded(self, s: SeqKV) -> None:
+        raise ValueError("an async KV load is not modelled over KV cache groups")
 
     def free(self, s: SeqKV) -> None:
         """Drop the sequence's references group by group, each tail first (vLLM free)."""

@@ -244,7 +244,8 @@ class PagedKV:
 
     # -- allocation --------------------------------------------------------------------------
     def allocate(self, s: SeqKV, num_new: int, hits: Sequence[int] = (), watermark: int = 0,
-                 must_fit: int = 0, forks: int = 0, external: int = 0) -> bool:
+                 must_fit: int = 0, forks: int = 0, external: int = 0,
+                 load: bool = False) -> bool:
         """Make the table cover ``num_kv + len(hits)*block_size + num_new`` tokens and register in the
         prefix cache the blocks those tokens fill.
 
@@ -256,7 +257,8 @@ class PagedKV:
         the sequence will fork; they share its blocks, so they need none now. ``external`` (an empty
         table only): tokens after the hits whose KV was computed elsewhere (a KV connector's load, vLLM
         ``allocate_slots``' num_external_computed_tokens): their blocks are taken, hold KV at once and
-        are registered like computed ones.
+        are registered like computed ones -- unless ``load`` (an async load: vLLM's
+        delay_cache_blocks), when they are registered by ``loaded``, once the KV has arrived.
         """
         p, bs = self.pool, self.block_size
         table = s.table
@@ -357,9 +359,17 @@ class PagedKV:
             self.tiers.declined_tokens += m.declined * bs
         s.tier_match = None
         end = s.num_kv + num_new
-        if end // bs > s.num_registered:
+        if end // bs > s.num_registered and not load:
             self._register_upto(s, end, num_new == 1 and not fresh)
         return True
+
+    def loaded(self, s: SeqKV) -> None:
+        """The async load of ``s``'s prompt has ended: its blocks are cached (vLLM
+        _update_waiting_for_remote_kv: cache_blocks up to the computed tokens), and its last token is
+        computed again by its next step, which samples from it (num_computed_tokens - 1)."""
+        self._register_upto(s, s.num_kv)
+        s.num_kv -= 1
+        self.pool.add_fill(s.table[s.num_kv // self.block_size], -1)
 
     def commit(self, s: SeqKV, n: int) -> None:
         """The step wrote KV for the next ``n`` tokens of the sequence (its blocks were registered

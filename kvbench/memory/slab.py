@@ -94,7 +94,8 @@ class SlabKV:
             del starts[i + 1], lens[i + 1]
 
     def allocate(self, s: SeqKV, num_new: int, hits: Sequence[int] = (), watermark: int = 0,
-                 must_fit: int = 0, forks: int = 0, external: int = 0) -> bool:
+                 must_fit: int = 0, forks: int = 0, external: int = 0,
+                 load: bool = False) -> bool:
         """Reserve the sequence's slab, and one for each of the ``forks`` samples it will fork, on
         first call (a slab always holds the whole sequence, so ``must_fit`` holds by construction);
         later calls only check the tokens fit."""
@@ -140,6 +141,9 @@ class SlabKV:
         for s, n in zip(seqs, nums):
             self.tokens_live += self._live(s.num_kv + n) - self._live(s.num_kv)
             s.num_kv += n
+
+    def loaded(self, s: SeqKV) -> None:
+        raise ValueError("a slab takes no KV computed elsewhere")
 
     def free(self, s: SeqKV) -> None:
         if s.base >= 0:

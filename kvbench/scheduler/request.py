@@ -37,6 +37,9 @@ class RequestState:
     samples: list[tuple[int, list[int]]] | None = None  # (seq_id, generated ids) per finished sample
     position: int = -1  # in the replay's arrival order (engine.issuer)
     itl_max_s: float = NAN  # the longest gap between two tokens of one sample
+    # a prefill instance's leg of a disaggregated request (engine.disagg): its blocks are held after it
+    # finishes, until the decode side has read them (Scheduler.held, release)
+    hold: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -63,3 +66,7 @@ class Sequence(SeqKV):
     pieces: FlatPieces | None = None
     waiting_keys: np.ndarray | None = None
     built: bool = True
+    # a decode instance's leg of a disaggregated request (engine.disagg): its prompt's KV is loaded from a
+    # prefill instance at its first admission (Scheduler._start_load), then ``loaded`` once it arrived
+    remote: bool = False
+    loaded: bool = False

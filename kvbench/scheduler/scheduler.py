@@ -68,6 +68,8 @@ class StepPlan:
     preempted: list[Sequence] = field(default_factory=list)  # in the order they were preempted
     running: int = 0  # sequences holding KV this step (running after scheduling, as vLLM counts them)
     lane: int = 0  # decodes the scheduler's DecodeLane took (one token each), not in seqs
+    # KV loads this step started (a disaggregated decode instance): (sequence, tokens loaded, tokens hit here)
+    loads: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -114,6 +116,15 @@ class Scheduler:
         # a KV manager with recurrent state in align mode ends prefill chunks where a state must be kept
         # (HybridKV.split: vLLM's Scheduler._mamba_block_aligned_split, after the budget's cut)
         self._split = kv.split if kv.aligned_split else None
+        # Disaggregated prefill/decode (kvbench.engine.disagg), as vLLM 0.34 runs a KV connector:
+        # a prefill leg's finished sequence keeps its blocks until the decode side has read them
+        # (request_finished's delayed free), by request; a decode leg's sequences whose loads started
+        # hold their blocks in start order (Scheduler.kv_holding_waiting) until admitted to run.
+        self.held: dict[RequestState, Sequence] = {}
+        self.holding: deque[Sequence] = deque()
+        self.ready = 0  # of those holding, the ones whose KV has arrived
+        self.remote_query_tokens = 0  # decode legs' prompts at their load, and what this pool already held
+        self.remote_hit_tokens = 0
 
     def enable_lane(self) -> bool:
         """Run the steady decodes in a DecodeLane (kvbench.scheduler.lane) from now on, where the
@@ -153,7 +164,21 @@ class Scheduler:
         self.waiting_tokens += s.num_tokens
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.ready)
+
+    def loaded(self, s: Sequence) -> None:
+        """The KV a decode leg was loading has arrived (vLLM: finished_recving, then
+        _update_waiting_for_remote_kv): its blocks are cached, and its prompt's last token is computed
+        again by its first step, which samples its first token."""
+        self.kv.loaded(s)
+        s.loaded = True
+        self.ready += 1
+
+    def release(self, rs: RequestState) -> None:
+        """A prefill leg's KV has been read: free the blocks it held (vLLM: finished_sending)."""
+        s = self.held.pop(rs)
+        self.kv.free(s)
+        self.evictor.release(s)
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self, now_s: float) -> StepPlan:
@@ -211,6 +236,8 @@ class Scheduler:
     def _admit(self, plan: StepPlan, budget: int, now_s: float) -> None:
         kv, cap, full = self.kv, self.cfg.max_num_seqs, self.full_prompt
         waiting, running = self.waiting, self.running
+        if self.holding:
+            budget = self._admit_loaded(plan, budget)
         while waiting and budget > 0:
             s = waiting[0]
             if self.num_seats + s.seats > cap:
@@ -220,6 +247,10 @@ class Scheduler:
             # the watermark keeps room for running sequences to grow; with none running, a request
             # that needs nearly the whole pool must still be admitted (vLLM: has_scheduled_reqs)
             wm = self.watermark if running else 0
+            if s.remote:
+                if not self._start_load(s, plan, wm, full):
+                    break
+                continue
             floor, available = kv.admission_floor(s, s.num_tokens, budget, full)
             if floor > available - wm:
                 break  # short of memory (PagedKV: exact for an empty table): spare the lookup
@@ -258,13 +289,67 @@ class Scheduler:
                 rs.cached_tokens = cached
                 if rs.first_sched_s != rs.first_sched_s:  # NaN: first time scheduled
                     rs.first_sched_s = now_s
-            running.append(s)
-            if self.lane is not None:
-                self.lane.enter(s)
-            self.num_seats += s.seats
-            plan.seqs.append(s)
-            plan.num_new.append(num_new)
+            self._run(s, plan, num_new)
             budget -= num_new
+
+    def _run(self, s: Sequence, plan: StepPlan, num_new: int) -> None:
+        """An admitted sequence runs from this step, computing ``num_new`` tokens in it."""
+        self.running.append(s)
+        if self.lane is not None:
+            self.lane.enter(s)
+        self.num_seats += s.seats
+        plan.seqs.append(s)
+        plan.num_new.append(num_new)
+
+    def _admit_loaded(self, plan: StepPlan, budget: int) -> int:
+        """Decode legs holding blocks go first, in the order their loads started (vLLM 0.34 drains
+        ``kv_holding_waiting`` before the waiting queue; one still loading is skipped): each whose KV
+        has arrived runs its prompt's last token, while a seat and the token budget last. -> budget."""
+        cap, holding = self.cfg.max_num_seqs, self.holding
+        for s in list(holding):
+            if self.num_seats + s.seats > cap or budget <= 0:
+                break
+            if not s.loaded:
+                continue
+            num_new = s.num_tokens - s.num_kv  # (1: the prompt's last token)
+            if not self.kv.allocate(s, num_new):  # (within the blocks it holds: never short)
+                break
+            holding.remove(s)
+            self.ready -= 1
+            self._run(s, plan, num_new)
+            budget -= num_new
+        return budget
+
+    def _start_load(self, s: Sequence, plan: StepPlan, wm: int, full: bool) -> bool:
+        """A decode leg at the head of the queue: its local prefix hit is taken, and blocks for the
+        rest of its prompt, which a KV connector loads from the prefill instance (vLLM 0.34
+        Scheduler.schedule with ``load_kv_async``: NIXL's get_num_new_matched_tokens answers the
+        prompt less the block-aligned local hit; allocate_slots with no new tokens, the external
+        ones, the caching of their blocks delayed, and ``reserved_blocks`` -- what the requests still
+        prefilling here need to finish -- kept free). It takes no token budget and no seat until its
+        KV has arrived. -> False when short of blocks (first come, first served: admission stops)."""
+        kv = self.kv
+        hits = kv.lookup(s, s.num_tokens)
+        cached = kv.num_cached_tokens(s, hits)
+        external = s.num_tokens - cached
+        if not kv.allocate(s, 0, hits, wm + self._prefilling_blocks(), must_fit=s.num_tokens if full else 0,
+                           external=external, load=True):
+            return False
+        self.waiting.popleft()
+        self.waiting_tokens -= s.num_tokens
+        s.remote = False  # (preempted later, it recomputes here: vLLM clears do_remote_prefill)
+        self.holding.append(s)
+        self.remote_query_tokens += s.num_tokens
+        self.remote_hit_tokens += cached
+        plan.loads.append((s, external, cached))
+        return True
+
+    def _prefilling_blocks(self) -> int:
+        """Blocks the running sequences still prefilling need to hold their whole prompt (vLLM 0.34
+        Scheduler._inflight_prefill_reserved_blocks): kept free when a load is admitted."""
+        bs = self.kv.block_size
+        return sum(max(0, -(-s.prompt_len // bs) - len(s.table)) for s in self.running
+                   if s.num_kv + s.dropped < s.prompt_len)
 
     def _reorder_by_cached_prefix(self) -> None:
         """Cache-aware admission (vLLM 0.34: Scheduler._reorder_waiting_by_cached_prefix, off by
@@ -429,8 +514,11 @@ class Scheduler:
             if rs.samples is None:
                 rs.samples = []
             rs.samples.append((s.seq_id, s.out_tokens))
-        self.kv.free(s)
-        self.evictor.release(s)
+        if rs.hold:  # a prefill leg: its blocks wait for the decode side's read (release)
+            self.held[rs] = s
+        else:
+            self.kv.free(s)
+            self.evictor.release(s)
         if s.lane >= 0:
             assert self.lane is not None
             self.lane.release(s)

@@ -16,7 +16,7 @@ from kvbench.sweep.store import SweepStore
 
 def run_one(trace: str, settings: dict, run_dir: str, invocation: Invocation | None = None) -> dict:
     """One configuration into ``run_dir`` (in this process or a local worker); its summary."""
-    from kvbench.engine.replay import replay
+    from kvbench.engine.runs import replay
 
     return replay(trace, ReplayConfig(**settings), run_dir, invocation=invocation)
 
@@ -28,7 +28,7 @@ def run_shipped(trace: bytes | str, trace_label: str, settings: dict, name: str,
     sweep whose --out is a storage URI): the trace comes as bytes (or a local path), the run goes to a
     temporary directory, and its files come back as bytes, or go straight to ``dest`` (a SweepStore
     location every node reaches). No path of the driver's is opened. -> (summary, files or None)."""
-    from kvbench.engine.replay import replay
+    from kvbench.engine.runs import replay
 
     if __version__ != driver_version or (driver_code is not None and code_fingerprint() != driver_code):
         mine, theirs = (__version__, driver_version) if __version__ != driver_version else \
