@@ -394,3 +394,21 @@ def test_ideal_hit_rate_covers_the_admitted_requests_only(tmp_path):
     s = rp.run()
     assert s["rejected"] == 1
     assert math.isclose(s["ideal_hit_rate"], 64 / 144) and math.isclose(s["prefix_hit_rate"], 64 / 144)
+
+
+def test_a_kv_load_starts_when_the_step_leaves_token_budget():
+    """A decode leg's load (engine.disagg) takes no tokens, but vLLM 0.34 starts one only while the step
+    has token budget left (otherwise ``loads_only``, which admits nothing without
+    --max-num-inflight-kv-loads): behind a 300-token prompt that spends each step's 64 tokens, a load
+    waits for the prompt's last chunk; then it takes its blocks, and the request runs once its KV is in."""
+    h = Harness(24, 16, max_batched_tokens=64)
+    h.add(request("a", [(None, 300)], 1))
+    assert h.step() == ([("a", 0, 64)], [])
+    s = h.add(request("b", [(None, 64)], 2))
+    s.remote = True
+    for chunk in (64, 64, 64):
+        assert h.step() == ([("a", 0, chunk)], []) and not h.last_plan.loads
+    assert h.step() == ([("a", 0, 44)], []) and [x[1] for x in h.last_plan.loads] == [64]  # 20 tokens left
+    assert not h.sched.has_work()  # nothing to run until its KV arrives
+    h.sched.loaded(s)
+    assert h.step() == ([("b", 0, 1)], [])  # the prompt's last token again, and its first token

@@ -189,6 +189,9 @@ class DisaggReplay(Replay):
                         self._start(rep, s, external, cached)
                     rep.stalled = True
                     continue
+                if self.step_log is not None:  # (instance, [(request id, sample, tokens)], [preempted ids])
+                    self.step_log.append((rep.index, [(s.rs.req.id, s.sample, n) for s, n in zip(plan.seqs, plan.num_new)],
+                                          [s.rs.req.id for s in plan.preempted]))
                 if self.events is not None and rep.index >= npre:
                     self.events.extend((rep.clock, "step", s.rs.req.id, rep.index, n)
                                        for s, n in zip(plan.seqs, plan.num_new))

@@ -325,14 +325,18 @@ class Scheduler:
         rest of its prompt, which a KV connector loads from the prefill instance (vLLM 0.34
         Scheduler.schedule with ``load_kv_async``: NIXL's get_num_new_matched_tokens answers the
         prompt less the block-aligned local hit; allocate_slots with no new tokens, the external
-        ones, the caching of their blocks delayed, and ``reserved_blocks`` -- what the requests still
-        prefilling here need to finish -- kept free). It takes no token budget and no seat until its
-        KV has arrived. -> False when short of blocks (first come, first served: admission stops)."""
+        ones, the caching of their blocks delayed). vLLM also keeps free what the requests still
+        prefilling need to finish (``reserved_blocks``, Scheduler._inflight_prefill_reserved_blocks);
+        here that is always none: a request still prefilling after this step's running pass has spent
+        the token budget (kvbench models no long-prefill threshold), and with none left no load is
+        admitted (vLLM's ``loads_only`` then admits loads only past --max-num-inflight-kv-loads, unset
+        by default). It takes no token budget and no seat until its KV has arrived. -> False when
+        short of blocks (first come, first served: admission stops)."""
         kv = self.kv
         hits = kv.lookup(s, s.num_tokens)
         cached = kv.num_cached_tokens(s, hits)
         external = s.num_tokens - cached
-        if not kv.allocate(s, 0, hits, wm + self._prefilling_blocks(), must_fit=s.num_tokens if full else 0,
+        if not kv.allocate(s, 0, hits, wm, must_fit=s.num_tokens if full else 0,
                            external=external, load=True):
             return False
         self.waiting.popleft()
@@ -343,13 +347,6 @@ class Scheduler:
         self.remote_hit_tokens += cached
         plan.loads.append((s, external, cached))
         return True
-
-    def _prefilling_blocks(self) -> int:
-        """Blocks the running sequences still prefilling need to hold their whole prompt (vLLM 0.34
-        Scheduler._inflight_prefill_reserved_blocks): kept free when a load is admitted."""
-        bs = self.kv.block_size
-        return sum(max(0, -(-s.prompt_len // bs) - len(s.table)) for s in self.running
-                   if s.num_kv + s.dropped < s.prompt_len)
 
     def _reorder_by_cached_prefix(self) -> None:
         """Cache-aware admission (vLLM 0.34: Scheduler._reorder_waiting_by_cached_prefix, off by
