@@ -214,6 +214,20 @@ def print_summary(summary: dict, run_dir: str) -> None:
         if summary.get("router_predicted_blocks") is not None:
             rows.append(["router predicted / hit blocks",
                          f"{summary['router_predicted_blocks']:,} / {summary['router_hit_blocks']:,}"])
+    d = summary.get("disagg")
+    if d:  # disaggregated prefill and decode (engine.disagg)
+        rows.append(["instances (prefill : decode), GPUs", f"{d['prefill_instances']} : {d['decode_instances']}, {d['gpus']}"])
+        rows.append(["link", f"{d['link']}, {d['link_gbps_per_instance']:,.0f} Gb/s an instance, "
+                             f"{d['link_latency_us']:g} us a transfer"])
+        rows.append(["KV moved per request (MB) p50 / p99", f"{d['bytes_p50'] / 1e6:,.1f} / {d['bytes_p99'] / 1e6:,.1f}"])
+        rows.append(["transfer (ms) p50 / p99", f"{d['transfer_ms_p50']:.2f} / {d['transfer_ms_p99']:.2f}"])
+        rows.append(["waiting for decode admission (ms) p50 / p99", f"{d['admit_ms_p50']:.1f} / {d['admit_ms_p99']:.1f}"])
+        rows.append(["link utilisation (receiving, mean / max)", f"{d['link_util_recv']:.3f} / {d['link_util_recv_max']:.3f}"])
+        rows.append(["decode-side hit rate (of prompts loaded)", f"{d['decode_hit_rate']:.4f}"])
+        rows.append(["prefill blocks held for reads, mean / peak", f"{d['prefill_held_blocks_mean']:.1f} / {d['prefill_held_blocks_peak']:,}"])
+        rows.append(["busy (prefill / decode instances)", f"{d['prefill_busy']:.3f} / {d['decode_busy']:.3f}"])
+        if d.get("goodput_req_per_s_per_gpu") is not None:
+            rows.append(["goodput per GPU (req/s)", f"{d['goodput_req_per_s_per_gpu']:.3f}"])
     print_table(f"kvbench replay -> {run_dir}", [Column("metric", right=False), Column("value")], rows)
     if summary.get("per_replica"):
         def f(v, fmt):
