@@ -27,7 +27,7 @@ BLOCK_BYTES = 2_097_152  # llama-3-8b bf16: 16 tokens x 32 layers x 2 x 8 heads 
 
 
 def cfg(**kw) -> ReplayConfig:
-    base = dict(executor="sim", model="llama-3-8b", prefill_instances=1, decode_instances=1, max_model_len=16384)
+    base = dict(executor="sim", model="llama-3-8b", disagg="1:1", max_model_len=16384)
     base.update(kw)
     return ReplayConfig(**base)
 
@@ -102,7 +102,7 @@ def test_the_answer_is_cached_on_the_decode_side_only(tmp_path):
 
 
 def test_ttft_is_the_sum_of_its_parts_on_chat(tmp_path):
-    c = cfg(limit=120, time_scale=0.05, prefill_instances=2, decode_instances=2, link="ib-200")
+    c = cfg(limit=120, time_scale=0.05, disagg="2:2", link="ib-200")
     rp, s = run(TRACES / "chat.jsonl", c, tmp_path / "r")
     t = pd.read_parquet(tmp_path / "r" / "transfers.parquet").set_index("id")
     r = pd.read_parquet(tmp_path / "r" / "requests.parquet").set_index("id")
@@ -152,7 +152,7 @@ def rp_prompt_lens(rp: DisaggReplay, ids) -> np.ndarray:
 def test_the_order_of_a_requests_events_on_mooncake_under_pressure(tmp_path):
     """The real Mooncake slice with few decode blocks: preemptions on the decode side (each recomputes
     there), and every event in its order."""
-    c = cfg(num_blocks=3000, time_scale=0.5, max_model_len=32768, prefill_instances=2, decode_instances=1)
+    c = cfg(num_blocks=3000, time_scale=0.5, max_model_len=32768, disagg="2:1")
     rp, s = run(TRACES / "mooncake_slice.jsonl", c, tmp_path / "r", events=True)
     assert s["completed"] + s["rejected"] == s["requests"]
     assert s["preemptions"] > 0
@@ -178,7 +178,7 @@ def traces(draw):
        gbps=st.sampled_from([0.5, 5.0, 400.0]))
 def test_random_traces_keep_every_invariant(tmp_path_factory, reqs, blocks, p, d, gbps):
     out = tmp_path_factory.mktemp("r")
-    c = cfg(num_blocks=blocks, prefill_instances=p, decode_instances=d, link_gbps=gbps, max_num_seqs=4,
+    c = cfg(num_blocks=blocks, disagg=f"{p}:{d}", link_gbps=gbps, max_num_seqs=4,
             max_batched_tokens=64, max_model_len=256)
     rp, s = run("<random>", c, out / "r", requests=reqs, events=True)
     assert s["completed"] == len(reqs)
@@ -203,7 +203,7 @@ def test_a_slower_link_only_delays(tmp_path):
 def test_the_lane_changes_nothing(tmp_path, monkeypatch):
     from kvbench.scheduler import Scheduler
 
-    c = cfg(limit=100, time_scale=0.05, prefill_instances=1, decode_instances=2)
+    c = cfg(limit=100, time_scale=0.05, disagg="1:2")
     a = run(TRACES / "chat.jsonl", c, tmp_path / "a")[1]
     monkeypatch.setattr(Scheduler, "lane_enabled", False)
     b = run(TRACES / "chat.jsonl", c, tmp_path / "b")[1]
@@ -220,10 +220,10 @@ def test_the_lane_changes_nothing(tmp_path, monkeypatch):
     (dict(cpu_kv_mem="8GiB"), "--cpu-kv-mem"),
     (dict(eviction="h2o"), "--eviction"),
     (dict(cache_policy="belady"), "--cache-policy"),
-    (dict(prefill_instances=0), "--prefill-instances"),
+    (dict(disagg="0:2"), "--disagg"),
     (dict(link="carrier-pigeon"), "--link"),
     (dict(link_gbps=-1.0), "--link-gbps"),
-    (dict(model="gpt-oss-120b"), "--prefill-instances"),
+    (dict(model="gpt-oss-120b"), "--disagg"),
 ])
 def test_what_is_not_modelled_is_refused(tmp_path, kw, field):
     with pytest.raises(InputError) as e:
@@ -239,15 +239,22 @@ def test_the_cli_runs_it_and_refuses_in_one_line(tmp_path):
         return subprocess.run([sys.executable, "-m", "kvbench", "replay", str(TRACES / "chat.jsonl"), "--limit", "30",
                                "--time-scale", "0.05", *args], capture_output=True, text=True, cwd=REPO)
     out = tmp_path / "r"
-    r = cli("--prefill-instances", "1", "--decode-instances", "2", "--link", "ib-200", "--slo", "ttft=500,tpot=50",
+    r = cli("--disagg", "1:2", "--link", "ib-200", "--slo", "ttft=500,tpot=50",
             "--out", str(out), "--json")
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     assert s["disagg"]["gpus"] == 3 and s["disagg"]["goodput_req_per_s_per_gpu"] is not None
     assert math.isclose(s["disagg"]["goodput_req_per_s_per_gpu"] * 3, s["goodput_req_per_s"])
     assert (out / "transfers.parquet").exists()
-    r = cli("--prefill-instances", "1", "--decode-instances", "2", "--replicas", "2", "--out", str(tmp_path / "x"))
+    r = cli("--disagg", "1:2", "--replicas", "2", "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--replicas" in r.stderr
+    r = cli("--disagg", "1:x", "--out", str(tmp_path / "y"))
+    assert r.returncode == 2 and "--disagg" in r.stderr
+    import subprocess as sp
+    import sys as system
+    rep = sp.run([system.executable, "-m", "kvbench", "report", str(out), "--out", str(tmp_path / "report")],
+                 capture_output=True, text=True, cwd=REPO)
+    assert rep.returncode == 0 and "left out" not in rep.stderr, rep.stderr  # (the summary's disagg object)
 
 
 def test_blocks_being_loaded_are_not_hit_until_they_arrive(tmp_path):
@@ -257,7 +264,7 @@ def test_blocks_being_loaded_are_not_hit_until_they_arrive(tmp_path):
     sys_seg = Segment("shared", 320, "doc")
     reqs = [Request(id=f"q{i}", t=t, prompt=(sys_seg, Segment("unique", 8)), output_len=4, index=i, line=i + 1,
                     prompt_len=328) for i, t in enumerate((0.0, 0.001, 30.0))]
-    c = cfg(link_gbps=0.1, prefill_instances=2, decode_instances=1, router="round-robin")
+    c = cfg(link_gbps=0.1, disagg="2:1", router="round-robin")
     rp, s = run("<same-prompt>", c, tmp_path / "r", requests=reqs, events=True)
     t = pd.read_parquet(tmp_path / "r" / "transfers.parquet").set_index("id")
     assert t.loc["q0", "decode_cached_tokens"] == 0 and t.loc["q1", "decode_cached_tokens"] == 0

@@ -41,7 +41,7 @@ def test_same_steps_loads_and_frees_as_vllm_0_34(path, tmp_path):
     cfg = ReplayConfig(executor="sim", model="llama-3-8b", calibration=str(clock), front_end=False,
                        num_blocks=blocks["decode"], block_size=c["block_size"], max_num_seqs=c["d_max_num_seqs"],
                        max_batched_tokens=c["d_max_num_batched_tokens"], max_model_len=131072,
-                       prefill_instances=1, decode_instances=1, link_gbps=c["link_bandwidth_bytes_per_s"] * 8 / 1e9,
+                       disagg="1:1", link_gbps=c["link_bandwidth_bytes_per_s"] * 8 / 1e9,
                        link_latency_us=c["link_latency_ms"] * 1e3)
     rp = DisaggReplay(str(golden_trace(golden["trace_spec"], tmp_path / "trace.jsonl")), cfg, str(tmp_path / "run"))
     assert rp._block_bytes == c["bytes_per_block"]

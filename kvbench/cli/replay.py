@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import click
 
-from kvbench.cli.types import Count, Finite
+from kvbench.cli.types import PD, Count, Finite
 from kvbench.engine import config as C
 from kvbench.engine.link import LINKS
 from kvbench.engine.config import (
@@ -99,11 +99,9 @@ REPLAY_OPTIONS: list[Opt] = [
     Opt("router_cache_weight", Finite(0, C.MAX_ROUTER_WEIGHT), "kv-aware: cost weight of the prompt blocks a replica must prefill (Dynamo's overlap weight)"),
     Opt("router_load_weight", Finite(0, C.MAX_ROUTER_WEIGHT), "kv-aware: cost weight of the replica's active blocks"),
     Opt("router_event_delay", Finite(0, C.MAX_ROUTER_WEIGHT), "kv-aware: engine seconds before a replica's KV event reaches the router's index"),
-    Opt("prefill_instances", Count(0, C.MAX_REPLICAS), "disaggregated serving: P prefill instances (with "
-        "--decode-instances D), the prompt's KV crossing --link to a decode instance, as vLLM's KV connectors "
-        "(NIXL) run it; 0: every replica does both phases"),
-    Opt("decode_instances", Count(0, C.MAX_REPLICAS), "disaggregated serving: D decode instances (with "
-        "--prefill-instances P)"),
+    Opt("disagg", PD(), "disaggregated serving: P:D, P prefill and D decode instances, each prompt's KV crossing "
+        "--link to a decode instance, as vLLM's KV connectors (NIXL) run it; unset (or none): every replica "
+        "does both phases"),
     Opt("link", click.Choice(tuple(LINKS)), "the network between prefill and decode instances, per GPU: "
         + "; ".join(f"{s.name}: {s.what}" for s in LINKS.values())),
     Opt("link_gbps", Finite(0, 1e5, min_open=True), "the link's rate in Gb/s per GPU and direction (instead of "

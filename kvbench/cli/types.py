@@ -30,3 +30,20 @@ class Finite(click.FloatRange):
 def Count(min: int = 1, max: int = MAX_REQUEST_TOKENS) -> click.IntRange:
     """An integer with both ends bounded (a size that allocates must have a ceiling)."""
     return click.IntRange(min=min, max=max)
+
+
+class PD(click.ParamType):
+    """``P:D`` (prefill and decode instances, each at least 1), or ``none``/``off``: no disaggregation."""
+
+    name = "P:D"
+
+    def convert(self, value, param, ctx):
+        if value is None:
+            return None
+        text = str(value).strip().lower()
+        if text in ("none", "off", "0:0"):
+            return None
+        parts = text.split(":")
+        if len(parts) == 2 and all(p.isdigit() and int(p) >= 1 for p in parts):
+            return f"{int(parts[0])}:{int(parts[1])}"
+        self.fail(f"{value!r} is not P:D (prefill and decode instances, each at least 1) or none", param, ctx)

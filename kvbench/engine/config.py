@@ -128,10 +128,9 @@ class ReplayConfig:
     disk_bw: float = DEFAULT_BW["disk"] / 1e9  # GB/s per direction, NVMe
     cpu_cache_policy: str = "lru"
     disk_cache_policy: str = "lru"
-    # prefill/decode disaggregation (engine/disagg.py): this many prefill and decode instances, the KV
-    # crossing a link between them; 0 and 0: every replica does both phases
-    prefill_instances: int = 0
-    decode_instances: int = 0
+    # prefill/decode disaggregation (engine/disagg.py): "P:D", P prefill and D decode instances, the KV
+    # crossing a link between them; None: every replica does both phases
+    disagg: str | None = None
     link: str = "ib-400"  # engine.link.LINKS
     link_gbps: float | None = None  # per GPU, per direction: the preset's rate when None
     link_latency_us: float | None = None  # per transfer: the preset's when None
@@ -243,10 +242,18 @@ class ReplayConfig:
 
     @property
     def disaggregated(self) -> bool:
-        return bool(self.prefill_instances or self.decode_instances)
+        return self.disagg is not None
+
+    @property
+    def prefill_instances(self) -> int:
+        return int(self.disagg.split(":")[0]) if self.disagg is not None else 0
+
+    @property
+    def decode_instances(self) -> int:
+        return int(self.disagg.split(":")[1]) if self.disagg is not None else 0
 
     def _validate_disagg(self) -> None:
-        """--prefill-instances P --decode-instances D: what kvbench models of vLLM's KV-connector P/D (engine/disagg.py), or a refusal
+        """--disagg P:D: what kvbench models of vLLM's KV-connector P/D (engine/disagg.py), or a refusal
         naming what it does not."""
         from kvbench.engine.link import LINKS
 
@@ -256,16 +263,18 @@ class ReplayConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= most):
                 raise InputError(f"must be a number in (0, {most:g}], got {v!r}", field="--" + name.replace("_", "-"))
-        if not self.disaggregated:
+        if isinstance(self.disagg, str) and self.disagg.strip().lower() in ("", "none", "off", "0:0"):
+            self.disagg = None  # (a sweep's "none": mixed replicas)
+        if self.disagg is None:
             return
-        for name in ("prefill_instances", "decode_instances"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_REPLICAS:
-                raise InputError(f"prefill and decode instances must each be in [1, {MAX_REPLICAS}], got {v!r}",
-                                 field="--prefill-instances")
+        parts = self.disagg.split(":") if isinstance(self.disagg, str) else []
+        if not (len(parts) == 2 and all(p.strip().isdigit() and 1 <= int(p) <= MAX_REPLICAS for p in parts)):
+            raise InputError(f"must be P:D, prefill and decode instances each in [1, {MAX_REPLICAS}] (or none), "
+                             f"got {self.disagg!r}", field="--disagg")
+        self.disagg = f"{int(parts[0])}:{int(parts[1])}"
         refuse = None
         if self.replicas != 1:
-            refuse = ("--replicas", "--prefill-instances and --decode-instances set the instances: not --replicas")
+            refuse = ("--replicas", "--disagg P:D sets the instances (P prefill, D decode): not --replicas")
         elif self.layout != "paged":
             refuse = ("--layout", "a KV connector moves paged blocks: disaggregated serving needs --layout paged")
         elif self.prefix_mode != "hash":

@@ -1,5 +1,4 @@
-"""Disaggregated prefill and decode (``--prefill-instances P --decode-instances D``): a trace replayed
-through P prefill instances and D
+"""Disaggregated prefill and decode (``--disagg P:D``): a trace replayed through P prefill instances and D
 decode instances, the KV of every prompt crossing a link between them, as vLLM 0.34 runs it with a KV
 connector (NIXL's pull mode: ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/``).
 
@@ -95,7 +94,7 @@ class DisaggReplay(Replay):
         super().__init__(*args, **kw)
         if self.kv_layout.is_hybrid or self.kv_layout.has_state:
             raise InputError(f"{self.model.name} keeps KV in several KV cache groups: a KV transfer per group is not "
-                             "modelled with disaggregated serving yet", field="--prefill-instances")
+                             "modelled with disaggregated serving yet", field="--disagg")
         # set to [] to record (time, event, request id, instance, tokens) for every load start and end,
         # free, and decode-side step that computes a request, its tokens (tests check their order)
         self.events: list[tuple[float, str, str, int, int]] | None = None

@@ -239,7 +239,7 @@ def _check_parquet(path: str, schema: pa.Schema | None = None, columns=()) -> No
 
 # summary.json keys that are not numbers (every other key is a number or null)
 SUMMARY_TYPES = {"complete": (bool,), "router": (str, type(None)), "per_replica": (list, type(None)),
-                 "kv_cache_groups": (str, type(None)),
+                 "kv_cache_groups": (str, type(None)), "disagg": (dict, type(None)),
                  "metadata": (dict, type(None))}
 
 

@@ -9,7 +9,7 @@ import os
 
 from kvbench.errors import InputError
 
-TABLES = ("requests.parquet", "steps.parquet", "sweep.parquet", "metrics.parquet")
+TABLES = ("requests.parquet", "steps.parquet", "transfers.parquet", "sweep.parquet", "metrics.parquet")
 
 
 def export_csv(path: str, out_dir: str | None = None) -> list[str]:
