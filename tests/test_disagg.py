@@ -17,7 +17,7 @@ from kvbench.engine.config import ReplayConfig
 from kvbench.engine.disagg import DisaggReplay
 from kvbench.engine.link import LINKS, Links
 from kvbench.engine.runs import replay
-from kvbench.errors import InputError
+from kvbench.errors import InputError, RunError
 from kvbench.trace.format import Request, Segment
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,7 +140,7 @@ def _check_order(rp: DisaggReplay, out: Path) -> None:
     assert (steps.loc[landed.index] >= landed - 1e-12).all()
     assert (freed.loc[landed.index] == landed).all()
     assert (loads.loc[t.index] >= 0).all()
-    bytes_time = t["bytes"] / rp.link_rate
+    bytes_time = t["bytes"] / min(rp.link_rates)
     assert (landed.loc[t.index] - loads.loc[t.index] >= bytes_time + rp.links.latency_s - 1e-9).all()
 
 
@@ -270,3 +270,32 @@ def test_blocks_being_loaded_are_not_hit_until_they_arrive(tmp_path):
     assert t.loc["q0", "decode_cached_tokens"] == 0 and t.loc["q1", "decode_cached_tokens"] == 0
     assert t.loc["q2", "decode_cached_tokens"] == 320
     _check_order(rp, tmp_path / "r")
+
+
+def test_the_decode_pool_has_its_own_gpus_pool_and_limits(tmp_path):
+    """--decode-tp, --decode-num-blocks, --decode-max-num-seqs: the decode instances' own. A GQA model's
+    block is split over the decode GPUs, so the bytes a request moves do not change with --decode-tp, but
+    each GPU brings its own link; with MLA every decode GPU holds and reads a whole copy of the latent,
+    so the bytes grow with the decode GPUs (vLLM's NIXL with MLA: each decode rank pulls the whole)."""
+    base = dict(limit=40, time_scale=0.05)
+    a = run(TRACES / "chat.jsonl", cfg(**base), tmp_path / "a")[1]
+    b = run(TRACES / "chat.jsonl", cfg(**base, decode_tp=2, decode_num_blocks=3000, decode_max_num_seqs=8),
+            tmp_path / "b")[1]
+    assert b["disagg"]["decode_num_blocks"] == 3000 and b["disagg"]["gpus"] == 3
+    assert b["disagg"]["link_gbps_per_decode_instance"] == 2 * a["disagg"]["link_gbps_per_decode_instance"] == 800
+    gqa = [pd.read_parquet(tmp_path / x / "transfers.parquet").eval("bytes / blocks") for x in "ab"]
+    assert set(gqa[0]) == set(gqa[1]) == {BLOCK_BYTES}
+    assert b["per_replica"][1]["peak_running"] <= 8 < a["per_replica"][1]["peak_running"]
+    mla = dict(model="deepseek-v3", tp=8, num_blocks=4000, limit=20, time_scale=0.05)
+    run(TRACES / "chat.jsonl", cfg(**mla), tmp_path / "c")
+    run(TRACES / "chat.jsonl", cfg(**mla, decode_tp=16), tmp_path / "d")
+    per_block = [pd.read_parquet(tmp_path / x / "transfers.parquet").eval("bytes / blocks") for x in "cd"]
+    assert per_block[0].nunique() == per_block[1].nunique() == 1
+    assert per_block[1].iloc[0] == 2 * per_block[0].iloc[0]
+    with pytest.raises(InputError) as e:
+        cfg(decode_tp=0).validate()
+    assert e.value.field == "--decode-tp"
+    with pytest.raises(RunError) as e:  # a prompt the decode pool can never hold: refused before the run
+        run(TRACES / "chat.jsonl", cfg(limit=40, decode_num_blocks=64), tmp_path / "e")
+    assert "chat.jsonl:2:" in str(e.value) and "a decode instance's pool holds 64" in str(e.value)
+    assert "--decode-num-blocks" in str(e.value) and e.value.usage

@@ -33,18 +33,19 @@ def test_same_steps_loads_and_frees_as_vllm_0_34(path, tmp_path):
         pytest.skip("the real Mooncake trace is not beside the checkout")
     c = golden["config"]
     blocks = golden["kvbench_num_blocks"]
-    assert blocks["prefill"] == blocks["decode"]  # (kvbench's instances share one pool size)
-    assert c["d_max_num_seqs"] == c["p_max_num_seqs"] and c["max_num_inflight_kv_loads"] is None
+    assert c["max_num_inflight_kv_loads"] is None
     clock = tmp_path / "linear.json"
     clock.write_text(json.dumps({"kind": "linear", "prefill_ms_per_token": c["prefill_ms_per_token"],
                                  "decode_step_ms": c["decode_step_ms"], "overhead_ms": 0}))
     cfg = ReplayConfig(executor="sim", model="llama-3-8b", calibration=str(clock), front_end=False,
-                       num_blocks=blocks["decode"], block_size=c["block_size"], max_num_seqs=c["d_max_num_seqs"],
-                       max_batched_tokens=c["d_max_num_batched_tokens"], max_model_len=131072,
+                       num_blocks=blocks["prefill"], block_size=c["block_size"], max_num_seqs=c["p_max_num_seqs"],
+                       max_batched_tokens=c["p_max_num_batched_tokens"], max_model_len=131072,
+                       decode_num_blocks=blocks["decode"], decode_max_num_seqs=c["d_max_num_seqs"],
+                       decode_max_batched_tokens=c["d_max_num_batched_tokens"],
                        disagg="1:1", link_gbps=c["link_bandwidth_bytes_per_s"] * 8 / 1e9,
                        link_latency_us=c["link_latency_ms"] * 1e3)
     rp = DisaggReplay(str(golden_trace(golden["trace_spec"], tmp_path / "trace.jsonl")), cfg, str(tmp_path / "run"))
-    assert rp._block_bytes == c["bytes_per_block"]
+    assert rp._block_bytes == rp.decode_block_bytes == c["bytes_per_block"]
     rp.step_log, rp.events = [], []
     summary = rp.run()
     for side, inst in (("prefill", 0), ("decode", 1)):

@@ -108,6 +108,15 @@ REPLAY_OPTIONS: list[Opt] = [
         "the preset's line rate: what a transfer reaches)"),
     Opt("link_latency_us", Finite(0, 1e7, min_open=True), "microseconds a transfer adds to its bytes' time "
         "(instead of the preset's)"),
+    Opt("decode_gpu", str, "--disagg: the decode instances' GPU [default: --gpu]"),
+    Opt("decode_tp", Count(1, C.MAX_TP), "--disagg: GPUs per decode instance [default: --tp]"),
+    Opt("decode_kv_mem", str, "--disagg: a decode instance's KV pool, e.g. 64GiB [default: --kv-mem]"),
+    Opt("decode_num_blocks", Count(1, MAX_NUM_BLOCKS), "--disagg: a decode instance's pool in blocks [default: "
+        "--num-blocks]"),
+    Opt("decode_max_num_seqs", Count(1, MAX_NUM_SEQS), "--disagg: most sequences running on a decode instance "
+        "[default: --max-num-seqs]"),
+    Opt("decode_max_batched_tokens", Count(1), "--disagg: a decode instance's token budget per step [default: "
+        "--max-batched-tokens]"),
     Opt("cpu_kv_mem", str, "prefix-cache tier in host DRAM behind the GPU pool, e.g. 512GiB (0: none)"),
     Opt("disk_kv_mem", str, "prefix-cache tier on local NVMe behind the CPU tier, e.g. 4TiB (0: none)"),
     Opt("offload", click.Choice(C.OFFLOADS), "blocks enter the tiers when computed (vLLM's, LMCache's offloading), or when evicted from the tier above"),

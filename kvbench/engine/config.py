@@ -6,7 +6,7 @@ pick an implementation (layout, cache policy, eviction, executor) are registry n
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from kvbench import eviction, executors, memory, scheduler
 from kvbench.engine import routing
@@ -134,6 +134,14 @@ class ReplayConfig:
     link: str = "ib-400"  # engine.link.LINKS
     link_gbps: float | None = None  # per GPU, per direction: the preset's rate when None
     link_latency_us: float | None = None  # per transfer: the preset's when None
+    # the decode instances' own hardware, pool and limits where they differ from the prefill ones' (the
+    # run's settings); None: the same
+    decode_gpu: str | None = None
+    decode_tp: int | None = None
+    decode_kv_mem: str | None = None
+    decode_num_blocks: int | None = None
+    decode_max_num_seqs: int | None = None
+    decode_max_batched_tokens: int | None = None
 
     def validate(self) -> "ReplayConfig":
         self.overlong = canonical(self.overlong)
@@ -244,6 +252,25 @@ class ReplayConfig:
     def disaggregated(self) -> bool:
         return self.disagg is not None
 
+    DECODE_SETTINGS = ("gpu", "tp", "kv_mem", "num_blocks", "max_num_seqs", "max_batched_tokens")
+
+    def decode_config(self) -> "ReplayConfig":
+        """The decode instances' settings: the run's, with each ``decode_*`` given in place of its own (a
+        --decode-kv-mem replaces the run's --num-blocks too), validated."""
+        changes: dict = {f"decode_{n}": None for n in self.DECODE_SETTINGS}
+        for n in self.DECODE_SETTINGS:
+            v = getattr(self, f"decode_{n}")
+            if v is not None:
+                changes[n] = v
+        if self.decode_kv_mem is not None and self.decode_num_blocks is None:
+            changes["num_blocks"] = None
+        try:
+            return replace(self, **changes, disagg=None).validate()
+        except InputError as e:
+            if e.field in {f"--{n.replace('_', '-')}" for n in self.DECODE_SETTINGS}:
+                raise InputError(e.reason, file=e.file, line=e.line, field="--decode-" + e.field[2:]) from None
+            raise
+
     @property
     def prefill_instances(self) -> int:
         return int(self.disagg.split(":")[0]) if self.disagg is not None else 0
@@ -272,6 +299,7 @@ class ReplayConfig:
             raise InputError(f"must be P:D, prefill and decode instances each in [1, {MAX_REPLICAS}] (or none), "
                              f"got {self.disagg!r}", field="--disagg")
         self.disagg = f"{int(parts[0])}:{int(parts[1])}"
+        self.decode_config()  # (its values checked as the run's are)
         refuse = None
         if self.replicas != 1:
             refuse = ("--replicas", "--disagg P:D sets the instances (P prefill, D decode): not --replicas")

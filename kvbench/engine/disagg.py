@@ -51,6 +51,8 @@ from kvbench.engine.link import LINKS, Links
 from kvbench.engine.records import distribution
 from kvbench.engine.replay import Progress, Replay, tick
 from kvbench.engine.replica import Replica
+from kvbench.engine.setup import check_model_memory, kv_layout_of, pool_blocks
+from kvbench.executors import make_executor
 from kvbench.errors import InputError, RunError
 from kvbench.scheduler import RequestState
 from kvbench.scheduler.request import Sequence
@@ -90,14 +92,59 @@ class DisaggReplay(Replay):
 
     disaggregated = True
 
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
+    def __init__(self, trace_path, cfg, *args, **kw):
+        self.decode_cfg = cfg.validate().decode_config()
+        super().__init__(trace_path, cfg, *args, **kw)
         if self.kv_layout.is_hybrid or self.kv_layout.has_state:
             raise InputError(f"{self.model.name} keeps KV in several KV cache groups: a KV transfer per group is not "
                              "modelled with disaggregated serving yet", field="--disagg")
+        self._check_decode_fits()
         # set to [] to record (time, event, request id, instance, tokens) for every load start and end,
         # free, and decode-side step that computes a request, its tokens (tests check their order)
         self.events: list[tuple[float, str, str, int, int]] | None = None
+
+    def _replica(self, i: int, executor) -> Replica:
+        """A prefill instance as the run's settings say, a decode one as ``decode_config`` says (its own
+        GPU, --tp, pool and limits)."""
+        if i < self.cfg.prefill_instances:
+            return super()._replica(i, executor)
+        dcfg = self.decode_cfg
+        executor = make_executor(dcfg, self.model)
+        layout = kv_layout_of(dcfg, executor)
+        if layout.block_size != self.cfg.block_size:
+            raise InputError("the decode instances run another block size than the prefill ones", field="--decode-tp")
+        blocks = pool_blocks(dcfg, executor, kv_layout=layout)
+        check_model_memory(dcfg, self.model)
+        saved = self.cfg, self.num_blocks, self.physical_blocks, self.kv_layout
+        bound = self.physical_blocks if self.physical_blocks is not None else self._run_blocks()
+        self.cfg, self.num_blocks, self.kv_layout = dcfg, blocks, layout
+        self.physical_blocks = bound if self.cfg.eviction == "none" and bound < blocks else None
+        try:
+            rep = super()._replica(i, executor)
+        finally:
+            self.cfg, self.num_blocks, self.physical_blocks, self.kv_layout = saved
+        self.decode_blocks, self.decode_block_bytes = blocks, layout.bytes_per_block * dcfg.tp
+        return rep
+
+    def _check_decode_fits(self) -> None:
+        """A request that can never fit a decode instance (its pool, its limits) is refused before the
+        run, naming its line, as one that cannot fit a prefill instance is: vLLM would hold its prefill's
+        blocks and never start its load (the driver of tests/test_vllm_pd_golden.py stalls so)."""
+        saved = self.cfg, self.num_blocks
+        self.cfg, self.num_blocks = self.decode_cfg, self.decode_blocks
+        try:
+            self._check_all_fit()
+        except InputError as e:
+            field = e.field
+            if field is not None and field.startswith("--") and field[2:].replace("-", "_") in self.cfg.DECODE_SETTINGS:
+                field = "--decode-" + field[2:]
+            raise InputError(f"on a decode instance: {e.reason}", file=e.file, line=e.line, field=field) from None
+        except RunError as e:
+            text = str(e).replace("the pool holds", "a decode instance's pool holds").replace(
+                "(--kv-mem, --num-blocks)", "(--decode-kv-mem, --decode-num-blocks)")
+            raise RunError(text, usage=e.usage) from None
+        finally:
+            self.cfg, self.num_blocks = saved
 
     def _instances(self) -> int:
         return self.cfg.prefill_instances + self.cfg.decode_instances
@@ -111,12 +158,12 @@ class DisaggReplay(Replay):
     def _links(self) -> Links:
         """Each instance's links: prefill instance i sends on link i, decode instance j receives on
         link P + j, at the preset's (or ``--link-gbps``) rate per GPU times its GPUs."""
-        cfg = self.cfg
+        cfg, npre = self.cfg, self.cfg.prefill_instances
         spec = LINKS[cfg.link]
         per_gpu = spec.bytes_per_s if cfg.link_gbps is None else cfg.link_gbps * 1e9 / 8
         latency = spec.latency_s if cfg.link_latency_us is None else cfg.link_latency_us * 1e-6
-        self.link_rate = per_gpu * cfg.tp
-        return Links({i: self.link_rate for i in range(len(self.replicas))}, latency)
+        self.link_rates = (per_gpu * cfg.tp, per_gpu * self.decode_cfg.tp)  # (a prefill, a decode instance's)
+        return Links({i: self.link_rates[i >= npre] for i in range(len(self.replicas))}, latency)
 
     # -- the loop -----------------------------------------------------------------------------
     def _run(self, on_progress: Callable[[Progress], None] | None) -> dict:
@@ -126,7 +173,7 @@ class DisaggReplay(Replay):
         use_tokens, _, writer, st, prog, t0_s = self._begin()
         issuer = self._issuer
         front_p = FrontEnd(*ex.front_end, servers=npre)
-        front_d = FrontEnd(*ex.front_end, servers=cfg.decode_instances)
+        front_d = FrontEnd(*self.replicas[npre].executor.front_end, servers=cfg.decode_instances)
         to_prefill: list[tuple[float, int, float, Request]] = []  # (reaches the engine, position, issued, request)
         to_decode: list[tuple[float, int, Leg]] = []  # (reaches the decode instance, order, leg)
         self.links = links = self._links()
@@ -264,7 +311,7 @@ class DisaggReplay(Replay):
         bs = self.cfg.block_size
         leg.load_start_s, leg.decode_cached = rep.clock, cached
         leg.blocks = -(-leg.prompt_len // bs) - cached // bs
-        leg.nbytes = leg.blocks * self._block_bytes
+        leg.nbytes = leg.blocks * self.decode_block_bytes  # (MLA: every decode GPU reads a whole copy)
         tid = id(leg)
         self._loading[tid] = leg
         self.links.start(rep.clock, tid, leg.nbytes, leg.prefill, rep.index)
@@ -319,20 +366,21 @@ class DisaggReplay(Replay):
         reps = self.replicas
         dec = reps[npre:]
         q = sum(r.sched.remote_query_tokens for r in dec)
-        gpus = (npre + cfg.decode_instances) * cfg.tp
+        gpus = npre * cfg.tp + cfg.decode_instances * self.decode_cfg.tp
         sent = [links.busy_bytes[i] for i in range(npre)]
         recv = [links.busy_bytes[i] for i in range(npre, len(reps))]
-        cap = self.link_rate * duration_s if duration_s > 0 else 0.0
 
-        def util(moved: list[float]) -> float:
-            return sum(moved) / (cap * len(moved)) if cap else 0.0
+        def util(moved: list[float], rate: float) -> float:
+            return sum(moved) / (rate * duration_s * len(moved)) if duration_s > 0 else 0.0
         out: dict = {
             "prefill_instances": npre, "decode_instances": cfg.decode_instances, "gpus": gpus,
-            "link": cfg.link, "link_gbps_per_instance": self.link_rate * 8 / 1e9,
+            "link": cfg.link, "link_gbps_per_instance": self.link_rates[0] * 8 / 1e9,
+            "link_gbps_per_decode_instance": self.link_rates[1] * 8 / 1e9,
+            "decode_num_blocks": self.decode_blocks,
             "link_latency_us": links.latency_s * 1e6,
             "transfer_bytes": links.bytes_total,
-            "link_util_send": util(sent), "link_util_recv": util(recv),
-            "link_util_recv_max": max(recv) / cap if cap else 0.0,
+            "link_util_send": util(sent, self.link_rates[0]), "link_util_recv": util(recv, self.link_rates[1]),
+            "link_util_recv_max": max(util([r], self.link_rates[1]) for r in recv),
             "prefill_held_blocks_peak": h[1],
             "prefill_held_blocks_mean": h[2] / duration_s if duration_s > 0 else 0.0,
             "decode_hit_rate": sum(r.sched.remote_hit_tokens for r in dec) / q if q else 0.0,
