@@ -132,7 +132,7 @@ def _check_order(rp: DisaggReplay, out: Path) -> None:
     loads = ev[ev.what == "load"].set_index("id")["t"]
     steps = ev[ev.what == "step"].groupby("id")["t"].min()
     first = ev[ev.what == "step"].groupby("id")["tokens"].first()
-    assert (first == 1).all()  # the first step recomputes the prompt's last token, and samples
+    assert (first.loc[t.index] == 1).all()  # the first step recomputes the prompt's last token, and samples
     loaded = ev[ev.what == "load"].set_index("id")["tokens"]  # the prompt less the decode side's hit
     np.testing.assert_array_equal(loaded.loc[t.index] + t["decode_cached_tokens"],
                                   rp_prompt_lens(rp, t.index))
@@ -175,13 +175,14 @@ def traces(draw):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(reqs=traces(), blocks=st.integers(12, 60), p=st.integers(1, 2), d=st.integers(1, 2),
-       gbps=st.sampled_from([0.5, 5.0, 400.0]))
-def test_random_traces_keep_every_invariant(tmp_path_factory, reqs, blocks, p, d, gbps):
+       gbps=st.sampled_from([0.5, 5.0, 400.0]), local=st.sampled_from([0, 0, 40]))
+def test_random_traces_keep_every_invariant(tmp_path_factory, reqs, blocks, p, d, gbps, local):
     out = tmp_path_factory.mktemp("r")
-    c = cfg(num_blocks=blocks, disagg=f"{p}:{d}", link_gbps=gbps, max_num_seqs=4,
+    c = cfg(num_blocks=blocks, disagg=f"{p}:{d}", link_gbps=gbps, max_num_seqs=4, disagg_local_prefill=local,
             max_batched_tokens=64, max_model_len=256)
     rp, s = run("<random>", c, out / "r", requests=reqs, events=True)
     assert s["completed"] == len(reqs)
+    assert len(pd.read_parquet(out / "r" / "transfers.parquet")) + s["disagg"]["local_prefills"] == len(reqs)
     _check_order(rp, out / "r")
     t = pd.read_parquet(out / "r" / "transfers.parquet")
     parts = t[["prefill_wait_ms", "prefill_ms", "hop_ms", "admit_ms", "transfer_ms", "first_step_ms"]]
@@ -299,3 +300,22 @@ def test_the_decode_pool_has_its_own_gpus_pool_and_limits(tmp_path):
         run(TRACES / "chat.jsonl", cfg(limit=40, decode_num_blocks=64), tmp_path / "e")
     assert "chat.jsonl:2:" in str(e.value) and "a decode instance's pool holds 64" in str(e.value)
     assert "--decode-num-blocks" in str(e.value) and e.value.usage
+
+
+@pytest.mark.parametrize("threshold,local", [(0, set()), (43, set()), (44, {"t2"}), (260, {"t1", "t2"})])
+def test_conditional_disaggregation_prefills_short_uncached_prompts_on_the_decode_side(tmp_path, threshold, local):
+    """NVIDIA Dynamo's conditional disaggregation (--disagg-local-prefill N): the decode instance a request
+    reaches prefills it itself when its prompt less what that instance caches is at most N tokens. The
+    second turn re-sends the first turn's prompt and answer, which the decode instance holds (320 of its
+    364 tokens): 44 uncached tokens, local from N = 44 on; the first turn (260, nothing cached) from 260."""
+    rp, s = run("<two-turns>", cfg(disagg_local_prefill=threshold), tmp_path / "r", requests=_two_turns())
+    t = pd.read_parquet(tmp_path / "r" / "transfers.parquet")
+    r = pd.read_parquet(tmp_path / "r" / "requests.parquet").set_index("id")
+    assert set(t["id"]) == {"t1", "t2"} - local and s["disagg"]["local_prefills"] == len(local)
+    assert s["completed"] == 2 and (r["replica"] == 1).all()  # both finish on the decode instance
+    if "t2" in local:  # prefilled where the answer is: its hit is the decode side's 320 tokens
+        assert r.loc["t2", "cached_tokens"] == 320
+    if local == {"t1", "t2"}:
+        assert s["disagg"]["transfer_bytes"] == 0 and rp.replicas[0].st.busy_s == 0
+    np.testing.assert_allclose(t[["prefill_wait_ms", "prefill_ms", "hop_ms", "admit_ms", "transfer_ms",
+                                  "first_step_ms"]].sum(axis=1), t["ttft_ms"], rtol=1e-9, atol=1e-6)

@@ -108,6 +108,9 @@ REPLAY_OPTIONS: list[Opt] = [
         "the preset's line rate: what a transfer reaches)"),
     Opt("link_latency_us", Finite(0, 1e7, min_open=True), "microseconds a transfer adds to its bytes' time "
         "(instead of the preset's)"),
+    Opt("disagg_local_prefill", Count(0), "--disagg: a request whose prompt, less what the decode instance it "
+        "reaches caches, is at most N tokens is prefilled there (NVIDIA Dynamo's conditional disaggregation, "
+        "max_local_prefill_length); 0: every prompt is prefilled remotely"),
     Opt("decode_gpu", str, "--disagg: the decode instances' GPU [default: --gpu]"),
     Opt("decode_tp", Count(1, C.MAX_TP), "--disagg: GPUs per decode instance [default: --tp]"),
     Opt("decode_kv_mem", str, "--disagg: a decode instance's KV pool, e.g. 64GiB [default: --kv-mem]"),

@@ -134,6 +134,10 @@ class ReplayConfig:
     link: str = "ib-400"  # engine.link.LINKS
     link_gbps: float | None = None  # per GPU, per direction: the preset's rate when None
     link_latency_us: float | None = None  # per transfer: the preset's when None
+    # NVIDIA Dynamo's conditional disaggregation: a request whose prompt, less what the decode instance it
+    # reaches already caches, is at most this many tokens is prefilled there, not sent to a prefill
+    # instance (Dynamo's max_local_prefill_length); 0: every request is prefilled remotely (vLLM's proxy)
+    disagg_local_prefill: int = 0
     # the decode instances' own hardware, pool and limits where they differ from the prefill ones' (the
     # run's settings); None: the same
     decode_gpu: str | None = None
@@ -292,6 +296,9 @@ class ReplayConfig:
                 raise InputError(f"must be a number in (0, {most:g}], got {v!r}", field="--" + name.replace("_", "-"))
         if isinstance(self.disagg, str) and self.disagg.strip().lower() in ("", "none", "off", "0:0"):
             self.disagg = None  # (a sweep's "none": mixed replicas)
+        v = self.disagg_local_prefill
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_REQUEST_TOKENS:
+            raise InputError(f"must be a number of tokens >= 0, got {v!r}", field="--disagg-local-prefill")
         if self.disagg is None:
             return
         parts = self.disagg.split(":") if isinstance(self.disagg, str) else []

@@ -178,6 +178,8 @@ class DisaggReplay(Replay):
         to_decode: list[tuple[float, int, Leg]] = []  # (reaches the decode instance, order, leg)
         self.links = links = self._links()
         self.legs: dict[RequestState, Leg] = {}  # by the client's request and by its prefill leg
+        self.local: dict[RequestState, int] = {}  # prefilled on their decode instance (--disagg-local-prefill)
+        self.local_prefills = 0
         self._loading: dict[int, Leg] = {}  # transfer id -> leg
         self._held_blocks = [0, 0, 0.0, 0.0]  # prefill blocks held now, their peak, held x seconds, last change
         order = 0
@@ -206,7 +208,8 @@ class DisaggReplay(Replay):
                     pos, issue_s = issuer.issue()
                     self._issued[pos] = True
                     req = self._request(pos)
-                    heapq.heappush(to_prefill, (front_p.admit(issue_s, req.prompt_len) if front_p else issue_s,
+                    front = front_d if cfg.disagg_local_prefill else front_p  # (who takes it first)
+                    heapq.heappush(to_prefill, (front.admit(issue_s, req.prompt_len) if front else issue_s,
                                                 pos, issue_s, req))
                     continue
                 if t_pre < INF and t_pre <= min(t_dec, t_step):
@@ -256,7 +259,8 @@ class DisaggReplay(Replay):
                         leg = self.legs[rs]
                         leg.prefill_end_s = rep.clock
                         order += 1
-                        heapq.heappush(to_decode, (front_d.admit(rep.clock, leg.prompt_len) if front_d else rep.clock,
+                        back = front_d if front_d and leg.decode < 0 else None  # (a decode instance waits for it)
+                        heapq.heappush(to_decode, (back.admit(rep.clock, leg.prompt_len) if back else rep.clock,
                                                    order, leg))
                         self._hold(leg.blocks_held(cfg.block_size), rep.clock)
                         continue
@@ -281,15 +285,26 @@ class DisaggReplay(Replay):
         if accepted is None:
             return
         keys, prompt_len, pieces = accepted
+        decode, seq = None, None
+        if self.cfg.disagg_local_prefill:  # Dynamo: the decode worker decides, from what it caches
+            decode = self._decode_instance()
+            seq = self._new_seq(decode, rs, keys, pieces, None, use_tokens)
+            if prompt_len - decode.sched.probe(seq) <= self.cfg.disagg_local_prefill:
+                self.local[rs] = decode.index
+                self._add(decode, seq, seen_s)
+                return
         rep = self._route_arrival(rs, keys, prompt_len, seen_s)
         pre = RequestState(req=dataclasses.replace(req, output_len=1, n=1), arrival_s=seen_s, prompt=None,
                            position=pos, hold=True)
         leg = Leg(rs, pre, rep.index, keys, pieces, prompt_len)
+        if decode is not None:  # (the decode instance that decided takes it back)
+            leg.decode, leg.seq = decode.index, seq
         self.legs[pre] = self.legs[rs] = leg
         self._enqueue(rep, pre, keys, pieces, None, use_tokens, seen_s)
 
-    def _to_decode(self, leg: Leg, seen_s: float, use_tokens: bool) -> None:
-        """The request reaches a decode instance: the fewest requests there, then the most room."""
+    def _decode_instance(self) -> Replica:
+        """The decode instance a request goes to: the fewest requests waiting, loading and running,
+        then the most room, then the lowest index."""
         best, key = None, None
         for r in self.replicas[self.cfg.prefill_instances:]:
             sched = r.sched
@@ -298,12 +313,19 @@ class DisaggReplay(Replay):
             if key is None or k < key:
                 best, key = r, k
         assert best is not None
+        return best
+
+    def _to_decode(self, leg: Leg, seen_s: float, use_tokens: bool) -> None:
+        """The request reaches its decode instance (``_decode_instance``, or the one that decided)."""
         rs, pre = leg.rs, leg.pre
         rs.first_sched_s = pre.first_sched_s  # (its queue time is the prefill side's)
         rs.cached_tokens = pre.cached_tokens
-        leg.decode, leg.seen_s = best.index, seen_s
-        leg.seq = self._enqueue(best, rs, leg.keys, leg.pieces, None, use_tokens, seen_s)
+        leg.seen_s = seen_s
+        if leg.seq is None:
+            best = self._decode_instance()
+            leg.decode, leg.seq = best.index, self._new_seq(best, rs, leg.keys, leg.pieces, None, use_tokens)
         leg.seq.remote = True
+        self._add(self.replicas[leg.decode], leg.seq, seen_s)
 
     def _start(self, rep: Replica, s: Sequence, external: int, cached: int) -> None:
         """A decode instance allocated a request's blocks: the transfer of those it lacks starts."""
@@ -341,13 +363,16 @@ class DisaggReplay(Replay):
         h[1] = max(h[1], h[0])
 
     def _done(self, rs: RequestState, rep: Replica, writer, st) -> None:
-        """A request's decode leg finished: its rows."""
-        leg = self.legs.pop(rs)
-        self.legs.pop(leg.pre, None)
+        """A request's decode leg finished: its rows (a transfer's, unless it was prefilled there)."""
         self.accounts.request(writer, rs, rep)
         st.completed += 1
         st.output_tokens += rs.output_tokens
         self._issuer.finished(rs.position, rep.clock)
+        if self.local.pop(rs, None) is not None:
+            self.local_prefills += 1
+            return
+        leg = self.legs.pop(rs)
+        self.legs.pop(leg.pre, None)
         ms = 1e3
         assert writer.transfers is not None
         writer.transfers.add((
@@ -384,6 +409,7 @@ class DisaggReplay(Replay):
             "prefill_held_blocks_peak": h[1],
             "prefill_held_blocks_mean": h[2] / duration_s if duration_s > 0 else 0.0,
             "decode_hit_rate": sum(r.sched.remote_hit_tokens for r in dec) / q if q else 0.0,
+            "local_prefill_tokens": cfg.disagg_local_prefill, "local_prefills": self.local_prefills,
             "prefill_busy": float(np.mean([r.st.busy_s for r in reps[:npre]])) / duration_s if duration_s > 0 else 0.0,
             "decode_busy": float(np.mean([r.st.busy_s for r in dec])) / duration_s if duration_s > 0 else 0.0,
             "goodput_req_per_s_per_gpu": (summary["goodput_req_per_s"] / gpus

@@ -580,16 +580,26 @@ class Replay:
     def _enqueue(self, rep: Replica, rs: RequestState, keys, pieces, next_use, use_tokens: bool,
                  arrival: float):
         """Queue a request at instance ``rep`` as it reaches it at ``arrival``. -> its sequence."""
-        rep.routed += 1
-        if not rep.sched.has_work():  # an idle replica starts at the arrival
-            rep.clock = max(rep.clock, arrival)
+        seq = self._new_seq(rep, rs, keys, pieces, next_use, use_tokens)
+        self._add(rep, seq, arrival)
+        return seq
+
+    def _new_seq(self, rep: Replica, rs: RequestState, keys, pieces, next_use, use_tokens: bool):
+        """A request's sequence for instance ``rep``, not queued yet."""
         seq = rep.sched.new_seq(rs, None, next_use, keys=None, reserve=self._reserve(rs.req))
         if use_tokens or rep.kv.prefix_cache:  # a waiting request holds its pieces and keys, no tokens
             seq.pieces = pieces if use_tokens else None
             seq.waiting_keys = keys if rep.kv.prefix_cache else None
             seq.built = False
-        rep.sched.add(seq)
         return seq
+
+    @staticmethod
+    def _add(rep: Replica, seq, arrival: float) -> None:
+        """Queue ``seq`` at instance ``rep`` as it reaches it at ``arrival``."""
+        rep.routed += 1
+        if not rep.sched.has_work():  # an idle replica starts at the arrival
+            rep.clock = max(rep.clock, arrival)
+        rep.sched.add(seq)
 
     def _config_json(self) -> dict:
         return {"settings": self.cfg.to_dict(), "max_model_len_effective": self.max_len,

@@ -166,6 +166,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.ready)
 
+    def probe(self, s: Sequence) -> int:
+        """Prompt tokens of a sequence not queued here that this pool caches now, changing nothing
+        (Dynamo's conditional disaggregation asks the decode worker's cache: engine.disagg)."""
+        if not s.built:
+            self._build(s)
+        return self.kv.probe_cached_tokens(s, s.num_tokens)
+
     def loaded(self, s: Sequence) -> None:
         """The KV a decode leg was loading has arrived (vLLM: finished_recving, then
         _update_waiting_for_remote_kv): its blocks are cached, and its prompt's last token is computed

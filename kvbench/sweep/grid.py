@@ -47,7 +47,7 @@ NOT_APPLICABLE: dict[tuple[str, object], tuple[str, ...]] = {
     ("router", "kv-aware"): ("router_prefix_blocks",),
     ("cpu_kv_mem", None): ("cpu_bw", "cpu_cache_policy"),
     ("disk_kv_mem", None): ("disk_bw", "disk_cache_policy"),
-    ("disagg", None): ("link", "link_gbps", "link_latency_us", "decode_gpu", "decode_tp", "decode_kv_mem",
+    ("disagg", None): ("link", "link_gbps", "link_latency_us", "disagg_local_prefill", "decode_gpu", "decode_tp", "decode_kv_mem",
                        "decode_num_blocks", "decode_max_num_seqs", "decode_max_batched_tokens"),  # no decode pool
 }
 # used only with a tier behind the pool (not_applicable: with none, all of them)
