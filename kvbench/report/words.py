@@ -74,6 +74,17 @@ WORDS: dict[str, Callable[[object], tuple[str, bool]]] = {
     "disk_bw": lambda v: (f"disk {v:g} GB/s", False),
     "cpu_cache_policy": lambda v: (f"CPU tier {v}", v == "lru"),
     "disk_cache_policy": lambda v: (f"disk tier {v}", v == "lru"),
+    "disagg": lambda v: (f"P:D {v}" if v else "mixed instances", not v),
+    "link": lambda v: (f"link {v}", v == "ib-400"),
+    "link_gbps": lambda v: (f"link {v:g} Gb/s" if v else "link line rate", not v),
+    "link_latency_us": lambda v: (f"link latency {v:g} us" if v else "link's latency", not v),
+    "disagg_local_prefill": lambda v: (f"local prefill <= {v}" if v else "all prefills remote", not v),
+    "decode_gpu": lambda v: (f"decode {str(v).upper()}" if v else "decode GPU same", not v),
+    "decode_tp": lambda v: (f"decode tp{v}" if v else "decode tp same", not v),
+    "decode_kv_mem": lambda v: (f"decode {v} KV" if v else "decode KV same", not v),
+    "decode_num_blocks": lambda v: (f"decode {v} blocks" if v else "decode blocks same", not v),
+    "decode_max_num_seqs": lambda v: (f"decode max {v} seqs" if v else "decode seqs same", not v),
+    "decode_max_batched_tokens": lambda v: (f"decode {v} tok/step" if v else "decode tok/step same", not v),
 }
 
 
