@@ -49,7 +49,7 @@ import pyarrow.parquet as pq
 from kvbench.engine.issuer import FrontEnd
 from kvbench.engine.link import LINKS, Links
 from kvbench.engine.records import distribution
-from kvbench.engine.replay import Progress, Replay, tick
+from kvbench.engine.replay import Progress, Replay, next_replica, tick
 from kvbench.engine.replica import Replica
 from kvbench.engine.setup import check_model_memory, kv_layout_of, pool_blocks
 from kvbench.executors import make_executor
@@ -188,10 +188,7 @@ class DisaggReplay(Replay):
         complete = False
         try:
             while True:
-                rep: Replica | None = None
-                for r in replicas:
-                    if r.sched.has_work() and not r.stalled and (rep is None or r.clock < rep.clock):
-                        rep = r
+                rep = next_replica(replicas)
                 t_step = rep.clock if rep is not None else INF
                 t_issue = issuer.next_time()
                 t_issue = INF if t_issue is None else t_issue

@@ -80,6 +80,16 @@ def tick(prog: Progress, step: int, st: Totals, clock_s: float,
         on_progress(prog)
 
 
+def next_replica(replicas: list[Replica]) -> Replica | None:
+    """The replica whose next step starts first (one replica: that one, whenever it has work); one
+    ``stalled`` (engine.disagg: nothing it can schedule until an event) waits."""
+    rep: Replica | None = None
+    for r in replicas:
+        if r.sched.has_work() and not r.stalled and (rep is None or r.clock < rep.clock):
+            rep = r
+    return rep
+
+
 GC_YOUNG_THRESHOLD = 50_000  # container allocations (net) between young collections during a run
 
 
@@ -464,11 +474,7 @@ class Replay:
         complete = False
         try:
             while True:
-                # the replica whose next step starts first (one replica: that one, whenever it has work)
-                rep: Replica | None = None
-                for r in replicas:
-                    if r.sched.has_work() and (rep is None or r.clock < rep.clock):
-                        rep = r
+                rep = next_replica(replicas)
                 issue_s = issuer.next_time()
                 if passing and (issue_s is None or passing[0][0] < issue_s) and (rep is None or passing[0][0] <= rep.clock):
                     seen_s, pos, issue_s, req = heapq.heappop(passing)  # through the servers' front end
