@@ -224,6 +224,8 @@ def test_the_lane_changes_nothing(tmp_path, monkeypatch):
     (dict(disagg="0:2"), "--disagg"),
     (dict(link="carrier-pigeon"), "--link"),
     (dict(link_gbps=-1.0), "--link-gbps"),
+    (dict(decode_gpu="zz"), "--decode-gpu"),
+    (dict(decode_kv_mem="1KiB"), "--decode-kv-mem"),
     (dict(model="gpt-oss-120b"), "--disagg"),
 ])
 def test_what_is_not_modelled_is_refused(tmp_path, kw, field):

@@ -109,12 +109,15 @@ class DisaggReplay(Replay):
         if i < self.cfg.prefill_instances:
             return super()._replica(i, executor)
         dcfg = self.decode_cfg
-        executor = make_executor(dcfg, self.model)
-        layout = kv_layout_of(dcfg, executor)
-        if layout.block_size != self.cfg.block_size:
-            raise InputError("the decode instances run another block size than the prefill ones", field="--decode-tp")
-        blocks = pool_blocks(dcfg, executor, kv_layout=layout)
-        check_model_memory(dcfg, self.model)
+        try:
+            executor = make_executor(dcfg, self.model)
+            layout = kv_layout_of(dcfg, executor)
+            if layout.block_size != self.cfg.block_size:
+                raise InputError("the decode instances run another block size than the prefill ones", field="--tp")
+            blocks = pool_blocks(dcfg, executor, kv_layout=layout)
+            check_model_memory(dcfg, self.model)
+        except InputError as e:
+            raise self._decode_error(e) from None
         saved = self.cfg, self.num_blocks, self.physical_blocks, self.kv_layout
         bound = self.physical_blocks if self.physical_blocks is not None else self._run_blocks()
         self.cfg, self.num_blocks, self.kv_layout = dcfg, blocks, layout
@@ -135,16 +138,20 @@ class DisaggReplay(Replay):
         try:
             self._check_all_fit()
         except InputError as e:
-            field = e.field
-            if field is not None and field.startswith("--") and field[2:].replace("-", "_") in self.cfg.DECODE_SETTINGS:
-                field = "--decode-" + field[2:]
-            raise InputError(f"on a decode instance: {e.reason}", file=e.file, line=e.line, field=field) from None
+            raise self._decode_error(e) from None
         except RunError as e:
             text = str(e).replace("the pool holds", "a decode instance's pool holds").replace(
                 "(--kv-mem, --num-blocks)", "(--decode-kv-mem, --decode-num-blocks)")
             raise RunError(text, usage=e.usage) from None
         finally:
             self.cfg, self.num_blocks = saved
+
+    def _decode_error(self, e: InputError) -> InputError:
+        """An error about a decode instance, naming its ``--decode-*`` option where it has one."""
+        field = e.field
+        if field is not None and field.startswith("--") and field[2:].replace("-", "_") in self.cfg.DECODE_SETTINGS:
+            field = "--decode-" + field[2:]
+        return InputError(f"on a decode instance: {e.reason}", file=e.file, line=e.line, field=field)
 
     def _instances(self) -> int:
         return self.cfg.prefill_instances + self.cfg.decode_instances
