@@ -262,6 +262,7 @@ def test_charts_follow_what_varies(example):
     assert f"{slug['chat20']}-block_size.png" not in pngs and f"{slug['model']}-block_size.png" not in pngs
     assert f"{slug['chat40']}-eviction.png" not in pngs and f"{slug['model']}-eviction.png" in pngs
     assert all(f"{s}-overview.png" in pngs for s in slug.values())
+    assert not [p for p in pngs if p.endswith("-disagg.png")]  # no run disaggregated prefill and decode
     figs = {(s.slug, stem): fig for s, stem, fig in example.figures}
     # the sim eviction group has no attention-mass panel (nothing measured); the model group has one
     assert len(figs[(slug["agent"], "eviction")].axes) == 1
@@ -275,6 +276,65 @@ def test_charts_follow_what_varies(example):
     ax = figs[(slug["model"], "timeline")].axes[0]
     used = max(r.summary["peak_slots_allocated"] for r in model.runs)
     assert ax.get_ylim()[1] < 0.5 * 524288 and ax.get_ylim()[1] >= used
+
+
+PD = dict(SIM, limit=20, time_scale=0.05, slo="ttft=100")  # an SLO some requests miss
+
+
+def test_goodput_per_gpu_of_each_pd_layout_beside_mixed_replicas(tmp_path):
+    """A --disagg sweep (mixed, 1:1, 3:1) and mixed runs of 2 and 4 replicas: the P:D chart has one
+    bar per layout, grouped by GPUs, each the goodput per GPU its summary.json gives (P:D: the
+    engine's own figure; mixed: goodput / (replicas x tp)). Mutation: goodput not divided by the
+    GPUs, or every request counted instead of those meeting the SLO -> fails."""
+    from kvbench.engine.runs import replay as replay_any
+
+    _sweep(tmp_path, "pd", "chat.jsonl", disagg="none,1:1,3:1", **PD)
+    for n in (2, 4):
+        replay_any(str(REPO / "traces" / "chat.jsonl"), ReplayConfig(**PD, replicas=n), str(tmp_path / f"mixed-{n}"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rep = build_report([str(tmp_path)], str(tmp_path / "rep"))
+    inputs = _inputs([str(tmp_path)])
+    (section,) = inputs.sections
+    assert f"{section.slug}-disagg.png" in rep.charts
+    assert f"alt='{section.slug}-disagg.png'" in (tmp_path / "rep" / "index.html").read_text()
+
+    expected = {}
+    for d in _run_dirs(tmp_path):
+        s = json.loads((d / "summary.json").read_text())
+        if s.get("disagg"):
+            p, dec = s["disagg"]["prefill_instances"], s["disagg"]["decode_instances"]
+            name, gpus, per_gpu = f"P:D {p}:{dec}", p + dec, s["disagg"]["goodput_req_per_s_per_gpu"]
+        else:
+            c = json.loads((d / "config.json").read_text())["settings"]
+            gpus = c["replicas"] * c["tp"]
+            name, per_gpu = f"{c['replicas']} mixed replica{'s' * (gpus > 1)}", s["goodput_req_per_s"] / gpus
+        expected[f"{name} · {gpus} GPU{'s' * (gpus > 1)}"] = (gpus, per_gpu)
+    assert any(json.loads((d / "summary.json").read_text())["slo_attainment"] < 1 for d in _run_dirs(tmp_path))
+
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    with matplotlib.rc_context(charts.RC):
+        fig = charts.layouts(section)
+        FigureCanvasAgg(fig).draw()
+    assert assert_levels_from_zero(fig, "disagg") == 3
+    good = fig.axes[0]
+    rows = dict(zip(np.round(good.get_yticks(), 6), (t.get_text() for t in good.get_yticklabels())))
+    plotted = {rows[round(b.get_y() + b.get_height() / 2, 6)]: b.get_width() for b in good.patches}
+    assert plotted.keys() == expected.keys() and all(len(name) <= MAX_LABEL for name in plotted)
+    for name, (_, per_gpu) in expected.items():
+        assert plotted[name] == pytest.approx(per_gpu, rel=1e-9), name
+    # top to bottom by GPUs used, mixed first in each; a wider gap between GPU counts than inside one
+    top_down = sorted(rows, reverse=True)
+    assert [rows[y] for y in top_down] == sorted(expected, key=lambda n: (expected[n][0], "P:D" in n))
+    gaps = {(expected[rows[a]][0] != expected[rows[b]][0], round(a - b, 6)) for a, b in zip(top_down, top_down[1:])}
+    assert gaps == {(False, 1.0), (True, 1.6)}
+    # TTFT and TPOT panels: each layout's p99 drawn (open marker), the SLO's threshold dotted
+    for ax, key in ((fig.axes[1], "ttft_ms_p99"), (fig.axes[2], "tpot_ms_p99")):
+        p99 = sorted(x for line in ax.get_lines() if line.get_markerfacecolor() == "white" for x in line.get_xdata())
+        assert p99 == pytest.approx(sorted(r.summary[key] for r in section.runs))
+    assert [line.get_xdata()[0] for line in fig.axes[1].get_lines() if line.get_label() == "--slo objective"] == [100]
 
 
 def test_report_of_a_single_run_via_cli(data, tmp_path, capsys):

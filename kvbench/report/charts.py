@@ -6,7 +6,8 @@ or more, eviction panels only where token eviction ran, time series overlaid for
 small multiples for more. Every configuration keeps one colour and marker in every chart
 (assign_styles: by its label, carried to later groups where it is free; the slab baseline is black). Legends sit outside the axes, and
 run names come from the group's labels (report.words), so nothing here knows what a layout, a policy
-or an executor is; the one setting named is the x axis of the block-size chart.
+or an executor is; the one setting named is the x axis of the block-size chart, and the P:D chart
+reads a run's GPUs from report.data and names its layout with report.words.
 
 Figures are made without pyplot (Figure + the Agg canvas), so building a report never touches a
 global backend or leaks figures.
@@ -19,6 +20,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from kvbench.engine.records import parse_slo
+from kvbench.report import words
 from kvbench.report.data import Run, Section
 
 X_SETTING = "block_size"  # the x axis of the "against block size" chart
@@ -572,12 +575,28 @@ def _hits_and_ttft(section: Section, runs: list[Run], y, hits, ttft, title: str)
     hits.set_xlabel("% (higher is better)")
     hits.set_yticks(y, [r.label for r in runs])
     hits.set_ylim(-0.6, len(runs) - 0.4)
-    _dots(ttft, y, runs, "ttft_ms_p50", "ttft_ms_p99")
-    _log_if_wide(ttft, seconds=True)
-    ttft.set_title("TTFT, time to first token\np50 (filled) to p99 (open)", fontsize=9)
-    ttft.set_xlabel(("log scale" if ttft.get_xscale() == "log" else "ms") + " (lower is better)")
-    ttft.margins(x=0.15)
+    _latency_dots(ttft, y, runs, "ttft_ms", "TTFT, time to first token")
     return handles
+
+
+def _latency_dots(ax, y, runs: list[Run], column: str, name: str, slo_ms: float | None = None) -> list:
+    """One latency's p50 (filled) to p99 (open) per row, on a time axis from zero (log if wide); the
+    SLO's threshold drawn where it falls on that axis. Returns the legend handles it adds."""
+    _dots(ax, y, runs, f"{column}_p50", f"{column}_p99")
+    _log_if_wide(ax, seconds=True)
+    ax.set_title(f"{name}\np50 (filled) to p99 (open)", fontsize=9)
+    ax.set_xlabel(("log scale" if ax.get_xscale() == "log" else "ms") + " (lower is better)")
+    ax.margins(x=0.15)
+    if slo_ms is None:
+        return []
+    lo, hi = ax.get_xlim()
+    if hi < slo_ms <= 3 * hi:  # near enough to widen the axis for; farther, named, not drawn
+        hi = slo_ms * 1.1
+        ax.set_xlim(lo, hi)
+    if lo <= slo_ms <= hi:
+        return [ax.axvline(slo_ms, color="#a11d1d", ls=":", lw=1.4, label="--slo objective")]
+    ax.set_title(f"{name}\np50 (filled) to p99 (open); SLO {_ms_text(slo_ms)} off scale", fontsize=9)
+    return []
 
 
 def _finish_rows(fig: Figure, axes, handles: list, title: str) -> None:
@@ -590,6 +609,62 @@ def _finish_rows(fig: Figure, axes, handles: list, title: str) -> None:
         ax.tick_params(axis="y", length=0)
     _legend_below(fig, handles)
     fig.suptitle(title, fontsize=10)
+
+
+# -- disaggregated prefill and decode ----------------------------------------------------------
+def _shared_slo(runs: list[Run]) -> dict[str, float]:
+    """The --slo objectives (ms by name) every run was held to; {} where they differ or none was given."""
+    texts = {r.value("slo") for r in runs}
+    if len(texts) != 1:
+        return {}
+    try:
+        return parse_slo(texts.pop())
+    except ValueError:  # a hand-edited config.json
+        return {}
+
+
+def _layout_rows(section: Section, runs: list[Run], with_gpus: bool) -> list[str]:
+    """Each run's layout in words (P:D 3:1, 4 mixed replicas), then the group's other varying
+    settings that it uses, and its GPUs where the runs differ in them."""
+    others = [n for n in section.varying if n not in ("disagg", "replicas")]
+    names = []
+    for r in runs:
+        text = " ".join(filter(None, [words.layout(r.value("disagg"), r.replicas),
+                                      words.label(r.settings, others, r.unused)]))
+        gpus = f" · {r.gpus} GPU{'s' * (r.gpus != 1)}" if with_gpus else ""
+        names.append(words.shorten(text, words.MAX_LABEL - len(gpus)) + gpus)
+    return names
+
+
+def layouts(section: Section) -> Figure | None:
+    """Where a run disaggregated prefill and decode: goodput per GPU of each P:D layout beside the
+    mixed-replica runs, one row each, grouped by the GPUs they use; and the TTFT and TPOT each paid."""
+    if not any(r.disagg for r in section.runs) or len(section.runs) < 2:
+        return None
+    runs = sorted(section.runs, key=lambda r: (r.gpus, bool(r.disagg)))  # the group's order inside
+    counts = sorted({r.gpus for r in runs})
+    rows: list[float] = []  # a gap between GPU counts
+    for i, r in enumerate(runs):
+        rows.append((rows[-1] + 1 + 0.6 * (r.gpus != runs[i - 1].gpus)) if i else 0.0)
+    y = rows[-1] - np.array(rows)  # the first on top
+    fig = _figure(12, 1.9 + 0.32 * (rows[-1] + 1))
+    good, ttft, tpot = fig.subplots(1, 3, sharey=True, width_ratios=[1.2, 1.2, 1.2])
+    key = "goodput_req_per_s" if any(r.metric("goodput_req_per_s") is not None for r in runs) else "req_per_s"
+    values = [r.per_gpu(key) for r in runs]
+    _hbars(good, y, runs, values, "{:.3g}", max([v for v in values if v is not None] or [1.0]) * 1.3,
+           missing="no --slo")
+    good.set_title("Goodput per GPU\nrequests meeting every --slo objective" if key == "goodput_req_per_s" else
+                   "Requests per GPU (no --slo:\nevery finished request counts)", fontsize=9)
+    good.set_xlabel("requests/s per GPU (higher is better)")
+    good.set_yticks(y, _layout_rows(section, runs, with_gpus=len(counts) > 1))
+    good.set_ylim(-0.6, y[0] + 0.6)
+    slo = _shared_slo(runs)
+    handles = _latency_dots(ttft, y, runs, "ttft_ms", "TTFT, time to first token", slo.get("ttft"))
+    handles += _latency_dots(tpot, y, runs, "tpot_ms", "TPOT, time per output token", slo.get("tpot"))
+    gpus = "by GPUs used" if len(counts) > 1 else f"{counts[0]} GPU{'s' * (counts[0] != 1)} each"
+    _finish_rows(fig, (good, ttft, tpot), handles,
+                 f"Disaggregated prefill/decode against mixed replicas, {gpus}\n{section.title}")
+    return fig
 
 
 TIER_PARTS = (("hit_rate_gpu", "GPU pool", "#1f77b4"), ("hit_rate_cpu", "CPU tier", "#ff7f0e"),
@@ -658,6 +733,10 @@ SECTION_CHARTS = [
                   "where the model executor measured it."), eviction),
     ("routing", ("Several replicas: prefix hit rate, TTFT p50/p99 and load balance (the busiest replica's "
                  "busy time over the mean) by router and replica count, one replica as the reference."), routing),
+    ("disagg", ("Disaggregated prefill and decode: goodput per GPU (requests meeting every --slo objective per "
+                "second, over the GPUs the layout uses: prefill and decode instances, or replicas x tp) of each "
+                "P:D layout beside the mixed-replica runs, grouped by GPU count; TTFT and TPOT p50 to p99 per "
+                "layout, the --slo objectives dotted."), layouts),
     ("tiers", ("Prefix-cache tiers behind the GPU pool: the share of prompt tokens each tier served "
                "(stacked), TTFT p50/p99, and the KV bytes loaded from the tiers with the time it took."), tiers),
 ]

@@ -90,10 +90,29 @@ class Run:
 
     @property
     def block_size(self) -> int:
-        for v in (self.summary.get("block_size"), self.value("block_size")):
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
-        return DEFAULTS["block_size"]
+        return _count(self.summary.get("block_size")) or _count(self.value("block_size")) or DEFAULTS["block_size"]
+
+    @property
+    def disagg(self) -> dict:
+        """A disaggregated run's own figures (summary.json's "disagg": instances, GPUs, link), else {}."""
+        part = self.summary.get("disagg")
+        return part if isinstance(part, dict) else {}
+
+    @property
+    def replicas(self) -> int:
+        """Mixed engine instances (each does prefill and decode); a P:D run's instances are in ``disagg``."""
+        return _count(self.value("replicas")) or 1
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the run served on: a P:D run's prefill and decode instances at their own tp (the
+        engine's count), else replicas x tp."""
+        return _count(self.disagg.get("gpus")) or self.replicas * (_count(self.value("tp")) or 1)
+
+    def per_gpu(self, key: str) -> float | None:
+        """A rate over the GPUs the run served on (goodput per GPU), else None."""
+        v = self.metric(key)
+        return None if v is None else v / self.gpus
 
     @property
     def steps(self) -> pd.DataFrame:
@@ -113,6 +132,11 @@ class Run:
         except (TypeError, ValueError):  # None: no data
             return None
         return None if math.isnan(v) else v  # NaN (an older run's "no data") is None too
+
+
+def _count(v) -> int | None:
+    """A whole number above zero, else None (a hand-edited file's string or bool included)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 # -- what makes two runs comparable ------------------------------------------------------------

@@ -68,12 +68,14 @@ WORDS: dict[str, Callable[[object], tuple[str, bool]]] = {
     "attention": lambda v: (f"{v} attention", v == "auto"),
     "cpu_kv_mem": lambda v: (f"CPU tier {v}" if _size(v) else "no CPU tier", not _size(v)),
     "disk_kv_mem": lambda v: (f"disk tier {v}" if _size(v) else "no disk tier", not _size(v)),
+    "store_kv_mem": lambda v: (f"shared store {v}" if _size(v) else "no shared store", not _size(v)),
     "offload": lambda v: (str(v), v == "write-through"),
     "load_policy": lambda v: (f"load {v}", v == "auto"),
     "cpu_bw": lambda v: (f"CPU {v:g} GB/s", False),
     "disk_bw": lambda v: (f"disk {v:g} GB/s", False),
     "cpu_cache_policy": lambda v: (f"CPU tier {v}", v == "lru"),
     "disk_cache_policy": lambda v: (f"disk tier {v}", v == "lru"),
+    "replicas": lambda v: (f"{v} replica{'s' * (v != 1)}", v == 1),
     "disagg": lambda v: (f"P:D {v}" if v else "mixed instances", not v),
     "link": lambda v: (f"link {v}", v == "ib-400"),
     "link_gbps": lambda v: (f"link {v:g} Gb/s" if v else "link line rate", not v),
@@ -104,6 +106,14 @@ def setting_words(name: str, value) -> tuple[str, bool]:
     if isinstance(value, bool):
         value = "on" if value else "off"
     return f"{name.replace('_', ' ')} {value}", False
+
+
+def layout(disagg, replicas: int) -> str:
+    """How a run's GPUs serve, in words: ``P:D 3:1`` (prefill and decode instances apart) or
+    ``4 mixed replicas`` (each instance does both)."""
+    if disagg:
+        return setting_words("disagg", disagg)[0]
+    return f"{replicas} mixed replica{'s' * (replicas != 1)}"
 
 
 def shorten(text: str, most: int = MAX_LABEL) -> str:
