@@ -94,7 +94,8 @@ REPLAY_OPTIONS: list[Opt] = [
         "(the sim's clock, or a live run's wall clock); those issued run to the end"),
     Opt("seed", Count(0, 2**63 - 1), "seed for every random choice"),
     Opt("replicas", Count(1, C.MAX_REPLICAS), "engine instances, each its own pool, scheduler and executor, one clock"),
-    Opt("router", click.Choice(C.ROUTERS), "which replica an arriving request goes to (with --replicas > 1)"),
+    Opt("router", click.Choice(C.ROUTERS), "which replica an arriving request goes to (with --replicas > 1), or which prefill instance (--disagg); "
+        "conductor: Mooncake's, the smallest queue + prefill given what each caches"),
     Opt("router_prefix_blocks", Count(1), "prefix router: leading prompt blocks consistent-hashed to a replica"),
     Opt("router_cache_weight", Finite(0, C.MAX_ROUTER_WEIGHT), "kv-aware: cost weight of the prompt blocks a replica must prefill (Dynamo's overlap weight)"),
     Opt("router_load_weight", Finite(0, C.MAX_ROUTER_WEIGHT), "kv-aware: cost weight of the replica's active blocks"),
@@ -128,6 +129,15 @@ REPLAY_OPTIONS: list[Opt] = [
     Opt("disk_bw", Finite(0, C.MAX_TIER_BW_GBPS, min_open=True), "GB/s per direction of the disk tier (one datacenter NVMe drive: ~7)"),
     Opt("cpu_cache_policy", str, "which block the CPU tier drops first (any --cache-policy)"),
     Opt("disk_cache_policy", str, "which block the disk tier drops first (any --cache-policy)"),
+    Opt("store_kv_mem", str, "a KV store shared by every instance (Mooncake Store, LMCache's remote backend), "
+        "e.g. 2TiB (0: none): each writes its computed blocks to it, each finds there what any wrote"),
+    Opt("store_bw", Finite(0, C.MAX_TIER_BW_GBPS, min_open=True), "GB/s per direction between an instance and "
+        "the store (a DRAM pool over one 400 Gb/s RDMA NIC: ~50; an SSD pool: ~7)"),
+    Opt("store_cache_policy", str, "which block the store drops first (any --cache-policy)"),
+    Opt("store_delay", Finite(0, C.MAX_STORE_DELAY_S), "seconds after the step that wrote a block ends before "
+        "lookups find it in the store (its index's delay)"),
+    Opt("store_decode", "flag", "--disagg: decode instances write their blocks (answers) to the store too "
+        "(LMCache's save_decode_cache)"),
 ]
 DEFAULTS = ReplayConfig()
 
@@ -265,7 +275,7 @@ def unused_options(cfg: ReplayConfig) -> list[str]:
         why = [f"--{k.replace('_', '-')} {_word(v)}" for (k, v), unused in NOT_APPLICABLE.items()
                if n in unused and settings.get(k) == v]
         if not why and n in TIER_SETTINGS:
-            why = ["no --cpu-kv-mem or --disk-kv-mem"]
+            why = ["no --cpu-kv-mem, --disk-kv-mem or --store-kv-mem"]
         notes.append(f"--{n.replace('_', '-')} has no effect with {' and '.join(why) or 'these settings'}")
     return notes
 

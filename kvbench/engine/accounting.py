@@ -26,7 +26,7 @@ from kvbench.engine.records import (
 )
 from kvbench.engine.replica import Replica, Totals
 from kvbench.engine.routing import Router, jain, max_over_mean
-from kvbench.memory.tiers import TIER_NAMES, Tiers, op_bytes
+from kvbench.memory.tiers import TIER_NAMES, op_bytes
 from kvbench.scheduler import RequestState
 from kvbench.scheduler.batch import StepBatch, StepResult
 from kvbench.scheduler.scheduler import StepPlan
@@ -234,9 +234,11 @@ class Accounts:
             on = name in present
             out[f"bytes_loaded_{name}"] = tier_bytes[name][0] if on else None
             out[f"bytes_stored_{name}"] = tier_bytes[name][1] if on else None
-            out[f"{name}_evictions"] = (sum(t.evicted_blocks for r in reps for t in _tiers_of(r).tiers if t.name == name)
-                                        if on else None)
-        out["tier_declined_tokens"] = (sum(_tiers_of(r).declined_tokens for r in reps) if present else None)
+            # (the shared store is one Tier in every instance's chain: counted once)
+            out[f"{name}_evictions"] = (sum({id(t): t.evicted_blocks for r in reps if r.kv.tiers is not None
+                                             for t in r.kv.tiers.tiers if t.name == name}.values()) if on else None)
+        out["tier_declined_tokens"] = (sum(r.kv.tiers.declined_tokens for r in reps if r.kv.tiers is not None)
+                                       if present else None)
         out["resumed_loaded_tokens"] = sum(r.sched.resumed_loaded_tokens for r in reps) if present else None
         return out
 
@@ -272,12 +274,6 @@ class Accounts:
                 "router_hit_blocks": hit if self.router.index is not None else None,
                 "router_mispredicted_blocks": wrong if self.router.index is not None else None,
                 "per_replica": per}
-
-
-def _tiers_of(rep: Replica) -> Tiers:
-    """The tiers behind a replica's pool: only asked of a run that has them."""
-    assert rep.kv.tiers is not None
-    return rep.kv.tiers
 
 
 def merge_evictors(evictors: list) -> dict:

@@ -32,6 +32,7 @@ KV_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # auto: the dtype the model
 DTYPES = ("auto", "bf16", "fp8")  # sim: the weights' dtype; auto: bf16, or the dtype a --calibration measured
 ROUTERS = routing.ROUTERS
 MAX_TIER_BW_GBPS = 1e6  # GB/s
+MAX_STORE_DELAY_S = 3600.0
 
 MAX_NUM_BLOCKS = 2**31 - 1  # block ids are int32 in block tables
 MAX_NUM_SEQS = 2**20
@@ -49,8 +50,7 @@ def tier_bytes(text, field: str) -> int:
 
 def has_tiers(settings: dict) -> bool:
     """Whether a configuration (a ReplayConfig dict) puts a tier behind the GPU pool."""
-    return bool(tier_bytes(settings.get("cpu_kv_mem"), "--cpu-kv-mem")
-                or tier_bytes(settings.get("disk_kv_mem"), "--disk-kv-mem"))
+    return any(tier_bytes(settings.get(f"{name}_kv_mem"), f"--{name}-kv-mem") for name in ("cpu", "disk", "store"))
 
 
 def default_model(executor: str, device: str) -> str:
@@ -128,6 +128,14 @@ class ReplayConfig:
     disk_bw: float = DEFAULT_BW["disk"] / 1e9  # GB/s per direction, NVMe
     cpu_cache_policy: str = "lru"
     disk_cache_policy: str = "lru"
+    # a KV store shared by every instance (Mooncake Store, LMCache's remote backend): size, each
+    # instance's bandwidth to it, GB/s per direction (one 400 Gb/s RDMA NIC: 50; an SSD pool: ~7), its
+    # cache policy, and the seconds after a write's step ends before lookups find it (the store's index)
+    store_kv_mem: str | None = None
+    store_bw: float = 50.0
+    store_cache_policy: str = "lru"
+    store_delay: float = 0.0
+    store_decode: bool = True  # --disagg: decode instances write their blocks (answers) to the store too
     # prefill/decode disaggregation (engine/disagg.py): "P:D", P prefill and D decode instances, the KV
     # crossing a link between them; None: every replica does both phases
     disagg: str | None = None
@@ -316,8 +324,12 @@ class ReplayConfig:
             refuse = ("--prefix-mode", "vLLM's KV connectors run with its block-hash prefix cache: --prefix-mode hash")
         elif self.eviction != "none":
             refuse = ("--eviction", "token eviction is not modelled with disaggregated serving")
-        elif self.tier_sizes():
-            refuse = ("--cpu-kv-mem", "prefix-cache tiers are not modelled with disaggregated serving yet")
+        elif tier_bytes(self.cpu_kv_mem, "--cpu-kv-mem"):
+            refuse = ("--cpu-kv-mem", "an instance's own tiers are not modelled with disaggregated serving "
+                      "(a shared store is: --store-kv-mem)")
+        elif tier_bytes(self.disk_kv_mem, "--disk-kv-mem"):
+            refuse = ("--disk-kv-mem", "an instance's own tiers are not modelled with disaggregated serving "
+                      "(a shared store is: --store-kv-mem)")
         elif self.executor != "sim":
             refuse = ("--executor", "disaggregated serving runs on the sim executor (the model executor is one instance)")
         elif needs_future(self.cache_policy):
@@ -326,21 +338,23 @@ class ReplayConfig:
             raise InputError(refuse[1], field=refuse[0])
 
     def _validate_tiers(self) -> None:
-        for name in ("cpu_bw", "disk_bw"):
+        v = self.store_delay
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_STORE_DELAY_S:
+            raise InputError(f"must be seconds in [0, {MAX_STORE_DELAY_S:g}], got {v!r}", field="--store-delay")
+        for name in ("cpu_bw", "disk_bw", "store_bw"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_TIER_BW_GBPS:
                 raise InputError(f"must be a bandwidth in GB/s in (0, {MAX_TIER_BW_GBPS:g}], got {v!r}",
                                  field="--" + name.replace("_", "-"))
-        for name in ("cpu_cache_policy", "disk_cache_policy"):
+        for name in ("cpu_cache_policy", "disk_cache_policy", "store_cache_policy"):
             try:
                 check_policy(getattr(self, name), load=True)
             except ValueError as e:
                 raise InputError(str(e), field="--" + name.replace("_", "-")) from None
-        cpu = tier_bytes(self.cpu_kv_mem, "--cpu-kv-mem")
-        disk = tier_bytes(self.disk_kv_mem, "--disk-kv-mem")
-        if not (cpu or disk):
+        sizes = self.tier_sizes()
+        if not sizes:
             return
-        flag = "--cpu-kv-mem" if cpu else "--disk-kv-mem"
+        flag = f"--{next(iter(sizes))}-kv-mem"
         if self.layout != "paged" or not self.prefix_cache:
             raise InputError("prefix-cache tiers hold cached prefix blocks: they need --layout paged with "
                              "--prefix-cache", field=flag)
@@ -350,7 +364,8 @@ class ReplayConfig:
     def tier_sizes(self) -> dict[str, int]:
         """Bytes per tier name, tiers of size 0 left out."""
         sizes = {"cpu": tier_bytes(self.cpu_kv_mem, "--cpu-kv-mem"),
-                 "disk": tier_bytes(self.disk_kv_mem, "--disk-kv-mem")}
+                 "disk": tier_bytes(self.disk_kv_mem, "--disk-kv-mem"),
+                 "store": tier_bytes(self.store_kv_mem, "--store-kv-mem")}
         return {k: v for k, v in sizes.items() if v}
 
     @property

@@ -94,6 +94,7 @@ class DisaggReplay(Replay):
 
     def __init__(self, trace_path, cfg, *args, **kw):
         self.decode_cfg = cfg.validate().decode_config()
+        self.npre = cfg.prefill_instances
         super().__init__(trace_path, cfg, *args, **kw)
         if self.kv_layout.is_hybrid or self.kv_layout.has_state:
             raise InputError(f"{self.model.name} keeps KV in several KV cache groups: a KV transfer per group is not "
@@ -128,6 +129,14 @@ class DisaggReplay(Replay):
             self.cfg, self.num_blocks, self.physical_blocks, self.kv_layout = saved
         self.decode_blocks, self.decode_block_bytes = blocks, layout.bytes_per_block * dcfg.tp
         return rep
+
+    def _store_access(self, index: int) -> tuple[bool, bool]:
+        """A prefill instance reads and writes the shared store; a decode instance loads its prompts
+        from the prefill instance (NIXL), so it only writes -- its answers' blocks, with
+        ``--store-decode`` (LMCache's save_decode_cache) -- for later turns' prefills to find."""
+        if index < self.npre:
+            return True, True
+        return False, self.cfg.store_decode
 
     def _check_decode_fits(self) -> None:
         """A request that can never fit a decode instance (its pool, its limits) is refused before the
@@ -184,6 +193,7 @@ class DisaggReplay(Replay):
         to_prefill: list[tuple[float, int, float, Request]] = []  # (reaches the engine, position, issued, request)
         to_decode: list[tuple[float, int, Leg]] = []  # (reaches the decode instance, order, leg)
         self.links = links = self._links()
+        index = self.router.index
         self.legs: dict[RequestState, Leg] = {}  # by the client's request and by its prefill leg
         self.local: dict[RequestState, int] = {}  # prefilled on their decode instance (--disagg-local-prefill)
         self.local_prefills = 0
@@ -252,12 +262,18 @@ class DisaggReplay(Replay):
                 result = rep.executor.execute(batch)
                 start_s = rep.clock
                 rep.clock += result.duration_s
+                if self.store is not None:  # what the step wrote to the shared store is found from its end
+                    self.store.settle(rep.clock)
                 finished = sched.update(plan, result, rep.clock)
                 for s, external, cached in plan.loads:  # NIXL reads once the step is done (post_forward)
                     self._start(rep, s, external, cached)
                 self.accounts.step(writer, rep, start_s, result, batch, plan)
                 rep.steps += 1
                 step += 1
+                if index is not None and rep.index < npre:  # the prefill instances' KV events, to the router
+                    events = rep.kv.take_events()
+                    if events:
+                        index.publish(rep.index, rep.clock, events)
                 for rs in finished:
                     if rs.hold:  # a prefill leg: its first token sampled, dropped; on to a decode instance
                         leg = self.legs[rs]

@@ -44,7 +44,7 @@ from kvbench.executors.presets import get_model
 from kvbench.memory import make_kv
 from kvbench.memory.future import next_uses
 from kvbench.memory.policies import needs_future
-from kvbench.memory.tiers import Tiers, TierSpec
+from kvbench.memory.tiers import Tier, Tiers, TierSpec
 from kvbench.provenance import Invocation, file_sha256, setting_files
 from kvbench.scheduler import RequestState, Scheduler, SchedulerConfig
 from kvbench.scheduler.batch import StepBatch
@@ -57,7 +57,7 @@ from kvbench.trace.ideal import (
 )
 from kvbench.trace.keys import PrefixKeys, lookup_blocks
 from kvbench.trace.stream import ListTrace, TraceIndex
-from kvbench.trace.tokens import TokenStreams
+from kvbench.trace.tokens import ROOT_KEY, TokenStreams
 
 
 @dataclass(slots=True)
@@ -169,15 +169,20 @@ class Replay:
         self._block_bytes = self.kv_layout.bytes_per_block * cfg.tp
         self.physical_blocks = self._physical_blocks()
         self._tier_bound = self._run_blocks() if cfg.tier_sizes() else None
+        self.store: Tier | None = None  # the KV store every instance shares (--store-kv-mem)
         self.replicas = [self._replica(i, executor if i == 0 else make_executor(cfg, self.model))
                          for i in range(self._instances())]
         # the single engine's parts (replica 0), as tests and selfcheck read them
         first = self.replicas[0]
         self.kv, self.executor, self.evictor, self.sched = first.kv, first.executor, first.evictor, first.sched
         routed = self._routed()  # the instances a request's arrival is routed among
+        store = self.store
         self.router = Router(cfg.router, len(routed), prefix_blocks=cfg.router_prefix_blocks,
                              cache_weight=cfg.router_cache_weight, load_weight=cfg.router_load_weight,
-                             event_delay_s=cfg.router_event_delay)
+                             event_delay_s=cfg.router_event_delay, block_size=cfg.block_size,
+                             prefill_s=lambda cached, new: routed[0].executor.recompute_s(cached, new),
+                             store_match=None if store is None else lambda keys, now: store.prefix(keys, ROOT_KEY, now),
+                             store_block_s=0.0 if store is None else self._block_bytes / store.bandwidth)
         if self.router.index is not None and len(routed) > 1:
             for rep in routed:  # the replicas publish KV events for the router's index
                 rep.kv.enable_events()
@@ -235,7 +240,7 @@ class Replay:
         executor.bind_pool(self.physical_blocks or self.num_blocks, cfg.block_size,
                            self.kv_layout.layer_groups() if self.kv_layout.is_hybrid else None)
         if cfg.tier_sizes():
-            self._attach_tiers(kv, executor)
+            self._attach_tiers(kv, executor, i)
         evictor = make_evictor(cfg.eviction, kv, kv_budget=cfg.kv_budget,
                                sink_tokens=cfg.sink_tokens, seed=cfg.seed,
                                kv_bytes_per_token=executor.kv_bytes_per_token(),
@@ -247,7 +252,11 @@ class Replay:
                           needs_tokens=executor.needs_tokens, streams=self.streams, evictor=evictor)
         return Replica(i, kv, executor, evictor, sched, Totals())
 
-    def _attach_tiers(self, kv, executor) -> None:
+    def _store_access(self, index: int) -> tuple[bool, bool]:
+        """Whether instance ``index`` reads the shared store, and whether it writes to it."""
+        return True, True
+
+    def _attach_tiers(self, kv, executor, index: int) -> None:
         """The tiers behind a replica's pool (--cpu-kv-mem, --disk-kv-mem), each as many blocks as
         its bytes hold, and no more state than the run's blocks can fill."""
         cfg = self.cfg
@@ -259,7 +268,15 @@ class Replay:
                 raise InputError(f"a {name} tier of {nbytes} bytes holds no block of {block} bytes "
                                  f"({bs} tokens x {executor.kv_bytes_per_token()} bytes)", field=f"--{name}-kv-mem")
             specs.append(TierSpec(name, n, getattr(cfg, f"{name}_bw") * 1e9, getattr(cfg, f"{name}_cache_policy")))
-        tiers = Tiers(specs, cfg.offload, cfg.load_policy, block_bytes=block, physical=self._tier_bound)
+        if specs and specs[-1].name == "store":  # one for the whole run, at the end of every instance's chain
+            spec = specs.pop()
+            if self.store is None:
+                self.store = Tier(spec, self._tier_bound).share(cfg.store_delay)
+        reads, writes = self._store_access(index)
+        if not specs and not writes:
+            return
+        tiers = Tiers(specs, cfg.offload, cfg.load_policy, block_bytes=block, physical=self._tier_bound,
+                      store=self.store if writes else None, reads_store=reads)
         tiers.recompute_s = executor.recompute_s
         kv.attach_tiers(tiers)
         executor.bind_tiers({t.name: t.bandwidth for t in tiers.tiers}, {t.name: t.slots for t in tiers.tiers})
@@ -506,6 +523,8 @@ class Replay:
                 result = rep.executor.execute(batch)
                 start_s = rep.clock
                 rep.clock += result.duration_s
+                if self.store is not None:  # what the step wrote to the shared store is found from its end
+                    self.store.settle(rep.clock)
                 if self.step_log is not None:
                     self.step_log.append(([(s.rs.req.id, s.sample, n) for s, n in zip(plan.seqs, plan.num_new)],
                                           [s.rs.req.id for s in plan.preempted]))
@@ -574,7 +593,7 @@ class Replay:
         look = keys[:lookup_blocks(prompt_len, bs)]  # the blocks a prompt can hit
         i, expected = self.router.route(arrival, rs.req.session, look, len(look),
                                         [x.load_at(arrival, bs) for x in replicas]
-                                        if self.router.name != "round-robin" else None)
+                                        if self.router.name != "round-robin" else None, prompt_len)
         rep = replicas[i]
         if rep.clock > arrival:  # mid-step: the router's view of it grows by this request
             rep.since[0] += 1

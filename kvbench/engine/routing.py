@@ -20,16 +20,28 @@ arrival, and picks the replica that serves it. What a router may look at is what
   scorer) that become visible ``--router-event-delay`` engine seconds after the step that emitted
   them; it never reads a replica's pool. What it predicted and what hit are counted (summary
   ``router_mispredicted_blocks``).
+- ``conductor``: Mooncake's Conductor (Qin et al., FAST '25, section 6, its Algorithm 1, "KVCache-centric
+  scheduling"): for each instance, the time to the prompt's first token there is the instance's queue plus
+  the prompt's prefill given the prefix the instance caches -- or, where loading is faster than computing,
+  the longer prefix a shared store holds (``--store-kv-mem``), loaded at the store's rate -- and the
+  instance with the smallest wins (ties: the lower index). What each instance caches is the kv-aware
+  router's delayed-event index; prefill times are the executor's own cost model (``recompute_s``); the
+  queue is the router's account of what it sent: each request it routes keeps its instance busy for its
+  estimated prefill, after the work sent before it (``busy_until``), so an instance's queue is
+  ``max(0, busy_until - now)``. It prices prefill only: meant for prefill instances (``--disagg``), where
+  the paper uses it; over mixed replicas it ignores their decodes.
 """
 from __future__ import annotations
 
 import heapq
+import math
 from bisect import bisect_right
+from collections.abc import Callable
 from itertools import count
 
 import xxhash
 
-ROUTERS = ("round-robin", "least-loaded", "session", "prefix", "kv-aware")
+ROUTERS = ("round-robin", "least-loaded", "session", "prefix", "kv-aware", "conductor")
 VIRTUAL_NODES = 64  # ring points per replica (prefix router)
 
 
@@ -76,13 +88,23 @@ class Router:
     blocks, active blocks) of replica i as the replica reports them."""
 
     def __init__(self, name: str, replicas: int, *, prefix_blocks: int = 4, cache_weight: float = 1.0,
-                 load_weight: float = 1.0, event_delay_s: float = 0.0):
+                 load_weight: float = 1.0, event_delay_s: float = 0.0, block_size: int = 16,
+                 prefill_s: Callable[[int, int], float] | None = None,
+                 store_match: Callable[[list, float], int] | None = None, store_block_s: float = 0.0):
+        """``prefill_s(cached, new)``: seconds to prefill ``new`` tokens after ``cached`` ones (conductor);
+        ``store_match(keys, now)``: leading blocks of a prompt a shared store holds, each loaded in
+        ``store_block_s``."""
         if name not in ROUTERS:
             raise ValueError(f"unknown router {name!r}")
         self.name, self.n = name, replicas
         self.prefix_blocks = prefix_blocks
         self.cache_weight, self.load_weight = cache_weight, load_weight
-        self.index = KVIndex(replicas, event_delay_s) if name == "kv-aware" else None
+        self.index = KVIndex(replicas, event_delay_s) if name in ("kv-aware", "conductor") else None
+        if name == "conductor" and prefill_s is None:
+            raise ValueError("the conductor router needs a prefill time (prefill_s)")
+        self.block_size, self.prefill_s = block_size, prefill_s
+        self.store_match, self.store_block_s = store_match, store_block_s
+        self.busy_until = [0.0] * replicas  # conductor: when the prefills it sent each instance end
         self._next = 0
         if name == "prefix":
             points = sorted((_h64(f"replica-{i}-{v}"), i) for i in range(replicas) for v in range(VIRTUAL_NODES))
@@ -93,8 +115,10 @@ class Router:
     def least_loaded(loads) -> int:
         return min(range(len(loads)), key=lambda i: (loads[i][0], -loads[i][1], i))
 
-    def route(self, now_s: float, session: str | None, keys, prompt_blocks: int, loads) -> tuple[int, int]:
-        """-> (replica, prompt blocks the router expects to hit there; 0 for routers without an index)."""
+    def route(self, now_s: float, session: str | None, keys, prompt_blocks: int, loads,
+              prompt_tokens: int = 0) -> tuple[int, int]:
+        """-> (replica, prompt blocks the router expects to hit there; 0 for routers without an index).
+        ``keys``: the block keys a prompt of ``prompt_tokens`` tokens can hit."""
         if self.n == 1:
             return 0, self._expect(0, now_s, keys)
         name = self.name
@@ -114,6 +138,8 @@ class Router:
                 return self.least_loaded(loads), 0
             pos = bisect_right(self._ring, _h64((int(keys[k - 1]) & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")))
             return self._owner[pos % len(self._ring)], 0
+        if name == "conductor":
+            return self._conductor(now_s, keys, prompt_tokens)
         # kv-aware
         index = self.index
         assert index is not None  # (kv-aware's)
@@ -124,6 +150,29 @@ class Router:
             cost = self.cache_weight * (prompt_blocks - hit) + self.load_weight * (loads[i][2] + prompt_blocks)
             if best_cost is None or cost < best_cost:
                 best, best_cost, best_hit = i, cost, hit
+        return best, best_hit
+
+    def _conductor(self, now_s: float, keys, prompt_tokens: int) -> tuple[int, int]:
+        """Mooncake's cache-and-load choice (the module's docstring): the smallest queue + prefill."""
+        index, prefill_s, bs = self.index, self.prefill_s, self.block_size
+        assert index is not None and prefill_s is not None  # (the conductor's)
+        index.advance(now_s)
+        stored = self.store_match(keys, now_s) if self.store_match is not None else 0
+        busy = self.busy_until
+        best, best_t, best_hit, best_work = 0, math.inf, 0, 0.0
+        for i in range(self.n):
+            hit = index.match(i, keys)
+            cached = min(hit * bs, prompt_tokens)
+            work = prefill_s(cached, prompt_tokens - cached)
+            if stored > hit:  # load the store's longer prefix, where that is faster than computing it
+                more = min(stored * bs, prompt_tokens) - cached
+                with_load = (stored - hit) * self.store_block_s + prefill_s(cached + more, prompt_tokens - cached - more)
+                if with_load < work:
+                    work, hit = with_load, stored
+            t = max(0.0, busy[i] - now_s) + work
+            if t < best_t:
+                best, best_t, best_hit, best_work = i, t, hit, work
+        busy[best] = max(busy[best], now_s) + best_work
         return best, best_hit
 
     def _expect(self, replica: int, now_s: float, keys) -> int:

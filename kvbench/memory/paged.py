@@ -111,7 +111,7 @@ class PagedKV:
             raise ValueError("attach tiers to an empty pool")  # sequences' keys change type with them
         self.tiers = tiers
         self.fresh_floor = False  # (a lookup continues into the tiers)
-        if not tiers.write_through:
+        if not tiers.write_through and tiers.own:
             self.pool.spill = tiers.evicted
 
     # -- what the scheduler reads ------------------------------------------------------------
@@ -438,7 +438,7 @@ class PagedKV:
                                        tokens[a * bs:full * bs], nu, parent, extend)
         s.num_registered = full
         tiers = self.tiers
-        if tiers is not None and through and tiers.write_through:
+        if tiers is not None and through and tiers.stores:
             table = s.table
             new = [a + i for i in fresh]  # keys new to the pool: a copy of a cached block is stored once
             if new:

@@ -1,5 +1,8 @@
 """Prefix-cache tiers behind the GPU pool: host DRAM (``cpu``) and local NVMe (``disk``), as vLLM's
-KV offloading connector, LMCache, SGLang's HiCache and Mooncake Store put them behind the GPU.
+KV offloading connector, LMCache, SGLang's HiCache and Mooncake Store put them behind the GPU, and a
+``store`` shared by every instance of a run (Mooncake Store, LMCache's remote backend): one ``Tier``
+object at the end of every instance's chain, written through by each, its blocks found by lookups
+only from ``delay`` seconds after the step that wrote them ended (``Tier.settle``).
 
 A ``Tier`` holds whole blocks under their chained prefix keys, ordered by a kvbench.memory.policies
 class; ``Tiers`` is one chain per replica, called by PagedKV: lookup along the chain (``match``),
@@ -8,6 +11,7 @@ write-through or write-back stores, ``--load-policy``, and the transfer ops hand
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
@@ -15,7 +19,7 @@ from typing import cast
 from kvbench.memory.policies import LRUPolicy, make_policy
 from kvbench.memory.policy_base import NEVER, CacheView
 
-TIER_NAMES = ("cpu", "disk")  # in lookup order: fastest first
+TIER_NAMES = ("cpu", "disk", "store")  # in lookup order: an instance's own tiers, then the shared store
 OFFLOADS = ("write-through", "write-back")
 LOAD_POLICIES = ("always", "auto")
 # Effective bandwidths per direction when none is given (bytes/s): PCIe Gen5 x16 host<->GPU, and one
@@ -66,6 +70,11 @@ class Tier:
         self._next = 0  # slots never used yet: [_next, n)
         self.pins: dict[int, int] = {}  # slot -> loads of this step reading it
         self.clock: float = 0
+        # a shared store's visibility: slots written in the step under way (settle), and the time from
+        # which each recently written slot may be found; None: a tier of one instance, found at once
+        self.delay: float | None = None
+        self.fresh: list[int] = []
+        self.hidden: dict[int, float] = {}
         # counters
         self.stored_blocks = 0
         self.loaded_blocks = 0
@@ -89,16 +98,60 @@ class Tier:
             self.policy.release_many(list(self.pins)[::-1])
             self.pins.clear()
 
+    def share(self, delay_s: float) -> "Tier":
+        """Make this the run's shared store: what an instance writes is found ``delay_s`` after the
+        step that wrote it ends."""
+        self.delay = delay_s
+        return self
+
+    def settle(self, end_s: float) -> None:
+        """The step that wrote ``fresh`` ended at ``end_s``: its blocks are found from ``end_s + delay``."""
+        if self.fresh:
+            t = end_s + (self.delay or 0.0)
+            hidden = self.hidden
+            for s in self.fresh:
+                hidden[s] = t
+            self.fresh.clear()
+
+    def visible(self, slot: int, now: float) -> bool:
+        """Whether a lookup at ``now`` finds the block in ``slot`` (a shared store's writes appear late)."""
+        t = self.hidden.get(slot)
+        if t is None:
+            return True
+        if t <= now:
+            del self.hidden[slot]
+            return True
+        return False
+
+    def prefix(self, keys, parent: int, now: float) -> int:
+        """How many leading ``keys`` (chained from ``parent``) a lookup at ``now`` finds here."""
+        slot_of, parent_of, n = self.slot_of, self.parent, 0
+        for k in keys:
+            s = slot_of.get(k)
+            if s is None or parent_of[s] != parent or (self.hidden and not self.visible(s, now)):
+                break
+            n += 1
+            parent = k
+        return n
+
+    def _written(self, slots) -> None:
+        """A shared store's new blocks are hidden until their step ends (``settle``)."""
+        if self.delay is not None:
+            for s in slots:
+                if s >= 0:
+                    self.hidden[s] = math.inf
+                    self.fresh.append(s)
+
     def store_run(self, keys: list[int], parents: list[int], next_uses=None) -> list[int]:
         """``store`` each key in order (write-through's run of computed blocks); the slots stored
         into, -1 where nothing was. An lru tier takes a run of new keys in one batch."""
-        if self._lru:
-            slots = self._store_new_lru(keys, parents)
-            if slots is not None:
-                return slots
-        store = self.store
-        return [store(k, p, NEVER if next_uses is None else next_uses[j])[0]
-                for j, (k, p) in enumerate(zip(keys, parents))]
+        slots = self._store_new_lru(keys, parents) if self._lru else None
+        if slots is None:
+            store = self.store
+            slots = [store(k, p, NEVER if next_uses is None else next_uses[j])[0]
+                     for j, (k, p) in enumerate(zip(keys, parents))]
+        self._written(slots)
+        return slots
 
     def _store_new_lru(self, keys: list[int], parents: list[int]) -> list[int] | None:
         """``store_run`` when the policy is lru and no key of the run is held yet (computed blocks
@@ -177,14 +230,24 @@ class Tiers:
     """The chain of tiers behind one GPU pool (``TIER_NAMES`` order, absent tiers left out)."""
 
     def __init__(self, specs: list[TierSpec], offload: str = "write-through", load_policy: str = "auto",
-                 block_bytes: int = 0, physical: int | None = None):
+                 block_bytes: int = 0, physical: int | None = None, store: Tier | None = None,
+                 reads_store: bool = True):
+        """``store``: the run's shared store (``Tier.share``), after this pool's own tiers; every
+        instance writes its computed blocks through to it whatever ``offload`` says; an instance with
+        ``reads_store`` False (a decode instance, which loads prompts from its prefill instance) only
+        writes."""
         if offload not in OFFLOADS:
             raise ValueError(f"unknown offload {offload!r} (choose from {', '.join(OFFLOADS)})")
         if load_policy not in LOAD_POLICIES:
             raise ValueError(f"unknown load policy {load_policy!r} (choose from {', '.join(LOAD_POLICIES)})")
         self.tiers = [Tier(s, physical) for s in specs if s.capacity > 0]
+        self.own = len(self.tiers)  # tiers[:own] are this pool's; a shared store after them
+        if store is not None:
+            self.tiers.append(store)
+        self.readable = self.tiers if store is None or reads_store else self.tiers[:self.own]
         self.names = [t.name for t in self.tiers]
         self.write_through = offload == "write-through"
+        self.stores = self.write_through or store is not None  # computed blocks go somewhere (PagedKV)
         self.auto = load_policy == "auto"
         self.block_bytes = block_bytes
         # seconds to prefill n tokens after `start` cached ones (the executor's): auto's yardstick
@@ -204,8 +267,9 @@ class Tiers:
         then (``auto``) cut to the prefix worth loading for a prompt of ``prompt_tokens``."""
         m = TierMatch()
         found_tiers, found_slots = m.tiers, m.slots
-        if len(self.tiers) == 1:  # one tier: its slots looked up in C, the chain checked after
-            t = self.tiers[0]
+        readable = self.readable
+        if len(readable) == 1 and not readable[0].hidden:  # one tier: its slots looked up in C, the chain checked after
+            t = readable[0]
             parent_of = t.parent
             for k, s in zip(keys[start:n_max], map(t.slot_of.get, keys[start:n_max])):
                 if s is None or parent_of[s] != parent:
@@ -214,12 +278,14 @@ class Tiers:
                 parent = k
             found_tiers.extend([0] * len(found_slots))
             return self._cut(m, start, block_size, prompt_tokens)
-        held = [(i, t.slot_of.get, t.parent) for i, t in enumerate(self.tiers)]  # a slot, and its chain
+        now = self.clock
+        # (index, a slot, its chain, whether it may be hidden); a store the pool only writes is left out
+        held = [(i, t.slot_of.get, t.parent, t) for i, t in enumerate(readable)]
         for j in range(start, n_max):
             k = keys[j]
-            for i, get, parent_of in held:
+            for i, get, parent_of, t in held:
                 s = get(k)
-                if s is not None and parent_of[s] == parent:
+                if s is not None and parent_of[s] == parent and (not t.hidden or t.visible(s, now)):
                     found_tiers.append(i)
                     found_slots.append(s)
                     break
@@ -269,13 +335,13 @@ class Tiers:
 
     def stored(self, blocks: list[int], keys: list[int], parents: list[int], next_uses=None) -> None:
         """Write-through: blocks the GPU pool just registered (computed this step) go to every tier."""
-        if not self.write_through:
+        if not self.stores:
             return
         # tail first: a prefix ends up more recent than its continuation, and outlives it
         blocks, keys, parents = blocks[::-1], keys[::-1], parents[::-1]
         nus = None if next_uses is None else [int(x) for x in next_uses[::-1]]
         post = self.post
-        for t in self.tiers:
+        for t in self.tiers if self.write_through else self.tiers[self.own:]:
             t.clock = self.clock
             name = t.name
             post.extend(("gpu", b, name, s) for b, s in zip(blocks, t.store_run(keys, parents, nus)) if s >= 0)
@@ -289,12 +355,12 @@ class Tiers:
             self._write_back(0, "gpu", b, k, p)
 
     def _write_back(self, i: int, src: str, index: int, key: int, parent: int) -> None:
-        while i < len(self.tiers):
+        while i < self.own:  # (the shared store is written through, never demoted into)
             t = self.tiers[i]
             t.clock = self.clock
             s, vkey, vparent = t.store(key, parent)
             if s >= 0:
-                if vkey is not None and i + 1 < len(self.tiers):
+                if vkey is not None and i + 1 < self.own:
                     # the victim leaves for the next tier before the new block takes its slot
                     assert vparent is not None  # (a victim has both)
                     self._write_back(i + 1, t.name, s, vkey, vparent)

@@ -45,13 +45,15 @@ NOT_APPLICABLE: dict[tuple[str, object], tuple[str, ...]] = {
     ("router", "session"): ("router_prefix_blocks", "router_cache_weight", "router_load_weight", "router_event_delay"),
     ("router", "prefix"): ("router_cache_weight", "router_load_weight", "router_event_delay"),
     ("router", "kv-aware"): ("router_prefix_blocks",),
+    ("router", "conductor"): ("router_prefix_blocks", "router_cache_weight", "router_load_weight"),
     ("cpu_kv_mem", None): ("cpu_bw", "cpu_cache_policy"),
     ("disk_kv_mem", None): ("disk_bw", "disk_cache_policy"),
-    ("disagg", None): ("link", "link_gbps", "link_latency_us", "disagg_local_prefill", "decode_gpu", "decode_tp", "decode_kv_mem",
+    ("store_kv_mem", None): ("store_bw", "store_cache_policy", "store_delay", "store_decode"),
+    ("disagg", None): ("store_decode", "link", "link_gbps", "link_latency_us", "disagg_local_prefill", "decode_gpu", "decode_tp", "decode_kv_mem",
                        "decode_num_blocks", "decode_max_num_seqs", "decode_max_batched_tokens"),  # no decode pool
 }
 # used only with a tier behind the pool (not_applicable: with none, all of them)
-TIER_SETTINGS = ("offload", "load_policy", "cpu_bw", "disk_bw", "cpu_cache_policy", "disk_cache_policy")
+TIER_SETTINGS = ("offload", "load_policy", "cpu_bw", "disk_bw", "cpu_cache_policy", "disk_cache_policy")  # (the store's: above)
 
 # How a setting reads in a run directory's name; the default is "<short><value>".
 SHORT = {"layout": "", "block_size": "bs", "slab_reserve": "res_", "prefix_cache": "pc_", "prefix_mode": "", "radix_eviction": "ev_",
@@ -65,13 +67,15 @@ SHORT = {"layout": "", "block_size": "bs", "slab_reserve": "res_", "prefix_cache
          "router_load_weight": "rlw", "router_event_delay": "red", "cpu_kv_mem": "cpu", "disk_kv_mem": "disk",
          "offload": "", "load_policy": "load_", "cpu_bw": "cpubw", "disk_bw": "diskbw", "cpu_cache_policy": "cpu_",
          "dtype": "w_", "eager": "eager_", "disable_hybrid_kv_cache_manager": "nohybrid_",
-         "disk_cache_policy": "disk_"}
+         "disk_cache_policy": "disk_", "store_kv_mem": "store", "store_bw": "storebw", "store_cache_policy": "store_",
+         "store_delay": "stored", "store_decode": "storedec_"}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 def not_applicable(settings: dict) -> set[str]:
     """Settings that a configuration (a ReplayConfig dict) does not use."""
-    hit = [(name, unused) for (name, value), unused in NOT_APPLICABLE.items() if settings.get(name) == value]
+    hit = [(name, unused) for (name, value), unused in NOT_APPLICABLE.items() if settings.get(name) == value
+           and not (name == "replicas" and settings.get("disagg") not in (None, "none"))]  # (P:D routes its prefills)
     unused_first = {n for _, unused in hit for n in unused}
     out: set[str] = set()
     for name, unused in hit:  # a setting the configuration does not use rules nothing out

@@ -34,7 +34,7 @@ BALANCE_REL = 1.5
 def route(bt: BlockTrace, replicas: int, router: str, prefix_blocks: int = 4) -> np.ndarray:
     """The replica each request of ``bt`` goes to (int64 [requests]); the session router reads
     ``bt.sessions``."""
-    if router not in ROUTERS:
+    if router not in ROUTERS or router == "conductor":  # (the conductor times prefills: a replay's)
         raise ValueError(f"unknown router {router!r}")
     if router == "session" and bt.sessions is None:
         raise ValueError("the session router reads the trace's sessions: a BlockTrace from prepare")
