@@ -238,3 +238,15 @@ def test_a_sweep_reads_no_more_of_the_trace_than_its_runs_do(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["sweep", str(trace), "--block-size", "8,16", "--out", str(tmp_path / "all")])
     assert e.value.code == 2 and "tail.jsonl:51" in capsys.readouterr().err
+
+
+def test_an_slo_of_several_targets_is_one_value_of_the_grid():
+    """--slo ttft=500,tpot=50 is one SLO of two targets, not two SLOs; a repeated target starts the next."""
+    from kvbench.cli.replay import REPLAY_OPTIONS
+    from kvbench.sweep.grid import parse_grid
+
+    def slos(text):
+        return parse_grid({"slo": text}, REPLAY_OPTIONS)["slo"]
+    assert len(slos("ttft=500,tpot=50")) == 1
+    assert len(slos("ttft=500,tpot=50,ttft=1000,tpot=100")) == 2
+    assert len(slos("ttft=500,ttft=1000")) == 2

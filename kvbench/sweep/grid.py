@@ -96,6 +96,23 @@ def _flag(text: str) -> bool:
     raise ValueError("expected on or off")
 
 
+def _slos(parts: list[str]) -> list[str]:
+    """An --slo list: one SLO is several ``name=value`` targets joined by commas, so a new SLO starts
+    where a target repeats a name the one before it has ("ttft=500,tpot=50,ttft=1000,tpot=100": two);
+    a value without ``=`` (none) stands alone."""
+    out: list[str] = []
+    names: set[str] = set()
+    for part in parts:
+        name = part.split("=", 1)[0].strip()
+        if out and "=" in part and "=" in out[-1] and name not in names:
+            out[-1] += "," + part
+        else:
+            out.append(part)
+            names = set()
+        names.add(name)
+    return out
+
+
 def parse_grid(raw: dict[str, str | None], options) -> dict[str, list]:
     """Comma lists from the command line -> typed value lists, for the options that were given.
 
@@ -108,7 +125,8 @@ def parse_grid(raw: dict[str, str | None], options) -> dict[str, list]:
         if text is None:
             continue
         values = []
-        for part in str(text).split(","):
+        parts = str(text).split(",")
+        for part in (_slos(parts) if o.name == "slo" else parts):
             part = part.strip()
             try:
                 if not part:
