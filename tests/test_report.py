@@ -335,6 +335,12 @@ def test_goodput_per_gpu_of_each_pd_layout_beside_mixed_replicas(tmp_path):
         p99 = sorted(x for line in ax.get_lines() if line.get_markerfacecolor() == "white" for x in line.get_xdata())
         assert p99 == pytest.approx(sorted(r.summary[key] for r in section.runs))
     assert [line.get_xdata()[0] for line in fig.axes[1].get_lines() if line.get_label() == "--slo objective"] == [100]
+    # the routing chart compares mixed replicas only: a P:D run's instances are not replicas behind a router
+    with matplotlib.rc_context(charts.RC):
+        fig = charts.routing(section)
+        FigureCanvasAgg(fig).draw()
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert len(labels) == 3 and not any("P:D" in t for t in labels), labels
 
 
 def test_report_of_a_single_run_via_cli(data, tmp_path, capsys):

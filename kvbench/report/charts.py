@@ -543,10 +543,11 @@ def eviction(section: Section) -> Figure | None:
 def routing(section: Section) -> Figure | None:
     """Where runs had several replicas: hit rate, TTFT p50/p99 and load balance by router and
     replica count (one replica drawn too, as the reference)."""
-    multi = [r for r in section.runs if (r.metric("replicas") or 1) > 1]
+    mixed = [r for r in section.runs if r.value("disagg") in (None, "none")]  # (P:D runs: the layouts chart)
+    multi = [r for r in mixed if (r.metric("replicas") or 1) > 1]
     if not multi:
         return None
-    runs = [r for r in section.runs if (r.metric("replicas") or 1) > 1 or r.value("replicas") in (None, 1)]
+    runs = [r for r in mixed if (r.metric("replicas") or 1) > 1 or r.value("replicas") in (None, 1)]
     n = len(runs)
     fig = _figure(12, 1.9 + 0.32 * n)
     hits, ttft, bal = fig.subplots(1, 3, sharey=True, width_ratios=[1, 1.25, 1])
