@@ -99,6 +99,10 @@ def test_the_answer_is_cached_on_the_decode_side_only(tmp_path):
     assert s["prefix_hit_rate"] == pytest.approx(256 / (260 + 364))
     assert s["disagg"]["decode_hit_rate"] == pytest.approx(320 / (260 + 364))
     assert s["disagg"]["transfer_bytes"] == 20 * BLOCK_BYTES
+    # decode-side blocks awaiting KV: each load's blocks from its start to its landing
+    assert s["disagg"]["decode_awaiting_blocks_peak"] == 17
+    assert s["disagg"]["decode_awaiting_blocks_mean"] == pytest.approx(
+        (t["blocks"] * t["transfer_ms"]).sum() / 1e3 / s["duration_s"], rel=1e-6)
 
 
 def test_ttft_is_the_sum_of_its_parts_on_chat(tmp_path):

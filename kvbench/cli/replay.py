@@ -245,6 +245,7 @@ def print_summary(summary: dict, run_dir: str) -> None:
         rows.append(["link utilisation (receiving, mean / max)", f"{d['link_util_recv']:.3f} / {d['link_util_recv_max']:.3f}"])
         rows.append(["decode-side hit rate (of prompts loaded)", f"{d['decode_hit_rate']:.4f}"])
         rows.append(["prefill blocks held for reads, mean / peak", f"{d['prefill_held_blocks_mean']:.1f} / {d['prefill_held_blocks_peak']:,}"])
+        rows.append(["decode blocks awaiting KV, mean / peak", f"{d['decode_awaiting_blocks_mean']:.1f} / {d['decode_awaiting_blocks_peak']:,}"])
         rows.append(["busy (prefill / decode instances)", f"{d['prefill_busy']:.3f} / {d['decode_busy']:.3f}"])
         if d.get("goodput_req_per_s_per_gpu") is not None:
             rows.append(["goodput per GPU (req/s)", f"{d['goodput_req_per_s_per_gpu']:.3f}"])

@@ -199,6 +199,7 @@ class DisaggReplay(Replay):
         self.local_prefills = 0
         self._loading: dict[int, Leg] = {}  # transfer id -> leg
         self._held_blocks = [0, 0, 0.0, 0.0]  # prefill blocks held now, their peak, held x seconds, last change
+        self._awaiting = [0, 0, 0.0, 0.0]  # the same of decode blocks allocated for KV still on the wire
         order = 0
         step = 0
         wall0 = time.perf_counter()
@@ -282,7 +283,7 @@ class DisaggReplay(Replay):
                         back = front_d if front_d and leg.decode < 0 else None  # (a decode instance waits for it)
                         heapq.heappush(to_decode, (back.admit(rep.clock, leg.prompt_len) if back else rep.clock,
                                                    order, leg))
-                        self._hold(leg.blocks_held(cfg.block_size), rep.clock)
+                        self._hold(self._held_blocks, leg.blocks_held(cfg.block_size), rep.clock)
                         continue
                     self._done(rs, rep, writer, st)
                 tick(prog, step, st, rep.clock - t0_s, on_progress)
@@ -357,6 +358,7 @@ class DisaggReplay(Replay):
         tid = id(leg)
         self._loading[tid] = leg
         self.links.start(rep.clock, tid, leg.nbytes, leg.prefill, rep.index)
+        self._hold(self._awaiting, leg.blocks, rep.clock)
         if self.events is not None:
             self.events.append((rep.clock, "load", s.rs.req.id, rep.index, external))
 
@@ -368,15 +370,17 @@ class DisaggReplay(Replay):
             drep.clock = max(drep.clock, t)
         assert leg.seq is not None
         drep.sched.loaded(leg.seq)
-        self._hold(-leg.blocks_held(self.cfg.block_size), t)
+        self._hold(self._held_blocks, -leg.blocks_held(self.cfg.block_size), t)
+        self._hold(self._awaiting, -leg.blocks, t)
         prep.sched.release(leg.pre)
         if self.events is not None:
             self.events.append((t, "landed", leg.rs.req.id, leg.decode, 0))
             self.events.append((t, "free", leg.rs.req.id, leg.prefill, 0))
 
-    def _hold(self, blocks: int, t: float) -> None:
-        """Prefill-side blocks held for reads change by ``blocks`` at ``t`` (their count, peak, integral)."""
-        h = self._held_blocks
+    @staticmethod
+    def _hold(h: list, blocks: int, t: float) -> None:
+        """Blocks held (``_held_blocks``: prefill-side, for reads; ``_awaiting``: decode-side, for KV on
+        the wire) change by ``blocks`` at ``t``: their count, peak and integral."""
         h[2] += h[0] * max(0.0, t - h[3])
         h[3] = max(h[3], t)
         h[0] += blocks
@@ -428,6 +432,8 @@ class DisaggReplay(Replay):
             "link_util_recv_max": max(util([r], self.link_rates[1]) for r in recv),
             "prefill_held_blocks_peak": h[1],
             "prefill_held_blocks_mean": h[2] / duration_s if duration_s > 0 else 0.0,
+            "decode_awaiting_blocks_peak": self._awaiting[1],
+            "decode_awaiting_blocks_mean": self._awaiting[2] / duration_s if duration_s > 0 else 0.0,
             "decode_hit_rate": sum(r.sched.remote_hit_tokens for r in dec) / q if q else 0.0,
             "local_prefill_tokens": cfg.disagg_local_prefill, "local_prefills": self.local_prefills,
             "prefill_busy": float(np.mean([r.st.busy_s for r in reps[:npre]])) / duration_s if duration_s > 0 else 0.0,
