@@ -5,8 +5,8 @@
         --p-num-blocks B --d-num-blocks B --block-size 16 --out DIR/pd.steps.jsonl
 
 Two real vLLM 0.34 `Scheduler`s, each built by drive.py's `build_scheduler` (same tiny weight-less
-model, one full-attention group, sha256 block hashing, async scheduling off) and then rebuilt with a
-`KVTransferConfig` whose connector is `PDConnector`, defined here and loaded by vLLM itself through
+model, one full-attention group unless --layers, sha256 block hashing, async scheduling off) and then
+rebuilt with a `KVTransferConfig` whose connector is `PDConnector`, defined here and loaded by vLLM itself through
 `kv_connector_module_path="pd"` (KVConnectorFactory.get_connector_class). The prefill instance is
 `kv_producer`, the decode instance `kv_consumer`. PDConnector's scheduler half answers as vLLM 0.34's
 NIXL pull connector does (nixl/pull_scheduler.py, nixl/base_scheduler.py; backoff 0 as for an
@@ -35,6 +35,19 @@ The model is faked as in drive.py (sampled tokens = kvbench's TokenStreams), plu
     vLLM then frees the held blocks (_update_from_kv_xfer_finished -> _free_blocks).
 The two instances are advanced conservatively in time order (a decode step at t only after every
 handoff at <= t is known; a prefill step's output at e only once no load can start before e).
+
+Hybrid attention models (--layers MODEL, as drive.py takes it: a hybrid.py preset such as gpt-oss-120b,
+or a JSON layer list; Mamba layers refused): both Schedulers get vLLM's own KV cache groups (hybrid KV
+cache manager on, HybridKVCacheCoordinator, checked against the layer list as drive.py does), and
+PDConnector clips as NIXL's get_exchange_clipped_blocks does with the hybrid manager: every transfer
+group's unhashed block ids, a sliding-window group's only its last cdiv(window, block) + 1 (on the
+prefill side, in remote_block_ids, after remove_skipped_blocks; on the decode side the unhashed ids are
+already the window's). Every clip is checked against vLLM's own NixlPullConnectorScheduler built on the
+same config. A load moves sum over groups of (ids received in the group) x (the group's block bytes:
+its layers' pages, from vLLM's specs); the requests file has them per group ("load_blocks_per_group"),
+with the blocks each side holds ("d_held_blocks_per_group" while the load is in flight,
+"p_held_blocks_per_group" while delay-freed) and the ids the prefill side offered
+("p_remote_blocks_per_group", null ids included). The rules: /work/notes/vllm-pd-hybrid.md.
 
 Output: OUT (decode steps JSONL), OUT-stem.prefill.jsonl (prefill steps), OUT-stem.requests.jsonl,
 OUT-stem.summary.json (also printed). Run from outside the checkout (see drive.py / README).
@@ -83,6 +96,9 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
     """Scheduler-side answers of vLLM 0.34's NixlPullConnectorScheduler (attention-only model)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        from vllm.utils.math_utils import cdiv
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.engine_id = ktc.engine_id
@@ -92,6 +108,32 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         self._reqs_need_send: dict[str, float] = {}
         self._reqs_in_batch: set[str] = set()
         self._reqs_not_processed: set[str] = set()
+        cfg = self._kv_cache_config
+        transfer = cfg.transfer_groups
+        # NIXL (nixl/base_scheduler.py NixlBaseConnectorScheduler.__init__): sliding-window groups are
+        # clipped only when the hybrid manager is on and some transfer group is not full attention;
+        # each keeps its last cdiv(window, group block size) + 1 blocks.
+        self._is_hma_required = (not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+                                 and any(not isinstance(g.kv_cache_spec, FullAttentionSpec) for g in transfer))
+        self.blocks_per_sw = [cdiv(g.kv_cache_spec.sliding_window, g.kv_cache_spec.block_size) + 1
+                              if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0 for g in transfer]
+        if cfg.has_mamba_layers or any(isinstance(g.kv_cache_spec, MambaSpec) for g in cfg.kv_cache_groups):
+            raise NotImplementedError("pd.py: Mamba / linear-attention groups are not driven (NIXL's backoff 1, "
+                                      "state-slot clipping)")
+        # NIXL _prefill_backoff(): 1 with Mamba or DSV4.1 SWA bounded replay, else num_prefill_lookahead - 1.
+        bounded_replay = any(g.kv_cache_spec.prefix_replay_tokens > 0 for g in cfg.kv_cache_groups)
+        self.prefill_backoff = max(1 if bounded_replay else 0, vllm_config.num_prefill_lookahead_tokens - 1)
+        if self.prefill_backoff:
+            raise NotImplementedError(f"pd.py: NIXL's prefill backoff is {self.prefill_backoff}; only 0 is driven")
+        # vLLM's own NIXL scheduler half, built on the same config: every clip below is checked against its
+        # get_exchange_clipped_blocks (it needs no NIXL agent; its handshake listener starts only when
+        # handshake metadata is set, which never happens here).
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+        self._nixl = NixlPullConnectorScheduler(vllm_config, self.engine_id, cfg)
+        assert self._nixl.blocks_per_sw == self.blocks_per_sw, (self._nixl.blocks_per_sw, self.blocks_per_sw)
+        assert self._nixl._is_hma_required == self._is_hma_required
+        assert self._nixl._prefill_backoff() == self.prefill_backoff == 0
+        self.clip_checks = 0
 
     # NIXL: NixlBaseConnector.supports_divergent_local_hybrid_hits -> True
     @property
@@ -103,16 +145,26 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         return self._kv_cache_config.transfer_group_ids
 
     def _clip(self, block_ids):
-        # NIXL get_exchange_clipped_blocks; one full-attention group here: no sliding-window clip.
+        # NIXL NixlBaseConnectorScheduler.get_exchange_clipped_blocks: the transfer groups' lists; with the
+        # hybrid manager, each sliding-window group keeps only its last blocks_per_sw ids (on the prefill
+        # side these may include null block ids, 0: its list starts with the nulls of the blocks that left
+        # the window). Full-attention groups keep every id.
         if len(block_ids) == 0:
             return block_ids
-        return tuple(list(g) for g in self._kv_cache_config.select_transfer_block_ids(block_ids))
+        out = [list(g) for g in self._kv_cache_config.select_transfer_block_ids(block_ids)]
+        if self._is_hma_required:
+            out = [g[-n:] if n else g for g, n in zip(out, self.blocks_per_sw, strict=True)]
+        theirs = self._nixl.get_exchange_clipped_blocks(block_ids)
+        assert [list(g) for g in theirs] == out, (out, theirs)
+        self.clip_checks += 1
+        return tuple(out)
 
     # -- scheduler side ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         params = request.kv_transfer_params
         if params is not None and params.get("do_remote_prefill"):
-            # NIXL: _get_remote_prefill_token_count(len(prompt)) with _prefill_backoff() == 0
+            # NIXL: _get_remote_prefill_token_count(len(prompt)) with _prefill_backoff() == 0 (no Mamba,
+            # no bounded replay, no multi-module MTP): sliding-window groups back nothing off either
             count = len(request.prompt_token_ids or []) - num_computed_tokens
             if count > 0:
                 return count, True
@@ -277,9 +329,17 @@ def build_pd_scheduler(args, role: str, num_blocks: int, max_num_seqs: int, max_
         block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_batched, max_model_len=args.max_model_len, watermark=args.watermark,
         no_reserve_full_isl=args.no_reserve_full_isl, no_prefix_caching=False,
-        cache_aware_admission_window=0, cache_aware_admission_threshold=0.5, layers=None,
+        cache_aware_admission_window=0, cache_aware_admission_threshold=0.5, layers=args.layers,
         kv_cache_dtype=None, hash=args.hash)
-    plain, hasher, vcfg = drive.build_scheduler(ns)  # drive.py's config, KV cache config and hasher
+    if args.layers:
+        import hybrid
+        _, layers, _ = hybrid.load_layers(args.layers)
+        if hybrid.has_mamba(layers):
+            sys.exit(f"{args.layers}: Mamba / linear-attention layers are not driven by pd.py (NIXL backs off "
+                     "one prompt token and moves only the state slot there)")
+    # drive.py's config, KV cache config and hasher; with --layers vLLM's own grouping (hybrid.py), the hybrid
+    # KV cache manager on and the groups checked against the layer list
+    plain, hasher, vcfg = drive.build_scheduler(ns)
     vcfg.kv_transfer_config = KVTransferConfig(
         kv_connector="PDConnector", kv_connector_module_path="pd", kv_role=role,
         engine_id="prefill" if role == "kv_producer" else "decode",
@@ -292,7 +352,25 @@ def build_pd_scheduler(args, role: str, num_blocks: int, max_num_seqs: int, max_
                       include_finished_set=False, log_stats=True)
     assert type(sched.connector).__name__ == "PDConnector", type(sched.connector)
     assert sched.connector.role == KVConnectorRole.SCHEDULER
-    return sched, hasher, vcfg
+    if args.layers:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        cfg = sched.kv_cache_config
+        # The same scheduler, now with the connector: the hybrid manager still on (NIXL subclasses SupportsHMA,
+        # so VllmConfig would not turn it off for the connector: KVConnectorFactory.supports_hma_config), the
+        # same groups, managers and coordinator, and the same block sizes with the connector configured.
+        assert vcfg.scheduler_config.disable_hybrid_kv_cache_manager is False
+        nixl_cfg = KVTransferConfig(kv_connector="NixlConnector", kv_role=role, engine_id="nixl")
+        assert KVConnectorFactory.supports_hma_config(nixl_cfg) and KVConnectorFactory.supports_hma_config(
+            vcfg.kv_transfer_config)
+        assert resolve_kv_cache_block_sizes(cfg, vcfg) == (sched.block_size, sched.hash_block_size)
+        coord = sched.kv_cache_manager.coordinator
+        assert type(coord).__name__ == type(plain.kv_cache_manager.coordinator).__name__ == ns.coordinator
+        got = [type(m).__name__ for m in coord.single_type_managers]
+        assert got == [d["manager"] for d in ns.kv_cache_groups], (got, ns.kv_cache_groups)
+        assert cfg.transfer_group_ids == tuple(range(len(cfg.kv_cache_groups))), cfg.transfer_group_ids
+    return sched, hasher, vcfg, ns
 
 
 def main(argv=None):
@@ -316,8 +394,13 @@ def main(argv=None):
     ap.add_argument("--hash", default="sha256")
     ap.add_argument("--link-bandwidth", type=float, default=25e9, help="bytes/s (default 25e9 = 200 Gb/s)")
     ap.add_argument("--link-latency-ms", type=float, default=1.0)
-    ap.add_argument("--bytes-per-block", type=int, default=2097152,
-                    help="KV bytes of one block (default: Llama-3-8B bf16, block 16)")
+    ap.add_argument("--bytes-per-block", type=int, default=None,
+                    help="KV bytes of one block (default: Llama-3-8B bf16, block 16: 2097152); with --layers "
+                         "each group's own (its layers' page bytes, from vLLM's specs), not settable")
+    ap.add_argument("--layers", default=None,
+                    help="hybrid attention model as drive.py takes it: a preset of hybrid.py (gpt-oss-120b, "
+                         "gemma-3-27b, llama-4-scout, deepseek-v3) or a JSON layer list; vLLM groups the layers "
+                         "itself (hybrid KV cache manager on) on both instances. Mamba layers are refused")
     ap.add_argument("--load-start", choices=["start", "end"], default="start",
                     help="a load starts at the start (default) or end of the decode step that allocated it")
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.1)
@@ -344,12 +427,31 @@ def main(argv=None):
             sys.exit(f"request {r.id}: n={r.n}; only n=1")
     streams = TokenStreams()
 
-    P, hasher, pcfg = build_pd_scheduler(
+    if args.layers and args.bytes_per_block is not None:
+        sys.exit("--bytes-per-block: with --layers a block's bytes are its group's (vLLM's page bytes)")
+    P, hasher, pcfg, p_ns = build_pd_scheduler(
         args, "kv_producer", args.p_num_blocks, args.p_max_num_seqs or args.max_num_seqs,
         args.p_max_num_batched_tokens or args.max_num_batched_tokens, None)
-    D, hasher_d, dcfg = build_pd_scheduler(
+    D, hasher_d, dcfg, d_ns = build_pd_scheduler(
         args, "kv_consumer", args.d_num_blocks, args.d_max_num_seqs or args.max_num_seqs,
         args.d_max_num_batched_tokens or args.max_num_batched_tokens, args.max_num_inflight_kv_loads)
+
+    if args.layers:
+        groups = d_ns.kv_cache_groups
+        assert [(g["kind"], g["window"], g["layers"], g["group_page_bytes"]) for g in groups] == [
+            (g["kind"], g["window"], g["layers"], g["group_page_bytes"]) for g in p_ns.kv_cache_groups]
+        # bytes of one block of a group: its layers' pages (a block id of a group spans all its layers)
+        group_bytes = [g["group_page_bytes"] for g in groups]
+        args.bytes_per_block = group_bytes[0] if len(set(group_bytes)) == 1 else None
+    else:
+        args.bytes_per_block = args.bytes_per_block or 2097152
+        group_bytes = [args.bytes_per_block]
+    transfer_ids = D.kv_cache_config.transfer_group_ids
+    assert transfer_ids == P.kv_cache_config.transfer_group_ids
+
+    def real_blocks(S, rid):
+        """Blocks (not the null block) the request holds in S's pool, per KV cache group."""
+        return [sum(1 for b in g if not b.is_null) for g in S.kv_cache_manager.coordinator.get_blocks(rid)]
 
     prefill_ns = round(args.prefill_ms_per_token * 1e6)
     decode_ns = round(args.decode_step_ms * 1e6)
@@ -487,8 +589,10 @@ def main(argv=None):
                 P.add_request(vr)
                 per[r.id] = {"id": r.id, "t": r.t, "prompt": len(prompt), "output_len": r.output_len,
                              "p_admit_step": None, "p_cached": None, "prefill_finish": None,
-                             "p_blocks_held": None, "p_freed_step": None, "p_freed_clock": None,
-                             "load_blocks": None, "load_bytes": None, "load_start": None,
+                             "p_blocks_held": None, "p_remote_blocks_per_group": None,
+                             "p_held_blocks_per_group": None, "p_freed_step": None, "p_freed_clock": None,
+                             "load_blocks": None, "load_bytes": None, "load_blocks_per_group": None,
+                             "d_held_blocks_per_group": None, "load_start": None,
                              "load_end": None, "load_reported": None, "load_reported_step": None,
                              "d_local_hit": None, "d_enter_step": None, "d_first_compute_step": None,
                              "first_token": None, "finish": None, "d_preemptions": 0, "p_preemptions": 0}
@@ -529,7 +633,12 @@ def main(argv=None):
                         sends_open.add(o.request_id)
                         pr = per[o.request_id]
                         pr["prefill_finish"] = sec(e)
-                        pr["p_blocks_held"] = sum(len(g) for g in o.kv_transfer_params["remote_block_ids"])
+                        rb = o.kv_transfer_params["remote_block_ids"]
+                        pr["p_blocks_held"] = sum(len(g) for g in rb)
+                        # the clipped ids P offers, per transfer group (null ids included), and the blocks
+                        # it really holds (delay-freed) until finished_sending, per group
+                        pr["p_remote_blocks_per_group"] = [len(g) for g in rb]
+                        pr["p_held_blocks_per_group"] = real_blocks(P, o.request_id)
             rec.update({"end": sec(e), "finished": finished, "freed": fin_send,
                         "free_blocks_after": P.kv_cache_manager.block_pool.get_num_free_blocks()})
             fp.write(json.dumps(rec, separators=(",", ":")) + "\n")
@@ -561,12 +670,15 @@ def main(argv=None):
             meta = out.kv_connector_metadata
             started, waiting_kv = [], []
             for rid, (blocks, n_ext, local_blocks, awaiting) in meta.reqs_to_recv.items():
-                nblocks = sum(len(g) for g in blocks)
-                nbytes = nblocks * args.bytes_per_block
+                # the block ids the connector was handed (unhashed, clipped), per transfer group
+                per_group = [len(g) for g in blocks] if len(blocks) else [0] * len(transfer_ids)
+                nblocks = sum(per_group)
+                nbytes = sum(n * group_bytes[g] for n, g in zip(per_group, transfer_ids, strict=True))
                 ts = d_clock if args.load_start == "start" else e
                 link.add(rid, ts, nbytes)
                 pr = per[rid]
-                pr.update({"load_blocks": nblocks, "load_bytes": nbytes, "load_start": sec(ts),
+                pr.update({"load_blocks": nblocks, "load_bytes": nbytes, "load_blocks_per_group": per_group,
+                           "d_held_blocks_per_group": real_blocks(D, rid), "load_start": sec(ts),
                            "d_enter_step": d_step})
                 vr = D.requests[rid]
                 if awaiting:
@@ -627,7 +739,14 @@ def main(argv=None):
         stalled = {"reason": "no event", "p_requests": len(P.requests), "d_requests": len(D.requests),
                    "p_waiting": len(P.waiting), "d_waiting": len(D.waiting) + len(D.kv_holding_waiting),
                    "sends_open": len(sends_open), "recvs_open": len(recvs_open),
-                   "d_next": dn, "p_next": p_next_time()}
+                   "d_next": dn, "p_next": p_next_time(),
+                   "p_free_blocks": P.kv_cache_manager.block_pool.get_num_free_blocks(),
+                   "d_free_blocks": D.kv_cache_manager.block_pool.get_num_free_blocks(),
+                   # the decode side's queues, head first: id, status, computed tokens, tokens, blocks per group
+                   "d_queues": {name: [[r.request_id, r.status.name, r.num_computed_tokens, r.num_tokens,
+                                        real_blocks(D, r.request_id)] for r in list(q)[:8]]
+                                for name, q in (("kv_holding_waiting", D.kv_holding_waiting),
+                                                ("waiting", D.waiting), ("running", D.running))}}
         break
     fd.close()
     fp.close()
@@ -656,6 +775,8 @@ def main(argv=None):
         "decode_local_hit_tokens": sum(p["d_local_hit"] or 0 for p in per.values()),
         "prefill_hit_tokens": sum(p["p_cached"] or 0 for p in per.values()),
         "load_bytes": sum(p["load_bytes"] or 0 for p in per.values()),
+        "load_blocks_per_group": [sum((p["load_blocks_per_group"] or [0] * len(transfer_ids))[k] for p in per.values())
+                                  for k in range(len(transfer_ids))],
         "peak_loads_in_flight": peak_inflight, "link_peak_active": link.max_active,
         "ttft_s": {"p50": q(ttft, 0.5), "p90": q(ttft, 0.9), "max": ttft[-1] if ttft else None},
         "load_s": {"p50": q(load_s, 0.5), "p90": q(load_s, 0.9), "max": load_s[-1] if load_s else None},
@@ -674,7 +795,21 @@ def main(argv=None):
                    "bytes_per_block": args.bytes_per_block, "load_start": args.load_start,
                    "prefill_ms_per_token": args.prefill_ms_per_token, "decode_step_ms": args.decode_step_ms,
                    "connector": "pd.PDConnector (NIXL pull scheduler rules, backoff 0)",
-                   "kv_load_failure_policy": dcfg.kv_transfer_config.kv_load_failure_policy},
+                   "kv_load_failure_policy": dcfg.kv_transfer_config.kv_load_failure_policy,
+                   **({"layers": args.layers, "bytes_per_block_per_group": group_bytes} if args.layers else {})},
+        "hybrid": None if not args.layers else {
+            "layers": args.layers, "model": d_ns.layers_name, "num_layers": d_ns.num_layers,
+            "coordinator": d_ns.coordinator,
+            "disable_hybrid_kv_cache_manager": dcfg.scheduler_config.disable_hybrid_kv_cache_manager,
+            "kv_cache_layout": dcfg.cache_config.kv_cache_layout,
+            "prefix_cache_retention_interval": d_ns.prefix_cache_retention_interval,
+            "scheduler_block_size": D.block_size, "hash_block_size": D.hash_block_size,
+            "kv_cache_groups": d_ns.kv_cache_groups,
+            "p_max_admission_blocks_per_request": [g["max_admission_blocks_per_request"] for g in p_ns.kv_cache_groups],
+            "transfer_group_ids": list(transfer_ids),
+            "nixl": {"is_hma_required": D.connector._is_hma_required, "blocks_per_sw": D.connector.blocks_per_sw,
+                     "prefill_backoff": D.connector.prefill_backoff,
+                     "clips_checked_against_vllm_nixl": P.connector.clip_checks + D.connector.clip_checks}},
         "decode_steps_file": os.path.abspath(args.out), "prefill_steps_file": os.path.abspath(stem + ".prefill.jsonl"),
         "requests_file": os.path.abspath(req_out), "wall_s": round(time.time() - t0, 1),
     }
