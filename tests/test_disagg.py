@@ -230,7 +230,7 @@ def test_the_lane_changes_nothing(tmp_path, monkeypatch):
     (dict(link_gbps=-1.0), "--link-gbps"),
     (dict(decode_gpu="zz"), "--decode-gpu"),
     (dict(decode_kv_mem="1KiB"), "--decode-kv-mem"),
-    (dict(model="gpt-oss-120b"), "--disagg"),
+    (dict(model="granite-4.0-h-tiny"), "--disagg"),  # (a recurrent state per sequence)
 ])
 def test_what_is_not_modelled_is_refused(tmp_path, kw, field):
     with pytest.raises(InputError) as e:
@@ -264,14 +264,16 @@ def test_the_cli_runs_it_and_refuses_in_one_line(tmp_path):
     assert rep.returncode == 0 and "left out" not in rep.stderr, rep.stderr  # (the summary's disagg object)
 
 
-def test_blocks_being_loaded_are_not_hit_until_they_arrive(tmp_path):
+@pytest.mark.parametrize("model", ["llama-3-8b", "gpt-oss-120b"])  # (one table; a full and a sliding group)
+def test_blocks_being_loaded_are_not_hit_until_they_arrive(tmp_path, model):
     """vLLM caches a load's blocks only once they arrive (allocate_slots' delay_cache_blocks): a second
     request with the same prompt that reaches the decode instance while the first one's KV is still on
-    the wire hits nothing there and loads it all; a third, after, hits the first one's blocks."""
+    the wire hits nothing there and loads it all; a third, after, hits the first one's blocks (a sliding
+    group's too: the window before the prompt's end is cached when the load lands)."""
     sys_seg = Segment("shared", 320, "doc")
     reqs = [Request(id=f"q{i}", t=t, prompt=(sys_seg, Segment("unique", 8)), output_len=4, index=i, line=i + 1,
                     prompt_len=328) for i, t in enumerate((0.0, 0.001, 30.0))]
-    c = cfg(link_gbps=0.1, disagg="2:1", router="round-robin")
+    c = cfg(link_gbps=0.1, disagg="2:1", router="round-robin", model=model)
     rp, s = run("<same-prompt>", c, tmp_path / "r", requests=reqs, events=True)
     t = pd.read_parquet(tmp_path / "r" / "transfers.parquet").set_index("id")
     assert t.loc["q0", "decode_cached_tokens"] == 0 and t.loc["q1", "decode_cached_tokens"] == 0
@@ -325,3 +327,43 @@ def test_conditional_disaggregation_prefills_short_uncached_prompts_on_the_decod
         assert s["disagg"]["transfer_bytes"] == 0 and rp.replicas[0].st.busy_s == 0
     np.testing.assert_allclose(t[["prefill_wait_ms", "prefill_ms", "hop_ms", "admit_ms", "transfer_ms",
                                   "first_step_ms"]].sum(axis=1), t["ttft_ms"], rtol=1e-9, atol=1e-6)
+
+
+def test_a_hybrid_models_transfer_moves_each_groups_blocks(tmp_path):
+    """gpt-oss (sliding window 128 + full attention, one group each): the decode side allocates, and the
+    link moves, every full-attention block it lacks but only the window's last blocks of the sliding group
+    (vLLM: allocate_external_computed_blocks; NIXL get_exchange_clipped_blocks). A later prompt extending
+    the first hits it on the decode side: the loaded blocks were cached in both groups when they landed."""
+    reqs = [Request(id="a", t=0.0, prompt=(Segment("shared", 3000, "doc"),), output_len=16, index=0, line=1,
+                    prompt_len=3000),
+            Request(id="b", t=50.0, prompt=(Segment("shared", 3000, "doc"), Segment("unique", 500)), output_len=8,
+                    index=1, line=2, prompt_len=3500)]
+    rp, s = run("<gpt-oss>", cfg(model="gpt-oss-120b", gpu="h200"), tmp_path / "r", requests=reqs)
+    kinds = [g.kind for g in rp.kv_layout.groups]
+    assert sorted(kinds) == ["full", "sliding"]
+    per_block = dict(zip(kinds, rp.decode_group_bytes))
+    t = pd.read_parquet(tmp_path / "r" / "transfers.parquet").set_index("id")
+    # a: 188 full blocks; the window (128 tokens) ending at token 2,999 spans 9 blocks
+    assert t.loc["a", "blocks"] == 188 + 9
+    assert t.loc["a", "bytes"] == 188 * per_block["full"] + 9 * per_block["sliding"]
+    # b: its first 2,992 tokens hit on the decode side; 219 - 187 full blocks and the window's 9 move
+    assert t.loc["b", "decode_cached_tokens"] == 2992 and t.loc["b", "blocks"] == 32 + 9
+    # the prefill side holds, once a request finished, its full blocks and its window's (b: 219 + 9)
+    assert s["disagg"]["prefill_held_blocks_peak"] == 219 + 9
+
+
+def test_each_group_moves_its_own_layers_bytes(tmp_path):
+    """Gemma 3 27B: its 52 sliding layers are split into groups of unequal sizes beside the full ones, and
+    a transfer moves each group's blocks times that group's layers -- so the bytes are the full layers'
+    blocks and the sliding layers' window blocks, whatever the grouping."""
+    reqs = [Request(id="a", t=0.0, prompt=(Segment("unique", 3000),), output_len=4, index=0, line=1, prompt_len=3000)]
+    rp, _ = run("<gemma>", cfg(model="gemma-3-27b", gpu="h200"), tmp_path / "r", requests=reqs)
+    groups = rp.kv_layout.groups
+    assert len({len(g.layers) for g in groups}) > 1  # (unequal groups: the case this test is for)
+    page = rp.decode_group_bytes[0] // len(groups[0].layers)
+    full = sum(len(g.layers) for g in groups if g.kind == "full")
+    sliding = sum(len(g.layers) for g in groups if g.kind == "sliding")
+    window = {g.window for g in groups if g.kind == "sliding"}.pop()
+    window_blocks = -(-3000 // BS) - max(0, 3000 - window + 1) // BS
+    t = pd.read_parquet(tmp_path / "r" / "transfers.parquet").set_index("id")
+    assert t.loc["a", "bytes"] == (188 * full + window_blocks * sliding) * page

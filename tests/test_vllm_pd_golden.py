@@ -37,7 +37,8 @@ def test_same_steps_loads_and_frees_as_vllm_0_34(path, tmp_path):
     clock = tmp_path / "linear.json"
     clock.write_text(json.dumps({"kind": "linear", "prefill_ms_per_token": c["prefill_ms_per_token"],
                                  "decode_step_ms": c["decode_step_ms"], "overhead_ms": 0}))
-    cfg = ReplayConfig(executor="sim", model="llama-3-8b", calibration=str(clock), front_end=False,
+    model = c.get("layers") or "llama-3-8b"  # (a hybrid golden names the preset whose layers it built)
+    cfg = ReplayConfig(executor="sim", model=model, calibration=str(clock), front_end=False,
                        num_blocks=blocks["prefill"], block_size=c["block_size"], max_num_seqs=c["p_max_num_seqs"],
                        max_batched_tokens=c["p_max_num_batched_tokens"], max_model_len=131072,
                        decode_num_blocks=blocks["decode"], decode_max_num_seqs=c["d_max_num_seqs"],
@@ -45,8 +46,21 @@ def test_same_steps_loads_and_frees_as_vllm_0_34(path, tmp_path):
                        disagg="1:1", link_gbps=c["link_bandwidth_bytes_per_s"] * 8 / 1e9,
                        link_latency_us=c["link_latency_ms"] * 1e3)
     rp = DisaggReplay(str(golden_trace(golden["trace_spec"], tmp_path / "trace.jsonl")), cfg, str(tmp_path / "run"))
-    assert rp._block_bytes == rp.decode_block_bytes == c["bytes_per_block"]
+    kinds = [g.kind for g in rp.kv_layout.groups]
+    if "hybrid" in golden:  # the same KV cache groups, in vLLM's order
+        assert kinds == [g["kind"] for g in golden["hybrid"]["kv_cache_groups"]]
+    assert rp.decode_group_bytes == c.get("bytes_per_block_per_group", [c["bytes_per_block"]])
+    assert rp._block_bytes == c["bytes_per_block"]
     rp.step_log, rp.events = [], []
+    legs, held = {}, {}
+    finished = rp._done
+
+    def done(rs, rep, writer, st):  # each leg's blocks per group, before the engine forgets it
+        leg = rp.legs.get(rs)
+        if leg is not None:
+            legs[rs.req.id], held[rs.req.id] = leg.group_blocks, leg.held
+        finished(rs, rep, writer, st)
+    rp._done = done
     summary = rp.run()
     for side, inst in (("prefill", 0), ("decode", 1)):
         ours = [step_digest([(rid, n) for rid, _, n in sched], pre) for i, sched, pre in rp.step_log if i == inst]
@@ -64,6 +78,9 @@ def test_same_steps_loads_and_frees_as_vllm_0_34(path, tmp_path):
     assert summary["completed"] == len(golden["requests"])
     for rid, (start, end, nblocks, nbytes, d_hit, p_hit, first, finish) in golden["requests"].items():
         assert (t.loc[rid, "blocks"], t.loc[rid, "bytes"]) == (nblocks, nbytes), rid
+        if "load_blocks_per_group" in golden:  # (each group's blocks: a sliding window's only its window)
+            assert legs[rid] == golden["load_blocks_per_group"][rid], rid
+            assert held[rid] == sum(golden["p_held_blocks_per_group"][rid]), rid
         assert (t.loc[rid, "decode_cached_tokens"], t.loc[rid, "prefill_cached_tokens"]) == (d_hit, p_hit), rid
         for ours, theirs in ((load[rid], start), (landed[rid], end), (r.loc[rid, "first_token_s"], first),
                              (r.loc[rid, "finish_s"], finish)):

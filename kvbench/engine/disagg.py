@@ -81,10 +81,8 @@ class Leg:
     decode_cached: int = 0
     seq: Sequence | None = None
 
-    def blocks_held(self, bs: int) -> int:
-        """The blocks its prefill leg holds once finished: its prompt's (the dropped token's KV is never
-        written)."""
-        return -(-self.prompt_len // bs)
+    held: int = 0  # blocks its finished prefill leg holds for the decode side's read (every group's)
+    group_blocks: list[int] | None = None  # the blocks it moves, per KV cache group
 
 
 class DisaggReplay(Replay):
@@ -96,9 +94,9 @@ class DisaggReplay(Replay):
         self.decode_cfg = cfg.validate().decode_config()
         self.npre = cfg.prefill_instances
         super().__init__(trace_path, cfg, *args, **kw)
-        if self.kv_layout.is_hybrid or self.kv_layout.has_state:
-            raise InputError(f"{self.model.name} keeps KV in several KV cache groups: a KV transfer per group is not "
-                             "modelled with disaggregated serving yet", field="--disagg")
+        if self.kv_layout.has_state:
+            raise InputError(f"{self.model.name} keeps a recurrent state per sequence (Mamba, linear attention): its "
+                             "transfer is not modelled with disaggregated serving yet", field="--disagg")
         self._check_decode_fits()
         # set to [] to record (time, event, request id, instance, tokens) for every load start and end,
         # free, and decode-side step that computes a request, its tokens (tests check their order)
@@ -127,7 +125,10 @@ class DisaggReplay(Replay):
             rep = super()._replica(i, executor)
         finally:
             self.cfg, self.num_blocks, self.physical_blocks, self.kv_layout = saved
-        self.decode_blocks, self.decode_block_bytes = blocks, layout.bytes_per_block * dcfg.tp
+        self.decode_blocks = blocks
+        # bytes a block of each KV cache group moves, over every GPU (MLA: every decode GPU reads a whole copy)
+        self.decode_group_bytes = ([g.spec.page_bytes(layout.block_size) * len(g.layers) * dcfg.tp for g in layout.groups]
+                                   if layout.is_hybrid else [layout.bytes_per_block * dcfg.tp])
         return rep
 
     def _store_access(self, index: int) -> tuple[bool, bool]:
@@ -283,7 +284,11 @@ class DisaggReplay(Replay):
                         back = front_d if front_d and leg.decode < 0 else None  # (a decode instance waits for it)
                         heapq.heappush(to_decode, (back.admit(rep.clock, leg.prompt_len) if back else rep.clock,
                                                    order, leg))
-                        self._hold(self._held_blocks, leg.blocks_held(cfg.block_size), rep.clock)
+                        # its prompt's blocks (the dropped token's KV is never written); a window's
+                        # dropped ones are free already (the lane keeps a plain table its own way)
+                        end = -(-leg.prompt_len // cfg.block_size)
+                        leg.held = sum(rep.kv.group_blocks(sched.held[rs], 0, end)) if self.kv_layout.is_hybrid else end
+                        self._hold(self._held_blocks, leg.held, rep.clock)
                         continue
                     self._done(rs, rep, writer, st)
                 tick(prog, step, st, rep.clock - t0_s, on_progress)
@@ -353,8 +358,11 @@ class DisaggReplay(Replay):
         leg = self.legs[s.rs]
         bs = self.cfg.block_size
         leg.load_start_s, leg.decode_cached = rep.clock, cached
-        leg.blocks = -(-leg.prompt_len // bs) - cached // bs
-        leg.nbytes = leg.blocks * self.decode_block_bytes  # (MLA: every decode GPU reads a whole copy)
+        # the blocks allocated for what it lacks, group by group (a window's dropped positions hold none)
+        first, end = cached // bs, -(-leg.prompt_len // bs)
+        leg.group_blocks = rep.kv.group_blocks(s, first, end) if self.kv_layout.is_hybrid else [end - first]
+        leg.blocks = sum(leg.group_blocks)
+        leg.nbytes = sum(n * b for n, b in zip(leg.group_blocks, self.decode_group_bytes))
         tid = id(leg)
         self._loading[tid] = leg
         self.links.start(rep.clock, tid, leg.nbytes, leg.prefill, rep.index)
@@ -370,7 +378,7 @@ class DisaggReplay(Replay):
             drep.clock = max(drep.clock, t)
         assert leg.seq is not None
         drep.sched.loaded(leg.seq)
-        self._hold(self._held_blocks, -leg.blocks_held(self.cfg.block_size), t)
+        self._hold(self._held_blocks, -leg.held, t)
         self._hold(self._awaiting, -leg.blocks, t)
         prep.sched.release(leg.pre)
         if self.events is not None:

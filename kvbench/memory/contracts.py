@@ -147,6 +147,16 @@ class KVManager(Protocol):
         token is computed again (vLLM _update_waiting_for_remote_kv), so ``num_kv`` is one less."""
         ...
 
+    def trim(self, s: SeqKV) -> None:
+        """Free the blocks no group attends to any more after ``s``'s computed tokens (a finished
+        request whose blocks a KV connector holds: vLLM _connector_finished's remove_skipped_blocks)."""
+        ...
+
+    def group_blocks(self, s: SeqKV, start: int, end: int) -> list[int]:
+        """Per KV cache group, the blocks ``s`` holds at positions [start, end) (a window's dropped
+        positions hold none): what a KV connector reads or writes for those blocks."""
+        ...
+
     def commit(self, s: SeqKV, n: int) -> None: ...
 
     def commit_all(self, seqs: Sequence[SeqKV], nums: Sequence[int]) -> None: ...

@@ -423,8 +423,8 @@ class HybridKV(StateGroups):
                 return True
         hit = hits if isinstance(hits, HybridHit) else None
         hit_blocks = hit.blocks if hit is not None and hit.tokens else [[] for _ in self.groups]
-        if load:
-            raise ValueError("an async KV load is not modelled over KV cache groups")
+        if load and self._states:
+            raise ValueError("an async KV load is not modelled for a recurrent state's groups")
         if external and (s.num_kv or any(st.tables)):
             raise ValueError("external tokens are taken by an empty table only")
         if external and self._states:  # (vLLM allocates the loaded state's block too: not modelled)
@@ -484,7 +484,7 @@ class HybridKV(StateGroups):
                 p.alloc_into(table, more)
         if external:  # their KV is in place before the forward
             self.commit(s, external)
-        if self.prefix_cache and s.tokens is not None:
+        if self.prefix_cache and s.tokens is not None and not load:  # (an async load: cached once it lands)
             for g in range(len(self.groups)):
                 self._cache(s, st, g, end)
         return True
@@ -568,7 +568,29 @@ class HybridKV(StateGroups):
         p.tokens_live += live
 
     def loaded(self, s: SeqKV) -> None:
-        raise ValueError("an async KV load is not modelled over KV cache groups")
+        """An async load has landed: every group caches the loaded blocks as allocate_slots would
+        have (vLLM _update_waiting_for_remote_kv: cache_blocks per group), and the prompt's last
+        token is computed again, in every group that holds its position."""
+        st = self._state(s)
+        if self.prefix_cache and s.tokens is not None:
+            for g in range(len(self.groups)):
+                self._cache(s, st, g, s.num_kv)
+        s.num_kv -= 1
+        j = s.num_kv // self.block_size
+        for table in st.tables:
+            if j < len(table) and table[j] != NULL:
+                self.pool.add_fill(table[j], -1)
+
+    def trim(self, s: SeqKV) -> None:
+        """The windows' blocks left behind by the last computed token are freed (vLLM: the connector's
+        _connector_finished calls remove_skipped_blocks before it holds the rest)."""
+        self._drop_skipped(self._state(s), s.num_kv)
+
+    def group_blocks(self, s: SeqKV, start: int, end: int) -> list[int]:
+        st = s.groups
+        if st is None:
+            return [0] * len(self.groups)
+        return [sum(1 for b in table[start:end] if b != NULL) for table in st.tables]
 
     def free(self, s: SeqKV) -> None:
         """Drop the sequence's references group by group, each tail first (vLLM free)."""

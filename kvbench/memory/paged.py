@@ -371,6 +371,12 @@ class PagedKV:
         s.num_kv -= 1
         self.pool.add_fill(s.table[s.num_kv // self.block_size], -1)
 
+    def trim(self, s: SeqKV) -> None:
+        """(One full-attention table: every block stays attended.)"""
+
+    def group_blocks(self, s: SeqKV, start: int, end: int) -> list[int]:
+        return [max(0, min(end, len(s.table)) - start)]
+
     def commit(self, s: SeqKV, n: int) -> None:
         """The step wrote KV for the next ``n`` tokens of the sequence (its blocks were registered
         when allocated)."""

@@ -145,6 +145,12 @@ class SlabKV:
     def loaded(self, s: SeqKV) -> None:
         raise ValueError("a slab takes no KV computed elsewhere")
 
+    def trim(self, s: SeqKV) -> None:
+        """(A slab frees nothing before the sequence ends.)"""
+
+    def group_blocks(self, s: SeqKV, start: int, end: int) -> list[int]:
+        raise ValueError("a slab has no blocks a KV connector moves")
+
     def free(self, s: SeqKV) -> None:
         if s.base >= 0:
             n = len(s.table)

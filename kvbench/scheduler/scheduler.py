@@ -519,6 +519,7 @@ class Scheduler:
                 rs.samples = []
             rs.samples.append((s.seq_id, s.out_tokens))
         if rs.hold:  # a prefill leg: its blocks wait for the decode side's read (release)
+            self.kv.trim(s)
             self.held[rs] = s
         else:
             self.kv.free(s)
