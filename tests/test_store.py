@@ -200,3 +200,19 @@ def test_the_router_matters_with_prefill_instances_and_the_store_settings_with_a
     assert {"store_bw", "store_delay", "store_decode"} <= not_applicable(ReplayConfig(store_bw=7.0).to_dict())
     assert "store_bw" not in not_applicable(ReplayConfig(store_kv_mem="1TiB", store_bw=7.0).to_dict())
     assert "store_decode" in not_applicable(ReplayConfig(store_kv_mem="1TiB").to_dict())  # (no decode instances)
+
+
+def test_the_ideal_is_one_caches_whatever_the_instances_and_a_store_stays_under_it(tmp_path):
+    """The ideal hit rate is one unbounded cache's over the trace: the same for one replica, four, or P:D
+    instances -- whose API servers let a short prompt reach the engine before a long one issued first --
+    and a shared store, which every instance reaches, never passes it."""
+    from kvbench.engine.runs import replay
+
+    trace = str(REPO / "traces" / "mooncake_slice.jsonl")
+    base = dict(executor="sim", model="llama-3-8b", gpu="h200", kv_mem="24GiB", max_model_len=131072)
+    one = replay(trace, ReplayConfig(**base), str(tmp_path / "one"))
+    four = replay(trace, ReplayConfig(**base, replicas=4, router="round-robin", store_kv_mem="1TiB"),
+                  str(tmp_path / "four"))
+    pd31 = replay(trace, ReplayConfig(**base, disagg="3:1", router="least-loaded"), str(tmp_path / "pd"))
+    assert four["ideal_hit_rate"] == pd31["ideal_hit_rate"] == one["ideal_hit_rate"] > 0
+    assert one["prefix_hit_rate"] < four["prefix_hit_rate"] <= four["ideal_hit_rate"]

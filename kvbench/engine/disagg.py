@@ -163,6 +163,11 @@ class DisaggReplay(Replay):
             field = "--decode-" + field[2:]
         return InputError(f"on a decode instance: {e.reason}", file=e.file, line=e.line, field=field)
 
+    def _front_servers(self) -> int:
+        """The front ends a request passes first: the prefill instances' (the decode instances' with
+        --disagg-local-prefill, which decide where it is prefilled)."""
+        return self.cfg.decode_instances if self.cfg.disagg_local_prefill else self.cfg.prefill_instances
+
     def _instances(self) -> int:
         return self.cfg.prefill_instances + self.cfg.decode_instances
 

@@ -252,6 +252,10 @@ class Replay:
                           needs_tokens=executor.needs_tokens, streams=self.streams, evictor=evictor)
         return Replica(i, kv, executor, evictor, sched, Totals())
 
+    def _front_servers(self) -> int:
+        """API servers requests pass before the engine sees them (one per replica)."""
+        return self._instances()
+
     def _store_access(self, index: int) -> tuple[bool, bool]:
         """Whether instance ``index`` reads the shared store, and whether it writes to it."""
         return True, True
@@ -422,9 +426,11 @@ class Replay:
         if kv.prefix_cache and belady:
             future = next_uses([self._request(p) for p in range(planned)], bs, self.streams)
         # The ideal hit rate counts the requests issued in trace order; arrival order is the same unless
-        # the trace is unsorted, or dependent turns wait for answers, and then it gets a pass of its own
+        # the trace is unsorted, dependent turns wait for answers, or several front ends pass requests
+        # to the engine at their own pace, and then it gets a pass of its own
         # (before the run, or after it when a limit decides which requests are issued).
-        in_order = not cfg.dependent_turns and trace.sorted
+        # (several API servers in front -- one per replica -- let a short prompt overtake a long one)
+        in_order = not cfg.dependent_turns and trace.sorted and self._front_servers() == 1
         self._keys_of = PrefixKeys(bs, self.streams)
         self._keys_of.once = trace.names.once  # shared streams one request uses (PrefixKeys.count_once)
         # Radix runs use a token-granular ideal (spec §4): a radix tree can hit inside a block; it
