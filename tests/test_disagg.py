@@ -177,13 +177,20 @@ def traces(draw):
     return reqs
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(reqs=traces(), blocks=st.integers(12, 60), p=st.integers(1, 2), d=st.integers(1, 2),
-       gbps=st.sampled_from([0.5, 5.0, 400.0]), local=st.sampled_from([0, 0, 40]))
-def test_random_traces_keep_every_invariant(tmp_path_factory, reqs, blocks, p, d, gbps, local):
+       gbps=st.sampled_from([0.5, 5.0, 400.0]), local=st.sampled_from([0, 0, 40]),
+       router=st.sampled_from(["round-robin", "kv-aware", "conductor"]),
+       model=st.sampled_from(["llama-3-8b", "llama-3-8b", "gpt-oss-120b"]), store=st.sampled_from([None, "16MiB"]))
+def test_random_traces_keep_every_invariant(tmp_path_factory, reqs, blocks, p, d, gbps, local, router, model,
+                                            store):
+    """Over random traces, pools, instances, links, routers, a full-attention or a sliding-window model
+    and a shared store (full attention only): no decode step before a request's KV landed, no prefill
+    block freed before, TTFT the sum of its parts, nothing held or leaked at the end."""
     out = tmp_path_factory.mktemp("r")
     c = cfg(num_blocks=blocks, disagg=f"{p}:{d}", link_gbps=gbps, max_num_seqs=4, disagg_local_prefill=local,
-            max_batched_tokens=64, max_model_len=256)
+            max_batched_tokens=64, max_model_len=256, router=router, model=model,
+            store_kv_mem=store if model == "llama-3-8b" else None)
     rp, s = run("<random>", c, out / "r", requests=reqs, events=True)
     assert s["completed"] == len(reqs)
     assert len(pd.read_parquet(out / "r" / "transfers.parquet")) + s["disagg"]["local_prefills"] == len(reqs)
