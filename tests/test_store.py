@@ -49,6 +49,8 @@ def test_a_stored_block_is_found_only_from_its_steps_end_plus_the_delay():
     chain.clock = 5.0
     assert len(chain.match([11, 12], 0, 2, ROOT_KEY, BS)) == 2
     assert store.prefix([11, 12], ROOT_KEY, 5.0) == 2 and store.prefix([12], ROOT_KEY, 5.0) == 0  # (its chain)
+    # once every write is due, lookups take the plain path again (no per-slot check left pending)
+    assert store.hidden(4.999) and not store.hidden(5.0)
 
 
 def test_an_instance_that_only_writes_never_finds_the_store():
@@ -200,6 +202,8 @@ def test_the_router_matters_with_prefill_instances_and_the_store_settings_with_a
     assert {"store_bw", "store_delay", "store_decode"} <= not_applicable(ReplayConfig(store_bw=7.0).to_dict())
     assert "store_bw" not in not_applicable(ReplayConfig(store_kv_mem="1TiB", store_bw=7.0).to_dict())
     assert "store_decode" in not_applicable(ReplayConfig(store_kv_mem="1TiB").to_dict())  # (no decode instances)
+    assert "offload" in not_applicable(ReplayConfig(store_kv_mem="1TiB").to_dict())  # (a store is written through)
+    assert "offload" not in not_applicable(ReplayConfig(store_kv_mem="1TiB", cpu_kv_mem="1TiB").to_dict())
 
 
 def test_the_ideal_is_one_caches_whatever_the_instances_and_a_store_stays_under_it(tmp_path):
@@ -216,3 +220,62 @@ def test_the_ideal_is_one_caches_whatever_the_instances_and_a_store_stays_under_
     pd31 = replay(trace, ReplayConfig(**base, disagg="3:1", router="least-loaded"), str(tmp_path / "pd"))
     assert four["ideal_hit_rate"] == pd31["ideal_hit_rate"] == one["ideal_hit_rate"] > 0
     assert one["prefix_hit_rate"] < four["prefix_hit_rate"] <= four["ideal_hit_rate"]
+
+
+def test_a_decode_instance_loads_its_prompt_over_the_link_not_from_the_store(tmp_path):
+    """r1 repeats r0's document while r0 still decodes on the first decode instance, so it goes to the
+    second, whose pool never held it: it loads it all over the link -- the store, where the prefill
+    instance wrote it, is not a decode instance's to read (NIXL pulls from the prefill instance)."""
+    reqs = [req(0, 0.0, [("doc", 1600)], out=400), req(1, 1.0, [("doc", 1600)], out=4)]
+    _, t = _pd(tmp_path, "r", reqs, disagg="1:2", store_kv_mem="1GiB")
+    assert t.loc["r0", "decode"] != t.loc["r1", "decode"]
+    assert t.loc["r1", "prefill_cached_tokens"] == 1584 and t.loc["r1", "decode_cached_tokens"] == 0
+    assert t.loc["r1", "blocks"] == 100
+
+
+def test_a_store_needs_the_sim_and_one_table(tmp_path):
+    """The model executor's tiers are its own memory, and a hybrid model keeps several tables: a shared
+    store is refused there, naming --store-kv-mem; so is the conductor without the sim's cost model."""
+    with pytest.raises(InputError) as e:
+        ReplayConfig(executor="model", model="tiny", store_kv_mem="64MiB").validate()
+    assert e.value.field == "--store-kv-mem"
+    with pytest.raises(InputError) as e:
+        ReplayConfig(executor="model", model="tiny", replicas=2, router="conductor").validate()
+    assert e.value.field == "--router"
+    with pytest.raises(InputError) as e:
+        Replay("<t>", ReplayConfig(executor="sim", model="gpt-oss-120b", store_kv_mem="1GiB"), str(tmp_path / "h"),
+               requests=two_turns())
+    assert e.value.field == "--store-kv-mem"
+
+
+def test_write_back_tiers_and_a_store_together(tmp_path):
+    """A CPU tier written back and a store written through, behind two replicas: the same document is
+    found by the second replica in the store, and the hit rates by tier add up to the total."""
+    reqs = [req(0, 0.0, [("doc", 160)]), req(1, 10.0, [("doc", 160)])]
+    s, rows = _mixed(tmp_path, "wb", reqs, cpu_kv_mem="1GiB", offload="write-back", store_kv_mem="1GiB")
+    assert rows.loc["r1", "cached_tokens"] == 144 and s["hit_rate_store"] == pytest.approx(144 / 320)
+    assert s["hit_rate_disk"] is None
+    assert s["hit_rate_gpu"] + s["hit_rate_cpu"] + s["hit_rate_store"] == pytest.approx(s["prefix_hit_rate"])
+
+
+def test_the_reports_tiers_chart_stacks_the_stores_hits(tmp_path):
+    """A sweep over store sizes on two replicas: the report's tiers chart is drawn, each run's store share
+    stacked on the GPU pool's."""
+    from kvbench.cli.replay import REPLAY_OPTIONS
+    from kvbench.report.charts import tiers as tiers_chart
+    from kvbench.report.data import load_inputs
+    from kvbench.sweep import parse_grid, run_sweep
+
+    grid = parse_grid({"executor": "sim", "model": "llama-3-8b", "num_blocks": "300", "limit": "80", "replicas": "2",
+                       "router": "round-robin", "store_kv_mem": "0,8GiB"}, REPLAY_OPTIONS)
+    run_sweep(str(REPO / "traces" / "chat.jsonl"), grid, str(tmp_path / "sw"))
+    (section,) = load_inputs([str(tmp_path / "sw")]).sections
+    fig = tiers_chart(section)
+    assert fig is not None
+    n = len(section.runs)
+    gpu, store = fig.axes[0].patches[:n], fig.axes[0].patches[n:2 * n]
+    assert [r.metric("hit_rate_store") is None for r in section.runs] == [True, False]
+    for r, g, st in zip(section.runs, gpu, store):
+        assert st.get_width() == pytest.approx(100 * (r.metric("hit_rate_store") or 0.0))
+        assert st.get_x() == pytest.approx(g.get_width())
+    assert section.runs[1].metric("hit_rate_store") > 0

@@ -48,9 +48,9 @@ def tier_bytes(text, field: str) -> int:
     return 0 if text is None else parse_size(text, field, allow_zero=True)
 
 
-def has_tiers(settings: dict) -> bool:
-    """Whether a configuration (a ReplayConfig dict) puts a tier behind the GPU pool."""
-    return any(tier_bytes(settings.get(f"{name}_kv_mem"), f"--{name}-kv-mem") for name in ("cpu", "disk", "store"))
+def has_tiers(settings: dict, names=("cpu", "disk", "store")) -> bool:
+    """Whether a configuration (a ReplayConfig dict) puts a tier of ``names`` behind the GPU pool."""
+    return any(tier_bytes(settings.get(f"{name}_kv_mem"), f"--{name}-kv-mem") for name in names)
 
 
 def default_model(executor: str, device: str) -> str:
@@ -352,9 +352,15 @@ class ReplayConfig:
             except ValueError as e:
                 raise InputError(str(e), field="--" + name.replace("_", "-")) from None
         sizes = self.tier_sizes()
+        if self.router == "conductor" and self.executor != "sim":
+            raise InputError("the conductor router times each prefill by the sim's cost model: use --executor sim",
+                             field="--router")
         if not sizes:
             return
         flag = f"--{next(iter(sizes))}-kv-mem"
+        if "store" in sizes and self.executor != "sim":
+            raise InputError("a store every instance shares is modelled by the sim executor (the model executor's "
+                             "tiers are its own memory)", field="--store-kv-mem")
         if self.layout != "paged" or not self.prefix_cache:
             raise InputError("prefix-cache tiers hold cached prefix blocks: they need --layout paged with "
                              "--prefix-cache", field=flag)

@@ -75,8 +75,9 @@ def check_hybrid(cfg: ReplayConfig, layout: KVLayout, model: str) -> None:
     elif cfg.eviction != "none":
         why, field = "token eviction packs one block table", "--eviction"
     elif cfg.tier_sizes():
-        why, field = ("the prefix-cache tiers store one table's blocks (vLLM 0.34's OffloadingConnector offloads "
-                      "per group, which kvbench does not model yet)"), "--cpu-kv-mem"
+        why, field = ("the prefix-cache tiers and the shared store keep one table's blocks (vLLM 0.34's "
+                      "OffloadingConnector offloads per group, which kvbench does not model yet)"), \
+            f"--{next(iter(cfg.tier_sizes()))}-kv-mem"
     elif cfg.prefix_cache and needs_future(cfg.cache_policy):
         why, field = f"--cache-policy {cfg.cache_policy} reads one table's future", "--cache-policy"
     elif cfg.executor == "model" and any(g.kind not in ("full", "sliding") for g in layout.groups):

@@ -70,11 +70,14 @@ class Tier:
         self._next = 0  # slots never used yet: [_next, n)
         self.pins: dict[int, int] = {}  # slot -> loads of this step reading it
         self.clock: float = 0
-        # a shared store's visibility: slots written in the step under way (settle), and the time from
-        # which each recently written slot may be found; None: a tier of one instance, found at once
+        # a shared store's visibility: slots written in the step under way (settle), the time from which
+        # each slot may be found, and the latest such time (a lookup after it finds every slot); None: a
+        # tier of one instance, whose blocks are found at once
         self.delay: float | None = None
         self.fresh: list[int] = []
-        self.hidden: dict[int, float] = {}
+        self.visible_at: list[float] | None = None
+        self.hidden_until = -math.inf
+        self._settled = -math.inf  # the latest time a settled write becomes visible
         # counters
         self.stored_blocks = 0
         self.loaded_blocks = 0
@@ -102,33 +105,36 @@ class Tier:
         """Make this the run's shared store: what an instance writes is found ``delay_s`` after the
         step that wrote it ends."""
         self.delay = delay_s
+        self.visible_at = [-math.inf] * self.slots
         return self
 
     def settle(self, end_s: float) -> None:
         """The step that wrote ``fresh`` ended at ``end_s``: its blocks are found from ``end_s + delay``."""
         if self.fresh:
             t = end_s + (self.delay or 0.0)
-            hidden = self.hidden
+            at = self.visible_at
+            assert at is not None  # (a shared store's)
             for s in self.fresh:
-                hidden[s] = t
+                at[s] = t
             self.fresh.clear()
+            self.hidden_until = max(self._settled, t)
+            self._settled = self.hidden_until
+
+    def hidden(self, now: float) -> bool:
+        """Whether a lookup at ``now`` may miss a block this tier holds (a shared store's recent writes)."""
+        return now < self.hidden_until
 
     def visible(self, slot: int, now: float) -> bool:
         """Whether a lookup at ``now`` finds the block in ``slot`` (a shared store's writes appear late)."""
-        t = self.hidden.get(slot)
-        if t is None:
-            return True
-        if t <= now:
-            del self.hidden[slot]
-            return True
-        return False
+        return self.visible_at is None or self.visible_at[slot] <= now
 
     def prefix(self, keys, parent: int, now: float) -> int:
         """How many leading ``keys`` (chained from ``parent``) a lookup at ``now`` finds here."""
         slot_of, parent_of, n = self.slot_of, self.parent, 0
+        hidden = self.hidden(now)
         for k in keys:
             s = slot_of.get(k)
-            if s is None or parent_of[s] != parent or (self.hidden and not self.visible(s, now)):
+            if s is None or parent_of[s] != parent or (hidden and not self.visible(s, now)):
                 break
             n += 1
             parent = k
@@ -136,11 +142,13 @@ class Tier:
 
     def _written(self, slots) -> None:
         """A shared store's new blocks are hidden until their step ends (``settle``)."""
-        if self.delay is not None:
+        at = self.visible_at
+        if at is not None:
             for s in slots:
                 if s >= 0:
-                    self.hidden[s] = math.inf
+                    at[s] = math.inf
                     self.fresh.append(s)
+                    self.hidden_until = math.inf
 
     def store_run(self, keys: list[int], parents: list[int], next_uses=None) -> list[int]:
         """``store`` each key in order (write-through's run of computed blocks); the slots stored
@@ -268,7 +276,8 @@ class Tiers:
         m = TierMatch()
         found_tiers, found_slots = m.tiers, m.slots
         readable = self.readable
-        if len(readable) == 1 and not readable[0].hidden:  # one tier: its slots looked up in C, the chain checked after
+        now = self.clock
+        if len(readable) == 1 and not readable[0].hidden(now):  # one tier: its slots looked up in C, the chain checked after
             t = readable[0]
             parent_of = t.parent
             for k, s in zip(keys[start:n_max], map(t.slot_of.get, keys[start:n_max])):
@@ -278,14 +287,14 @@ class Tiers:
                 parent = k
             found_tiers.extend([0] * len(found_slots))
             return self._cut(m, start, block_size, prompt_tokens)
-        now = self.clock
-        # (index, a slot, its chain, whether it may be hidden); a store the pool only writes is left out
-        held = [(i, t.slot_of.get, t.parent, t) for i, t in enumerate(readable)]
+        # (index, a slot, its chain, the tier where a block it holds may not be found yet); a store the
+        # pool only writes is left out
+        held = [(i, t.slot_of.get, t.parent, t if t.hidden(now) else None) for i, t in enumerate(readable)]
         for j in range(start, n_max):
             k = keys[j]
-            for i, get, parent_of, t in held:
+            for i, get, parent_of, late in held:
                 s = get(k)
-                if s is not None and parent_of[s] == parent and (not t.hidden or t.visible(s, now)):
+                if s is not None and parent_of[s] == parent and (late is None or late.visible(s, now)):
                     found_tiers.append(i)
                     found_slots.append(s)
                     break

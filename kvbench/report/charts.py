@@ -669,7 +669,7 @@ def layouts(section: Section) -> Figure | None:
 
 
 TIER_PARTS = (("hit_rate_gpu", "GPU pool", "#1f77b4"), ("hit_rate_cpu", "CPU tier", "#ff7f0e"),
-              ("hit_rate_disk", "disk tier", "#2ca02c"))
+              ("hit_rate_disk", "disk tier", "#2ca02c"), ("hit_rate_store", "shared store", "#9467bd"))
 
 
 def _stack_by_tier(ax, y, rates: dict) -> list:
@@ -694,7 +694,7 @@ def _stack_by_tier(ax, y, rates: dict) -> list:
 def tiers(section: Section) -> Figure | None:
     """Where runs had prefix-cache tiers behind the pool: the hit rate each tier served (stacked), the
     TTFT it bought and the bytes loaded, one row per run (runs without tiers drawn as the reference)."""
-    tiered = [r for r in section.runs if r.metric("hit_rate_cpu") is not None or r.metric("hit_rate_disk") is not None]
+    tiered = [r for r in section.runs if any(r.metric(key) is not None for key, _, _ in TIER_PARTS[1:])]
     if not tiered:
         return None
     runs = [r for r in section.runs if r.metric("prefix_hit_rate") is not None]

@@ -61,7 +61,8 @@ def whatif_tiers(w: WhatIf) -> Figure | None:
     fig = _figure(10, 1.6 + 0.28 * n)
     ax = fig.subplots()
     y = np.arange(n)[::-1]
-    handles = _stack_by_tier(ax, y, {key: df[key].fillna(0).to_numpy(dtype=float) for key, _, _ in TIER_PARTS})
+    handles = _stack_by_tier(ax, y, {key: df[key].fillna(0).to_numpy(dtype=float) if key in df.columns else np.zeros(n)
+                                     for key, _, _ in TIER_PARTS})  # (the what-if has no shared store)
     if "ceiling" in df.columns:
         c = float(df["ceiling"].max())
         handles.append(ax.axvline(100 * c, label=f"ceiling (infinite cache) {c:.1%}", **CEILING_STYLE))

@@ -83,6 +83,8 @@ def not_applicable(settings: dict) -> set[str]:
             out.update(unused)
     if "cpu_kv_mem" in out or "disk_kv_mem" in out or not has_tiers(settings):
         out.update(TIER_SETTINGS)
+    elif not has_tiers(settings, ("cpu", "disk")):  # a shared store alone: always written through
+        out.add("offload")
     return out
 
 
