@@ -21,7 +21,7 @@ from kvbench.cli import main
 from kvbench.cli.replay import REPLAY_OPTIONS
 from kvbench.engine.config import ReplayConfig
 from kvbench.engine.replay import replay
-from kvbench.report import charts
+from kvbench.report import charts, cluster_charts, html
 from kvbench.report.data import group, load_inputs
 from kvbench.report.html import build_report
 from kvbench.report.words import MAX_LABEL
@@ -133,7 +133,7 @@ def _figures(inputs):
 
     with matplotlib.rc_context(charts.RC):
         for section in inputs.sections:
-            for stem, _, chart in charts.SECTION_CHARTS:
+            for stem, _, chart in html.SECTION_CHARTS:
                 fig = chart(section)
                 if fig is not None:
                     FigureCanvasAgg(fig).draw()  # lays out: every bounding box below is final
@@ -316,7 +316,7 @@ def test_goodput_per_gpu_of_each_pd_layout_beside_mixed_replicas(tmp_path):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     with matplotlib.rc_context(charts.RC):
-        fig = charts.layouts(section)
+        fig = cluster_charts.layouts(section)
         FigureCanvasAgg(fig).draw()
     assert assert_levels_from_zero(fig, "disagg") == 3
     good = fig.axes[0]
@@ -337,7 +337,7 @@ def test_goodput_per_gpu_of_each_pd_layout_beside_mixed_replicas(tmp_path):
     assert [line.get_xdata()[0] for line in fig.axes[1].get_lines() if line.get_label() == "--slo objective"] == [100]
     # the routing chart compares mixed replicas only: a P:D run's instances are not replicas behind a router
     with matplotlib.rc_context(charts.RC):
-        fig = charts.routing(section)
+        fig = cluster_charts.routing(section)
         FigureCanvasAgg(fig).draw()
     labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
     assert len(labels) == 3 and not any("P:D" in t for t in labels), labels

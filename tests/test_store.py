@@ -262,7 +262,7 @@ def test_the_reports_tiers_chart_stacks_the_stores_hits(tmp_path):
     """A sweep over store sizes on two replicas: the report's tiers chart is drawn, each run's store share
     stacked on the GPU pool's."""
     from kvbench.cli.replay import REPLAY_OPTIONS
-    from kvbench.report.charts import tiers as tiers_chart
+    from kvbench.report.cluster_charts import tiers as tiers_chart
     from kvbench.report.data import load_inputs
     from kvbench.sweep import parse_grid, run_sweep
 

@@ -383,7 +383,7 @@ def test_tier_hits_of_resumed_requests_are_counted_apart_as_the_pool_counts_them
 
 def test_the_report_stacks_each_tiers_hits_and_only_where_a_run_had_tiers(tmp_path):
     from kvbench.cli.replay import REPLAY_OPTIONS
-    from kvbench.report.charts import tiers as tiers_chart
+    from kvbench.report.cluster_charts import tiers as tiers_chart
     from kvbench.report.data import load_inputs
     from kvbench.report.html import build_report
     from kvbench.sweep import parse_grid, run_sweep

@@ -62,8 +62,8 @@ SIM_ONLY_KEYS = ("queue_ms_mean", "queue_ms_p50", "queue_ms_p90", "queue_ms_p99"
                  "cache_evictions", "cow_copies",
                  "slab_reserve_tokens", "partial_hit_tokens", "hit_rate_cpu", "hit_rate_disk", "bytes_loaded",
                  "bytes_stored", "load_s", "store_s", "bytes_loaded_cpu", "bytes_stored_cpu", "cpu_evictions",
-                 "bytes_loaded_disk", "bytes_stored_disk", "disk_evictions", "tier_declined_tokens",
-                 "resumed_loaded_tokens")
+                 "bytes_loaded_disk", "bytes_stored_disk", "disk_evictions", "hit_rate_store", "bytes_loaded_store",
+                 "bytes_stored_store", "store_evictions", "tier_declined_tokens", "resumed_loaded_tokens")
 
 
 @dataclass

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from kvbench import __version__
 from kvbench.errors import InputError
 from kvbench.report import prediction
-from kvbench.report.charts import SECTION_CHARTS, assign_styles, render
+from kvbench.report.charts import (assign_styles, block_size, concurrency, eviction, latency, memory_timeline,
+                                   overview, render)
+from kvbench.report.cluster_charts import layouts, routing, tiers
 from kvbench.report.whatif_charts import tiered, whatif, whatif_tiers
 from kvbench.report.data import BASELINE, COMPARABLE, Inputs, Run, Section, load_inputs
 from kvbench.report.words import (
@@ -27,6 +29,31 @@ from kvbench.report.words import (
     setting_words,
     why_identical,
 )
+
+
+SECTION_CHARTS = [
+    ("overview", ("The four questions in one picture: internal fragmentation, prefix hit rate against "
+                  "the group's ceiling (the trace's ideal hit rate: infinite cache, no concurrency), "
+                  "mean and peak concurrency, and TTFT/TPOT p50 and p99, one row per configuration."),
+     overview),
+    ("block_size", ("Internal fragmentation, KV utilisation and prefix hit rate against block size, "
+                    "one line per configuration that ran at two block sizes or more; slab dashed."), block_size),
+    ("concurrency", "Running sequences over engine time: what the memory layout buys.", concurrency),
+    ("latency", "Latency per configuration: CDFs for a few runs, p50/p90/p99 for more.", latency),
+    ("timeline", ("KV token slots over engine time: live tokens, empty slots in the blocks running "
+                  "sequences hold (internal fragmentation), and cached prefix blocks kept for reuse."),
+     memory_timeline),
+    ("eviction", ("Token eviction: tokens evicted, recalled and offloaded, and the attention mass kept "
+                  "where the model executor measured it."), eviction),
+    ("routing", ("Several replicas: prefix hit rate, TTFT p50/p99 and load balance (the busiest replica's "
+                 "busy time over the mean) by router and replica count, one replica as the reference."), routing),
+    ("disagg", ("Disaggregated prefill and decode: goodput per GPU (requests meeting every --slo objective per "
+                "second, over the GPUs the layout uses: prefill and decode instances, or replicas x tp) of each "
+                "P:D layout beside the mixed-replica runs, grouped by GPU count; TTFT and TPOT p50 to p99 per "
+                "layout, the --slo objectives dotted."), layouts),
+    ("tiers", ("Prefix-cache tiers behind the GPU pool: the share of prompt tokens each tier served "
+               "(stacked), TTFT p50/p99, and the KV bytes loaded from the tiers with the time it took."), tiers),
+]
 
 
 def _ms(v: float) -> str:

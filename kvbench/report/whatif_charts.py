@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.figure import Figure
 
-from kvbench.report.charts import (CEILING_STYLE, MARKERS, PALETTE, TIER_PARTS, _figure, _legend_below,
-                                   _legend_right, _stack_by_tier)
+from kvbench.report.charts import CEILING_STYLE, MARKERS, PALETTE, _figure, _legend_below, _legend_right
+from kvbench.report.cluster_charts import TIER_PARTS, _stack_by_tier
 from kvbench.report.data import WhatIf
 
 
