@@ -51,6 +51,14 @@ def test_a_stored_block_is_found_only_from_its_steps_end_plus_the_delay():
     assert store.prefix([11, 12], ROOT_KEY, 5.0) == 2 and store.prefix([12], ROOT_KEY, 5.0) == 0  # (its chain)
     # once every write is due, lookups take the plain path again (no per-slot check left pending)
     assert store.hidden(4.999) and not store.hidden(5.0)
+    # instances settle out of time order: a step ending later, then one ending earlier -- the later
+    # write stays unfound until its own time
+    chain.stored([2], [13], [12])
+    store.settle(10.0)
+    chain.stored([3], [14], [ROOT_KEY])
+    store.settle(1.0)
+    assert store.hidden(11.999) and not store.hidden(12.0)
+    assert store.prefix([11, 12, 13], ROOT_KEY, 11.0) == 2 and store.prefix([11, 12, 13], ROOT_KEY, 12.0) == 3
 
 
 def test_an_instance_that_only_writes_never_finds_the_store():

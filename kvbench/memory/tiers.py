@@ -76,8 +76,7 @@ class Tier:
         self.delay: float | None = None
         self.fresh: list[int] = []
         self.visible_at: list[float] | None = None
-        self.hidden_until = -math.inf
-        self._settled = -math.inf  # the latest time a settled write becomes visible
+        self.settled = -math.inf  # when the latest settled write becomes visible
         # counters
         self.stored_blocks = 0
         self.loaded_blocks = 0
@@ -117,12 +116,11 @@ class Tier:
             for s in self.fresh:
                 at[s] = t
             self.fresh.clear()
-            self.hidden_until = max(self._settled, t)
-            self._settled = self.hidden_until
+            self.settled = max(self.settled, t)
 
     def hidden(self, now: float) -> bool:
         """Whether a lookup at ``now`` may miss a block this tier holds (a shared store's recent writes)."""
-        return now < self.hidden_until
+        return bool(self.fresh) or now < self.settled
 
     def visible(self, slot: int, now: float) -> bool:
         """Whether a lookup at ``now`` finds the block in ``slot`` (a shared store's writes appear late)."""
@@ -148,7 +146,6 @@ class Tier:
                 if s >= 0:
                     at[s] = math.inf
                     self.fresh.append(s)
-                    self.hidden_until = math.inf
 
     def store_run(self, keys: list[int], parents: list[int], next_uses=None) -> list[int]:
         """``store`` each key in order (write-through's run of computed blocks); the slots stored
