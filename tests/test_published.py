@@ -64,7 +64,7 @@ def predicted(points, tmp_path_factory):
 
 
 def test_every_point_has_a_load_and_a_role(points):
-    assert len(points) == 74
+    assert len(points) == 77
     roles = {p.role for p in points}
     assert roles == {"fit", "other engine", "flagged"}
     for p in points:
