@@ -3,6 +3,7 @@ and the sim executor's coefficients measured on this device."""
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 import click
@@ -272,6 +273,12 @@ def _say_fit(doc: dict, out: str, as_json: bool, force: bool) -> None:
             click.echo(f"  held-out requests ({chk['requests']}) replayed on it: TTFT p50 {chk['ttft_ms_p50_sim']:.1f} ms "
                        f"(server {chk['ttft_ms_p50_live']:.1f}), TPOT p50 {chk['tpot_ms_p50_sim']:.2f} ms "
                        f"(server {chk['tpot_ms_p50_live']:.2f})")
+        by_stage = fit["replay_check"].get("by_stage") or {}
+        if by_stage:
+            worst = sorted(by_stage.items(), key=lambda kv: -abs(kv[1]["tpot_p50_rel_err"]))[:3]
+            click.echo(f"  per stage of the load ({len(by_stage)}), TPOT p50 error: median "
+                       f"{statistics.median(abs(v['tpot_p50_rel_err']) for v in by_stage.values()):.0%}; worst "
+                       + ", ".join(f"{st} {v['tpot_p50_rel_err']:+.0%} ({v['requests']})" for st, v in worst))
         for p in fit["problems"]:
             click.echo(f"  not fit for use: {p}")
         for w in fit["warnings"]:

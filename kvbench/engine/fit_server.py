@@ -16,6 +16,9 @@ Single gaps are noisy (a server's API process can hold a token back and send two
 fit takes spans: a request's time to first token is the steps from its issue to its first token, and
 its decode the steps from its first token to its last, each a sum of the step formula over the steps
 the replay put there; non-negative least absolute relative error over both spans of every request.
+A profiling load's stages (kvbench.engine.profile) weigh the same in the fit, however many requests
+each took: concurrency 64 sends 128 requests and concurrency 1 six, and unweighted the largest
+batches would decide a clock meant for every load between them.
 The replay is run again on the fitted clock, and the clock kept is the one that best fits the steps
 of its own replay. The requests are split by id into a training share and a held-out share; the error
 is stated on both, per span kind and per term. Each coefficient carries its spread over a bootstrap of
@@ -185,7 +188,8 @@ class Spans:
     """The fit's rows: per span (two per request: issue to first token, first token to last), ``X``
     [spans, terms]: the sum over the span's steps of (1, prefill tokens, decoding sequences, keys
     read, prefill chunks), then the front end's (1, prompt tokens) for a time to first token;
-    ``y``: the span as the client measured it, seconds, less any wait for the front end; ``held``:
+    ``y``: the span as the client measured it, seconds, less any wait for the front end; ``weight``:
+    its weight in the fit (``stage_weights``); ``held``:
     from a held-out request; ``decode``: a decode span, else a time to first token; ``request``: the
     request's id; ``excluded``: left out of the fit and of its judgement -- a time to first token that
     waited (behind others in the front end for over FRONT_QUEUED of it, or over UNQUEUED_STEPS engine
@@ -196,6 +200,7 @@ class Spans:
 
     X: np.ndarray
     y: np.ndarray
+    weight: np.ndarray
     held: np.ndarray
     decode: np.ndarray
     request: np.ndarray
@@ -207,9 +212,11 @@ class Spans:
         return use & ~self.held, use & self.held
 
 
-def span_rows(rec: LiveRecord, steps: Steps, front: tuple[float, float] = (0.0, 0.0)) -> Spans:
+def span_rows(rec: LiveRecord, steps: Steps, front: tuple[float, float] = (0.0, 0.0),
+              stage_of: dict[str, str] | None = None) -> Spans:
     """The spans of the run's requests over the replay's ``steps``; ``front``: the front end's current
-    terms (request, per prompt token), which say how long a request waited behind others there."""
+    terms (request, per prompt token), which say how long a request waited behind others there;
+    ``stage_of``: request id -> its stage in a profiling load (``trace_stages``), for the weights."""
     work = np.array(steps.work, dtype=np.float64).reshape(-1, STEP_TERMS - 1)
     cum = np.zeros((len(work) + 1, STEP_TERMS))
     cum[1:, 0] = np.arange(1, len(work) + 1)
@@ -247,8 +254,36 @@ def span_rows(rec: LiveRecord, steps: Steps, front: tuple[float, float] = (0.0, 
                 request.append(row.id)
                 held_back = chunks.get(row.id, 0) < MIN_CHUNK_SHARE * tokens.get(row.id, 0)
                 excluded.append(held_back if kind else (waited > FRONT_QUEUED * ttft or hi - lo > UNQUEUED_STEPS))
-    return Spans(np.array(X, dtype=np.float64).reshape(-1, len(TERMS)), np.array(y), np.array(held, dtype=bool),
-                 np.array(decode, dtype=bool), np.array(request, dtype=object), np.array(excluded, dtype=bool))
+    decode_ = np.array(decode, dtype=bool)
+    request_ = np.array(request, dtype=object)
+    excluded_ = np.array(excluded, dtype=bool)
+    return Spans(np.array(X, dtype=np.float64).reshape(-1, len(TERMS)), np.array(y),
+                 stage_weights(request_, decode_, excluded_, stage_of or {}), np.array(held, dtype=bool),
+                 decode_, request_, excluded_)
+
+
+def trace_stages(trace_path: str) -> dict[str, str]:
+    """Request id -> its stage, for a profiling load's requests (their ``meta["stage"]``)."""
+    return {r.id: str(r.meta["stage"]) for r in load_trace(trace_path) if r.meta and r.meta.get("stage") is not None}
+
+
+def stage_weights(request: np.ndarray, decode: np.ndarray, excluded: np.ndarray,
+                  stage_of: dict[str, str]) -> np.ndarray:
+    """Each span's weight in the fit: the spans the fit uses from one stage of a profiling load and of
+    one kind (times to first token, decodes) share one weight, the same for every such group, and
+    together weigh as many as they are; a span of a request outside any stage weighs 1. A profile
+    visits regimes -- one sequence at a time, batches of 64, short and long contexts -- with as many
+    requests as each needs to be seen (two per concurrency slot), so unweighted the largest batches
+    would decide the clock, and a linear clock fitted that way misses what lies between (on the CPU
+    vLLM server a decode's cost per key read grows with the batch's keys, and an unweighted fit moved
+    an agent trace's predicted TPOT by 17% between two profiles minutes apart)."""
+    groups = [(stage_of.get(str(r)), bool(d)) for r, d in zip(request, decode)]
+    counts: dict[tuple[str | None, bool], int] = {}
+    for g, x in zip(groups, excluded):
+        if g[0] is not None and not x:
+            counts[g] = counts.get(g, 0) + 1
+    share = sum(counts.values()) / len(counts) if counts else 0.0
+    return np.array([share / counts[g] if g in counts else 1.0 for g in groups], dtype=np.float64)
 
 
 def nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -312,10 +347,12 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
         issued_trace(rec, trace_path, trace)
         clock = os.path.join(tmp, "clock.json")
 
+        stage_of = trace_stages(trace_path)
+
         def replay_on(c: np.ndarray, out: str) -> Spans:
             clock_file(c, clock)
             return span_rows(rec, rebuild_steps(trace, replay_config(rec, clock), out, stages),
-                             (float(c[REQUEST]), float(c[REQUEST_TOKEN])))
+                             (float(c[REQUEST]), float(c[REQUEST_TOKEN])), stage_of)
 
         for k in range(rounds + 1):
             spans = replay_on(coef, os.path.join(tmp, f"replay-{k}"))
@@ -331,7 +368,7 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
                 best = (own["median_abs_rel_err"], k, coef.copy(), spans)
             if k == rounds:
                 break
-            new = _fit(X[train], y[train])
+            new = _fit(X[train], y[train], spans.weight[train])
             history.append({"round": k, "clock_on_its_replay": own, "train": error(X[train], y[train], new),
                             "heldout": error(X[test], y[test], new)})
             coef = new if k == 0 else DAMPING * coef + (1 - DAMPING) * new  # the replay's steps follow the clock
@@ -339,16 +376,19 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
         _, chosen, coef, spans = best
         # the chosen clock's own replay (that round's): its steps gave the spans the fit is judged on,
         # its requests the sim's TTFT and TPOT beside the server's
-        check = _replay_check(rec, os.path.join(tmp, f"replay-{chosen}"))
+        check = _replay_check(rec, os.path.join(tmp, f"replay-{chosen}"), stage_of)
     X, y, decode, request = spans.X, spans.y, spans.decode, spans.request
     train, test = spans.split()
     order = {rid: k for k, rid in enumerate(rec.requests.sort_values("arrival_s", kind="stable")["id"])}
-    boot = bootstrap(X[train], y[train], request[train], seed=seed, order=order)
+    boot = bootstrap(X[train], y[train], request[train], seed=seed, order=order, weight=spans.weight[train])
     terms = identifiability(X[train], y[train], coef, boot)
     fit: dict[str, Any] = {"kind": "live-run", "run": os.path.abspath(run_dir), "made_at": now_iso(),
            "model": "step = overhead + prefill tokens x a + decoding sequences x b + keys read x c + prefill "
                     "chunks x e; front end = request + prompt tokens x d, one request at a time",
-           "held_out_share": HELD_OUT, "rounds": history, "chosen_round": chosen,
+           "held_out_share": HELD_OUT,
+           "weighting": ("each stage of the profiling load and span kind weighs the same" if len(set(
+               spans.weight[train].round(12))) > 1 else "every span the same"),
+           "rounds": history, "chosen_round": chosen,
            "train": error(X[train], y[train], coef),
            "heldout": error(X[test], y[test], coef),
            "heldout_by_span": {"ttft": error(X[test & ~decode], y[test & ~decode], coef),
@@ -374,21 +414,23 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
     return doc
 
 
-def _fit(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _fit(X: np.ndarray, y: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:
     """Non-negative least absolute relative error: the median-unbiased fit of what the fit is judged
     on (the median |predicted / measured - 1|), so a stretch of spans the linear clock cannot follow
     (a machine that slowed, a batch whose keys left the CPU's caches) pulls it less than least
-    squares would. Iteratively reweighted NNLS, rows weighted 1 / sqrt(|residual|)."""
+    squares would. Iteratively reweighted NNLS, rows weighted 1 / sqrt(|residual|), times the square
+    root of each span's ``weight`` (stage_weights; None: all 1) -- its weight in the absolute error."""
     A = X / y[:, None]  # relative error: a short span weighs as much as a long one
-    coef = nnls(A, np.ones(len(y)))
+    root = np.ones(len(y)) if weight is None else np.sqrt(weight)
+    coef = nnls(A * root[:, None], root)
     for _ in range(IRLS_ROUNDS):
-        w = 1.0 / np.sqrt(np.maximum(np.abs(A @ coef - 1), IRLS_FLOOR))
+        w = root / np.sqrt(np.maximum(np.abs(A @ coef - 1), IRLS_FLOOR))
         coef = nnls(A * w[:, None], w)
     return coef
 
 
 def bootstrap(X: np.ndarray, y: np.ndarray, request: np.ndarray, seed: int = 0, n: int | None = None,
-              order: dict | None = None) -> dict:
+              order: dict | None = None, weight: np.ndarray | None = None) -> dict:
     """The fit repeated on resamples of the requests: each coefficient's spread. A request's spans are
     drawn together (its steps are shared by both), and requests in blocks of BLOCK_SHARE of the run in
     issue order (``order``: request id -> rank; a moving-block bootstrap), so a drift of the machine's
@@ -412,7 +454,7 @@ def bootstrap(X: np.ndarray, y: np.ndarray, request: np.ndarray, seed: int = 0, 
             s0 = int(rng.integers(0, starts))
             picked.extend(rows_of_rank[s0:s0 + block])
         pick = np.concatenate(picked)
-        samples[b] = _fit(X[pick], y[pick])
+        samples[b] = _fit(X[pick], y[pick], None if weight is None else weight[pick])
     summary = {t: {"sd": float(samples[:, j].std(ddof=1)) if n > 1 else 0.0,
                    "p05": float(np.percentile(samples[:, j], 5)), "p95": float(np.percentile(samples[:, j], 95))}
                for j, t in enumerate(TERMS)}
@@ -552,14 +594,15 @@ def calibration_caveat(path: str) -> str | None:
     return "ITS FIT IS POOR (" + "; ".join(fit.get("problems") or []) + "), written with --force"
 
 
-def _replay_check(rec: LiveRecord, out_dir: str) -> dict:
+def _replay_check(rec: LiveRecord, out_dir: str, stage_of: dict[str, str] | None = None) -> dict:
     """The fitted sim against the run, request by request: TTFT and TPOT p50 of both, and each
-    request's predicted/measured - 1, over the held-out requests (and all). ``out_dir``: the sim's
-    replay of the run's requests on the fitted clock."""
+    request's predicted/measured - 1, over the held-out requests (and all); for a profiling load also
+    per stage over its held-out requests (``by_stage``: where a linear clock misses the server). ``out_dir``:
+    the sim's replay of the run's requests on the fitted clock."""
     sim = pd.read_parquet(os.path.join(out_dir, "requests.parquet")).set_index("id")
     live = rec.requests.set_index("id")
     both = live.index.intersection(sim.index[sim["rejected"].isna()])
-    out = {}
+    out: dict[str, dict] = {}
     for part, ids in (("heldout", [i for i in both if held_out(i)]), ("all", list(both))):
         row: dict[str, float | None] = {"requests": len(ids)}
         for name in ("ttft_ms", "tpot_ms"):
@@ -569,4 +612,19 @@ def _replay_check(rec: LiveRecord, out_dir: str) -> dict:
             row[f"{name}_p50_sim"] = float(np.median(a[ok])) if ok.any() else None
             row[f"{name}_median_abs_rel_err"] = float(np.median(np.abs(a[ok] / b[ok] - 1))) if ok.any() else None
         out[part] = row
+    held = [i for i in both if held_out(i)]
+    stages: list[str] = []  # in the order the load sent them
+    for i in rec.requests.sort_values("arrival_s", kind="stable")["id"]:
+        if stage_of and i in stage_of and stage_of[i] not in stages:
+            stages.append(stage_of[i])
+    by_stage: dict[str, dict] = {}
+    for st in stages:
+        ids = [i for i in held if stage_of and stage_of.get(i) == st]
+        a, b = sim.loc[ids, "tpot_ms"].to_numpy(), live.loc[ids, "tpot_ms"].to_numpy()
+        ok = np.isfinite(a) & np.isfinite(b) & (b > 0)
+        if ok.any():
+            by_stage[st] = {"requests": int(ok.sum()), "tpot_ms_p50_live": float(np.median(b[ok])),
+                            "tpot_ms_p50_sim": float(np.median(a[ok])),
+                            "tpot_p50_rel_err": float(np.median(a[ok]) / np.median(b[ok]) - 1)}
+    out["by_stage"] = by_stage
     return out
