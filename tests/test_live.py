@@ -727,10 +727,11 @@ def test_calibrate_endpoint_then_the_sim_predicts_an_agent_trace(vllm_api_apart,
     """``kvbench calibrate --endpoint`` twice, each followed by a live run of a generated agent trace
     the calibration never saw (steps quoting their task and tool results) from a cold prefix cache and
     the sim of it like the server on the fitted clock. The issue's goal is TTFT and TPOT p50 within 20%
-    twice in a row; this server's own TPOT p50 on that trace moved between 4.0 and 7.0 ms within 20
-    minutes of one session (benchmarks/live/RESULTS.md, run 6: three pairs of seven met it), so the test holds what a working
-    calibration always gives -- a fit of the profile within 30% held out, a prediction within 50% (a
-    fit that had diverged predicted TPOT 83-89% short) -- and prints the figures."""
+    twice in a row; with the profile's stages weighing the same in the fit, five of six pairs met it on
+    2026-12-08 (every error within 21%; benchmarks/live/RESULTS.md, run 7), and before them three of
+    seven (run 6, TPOT up to +56%) -- this VM's speed moves between runs -- so the test holds a fit of
+    the profile within 30% held out and predictions within 35% (tests/test_fit_server.py holds two
+    recorded pairs to 20%), and prints the figures."""
     import httpx
 
     from kvbench.cli import main
@@ -767,4 +768,4 @@ def test_calibrate_endpoint_then_the_sim_predicts_an_agent_trace(vllm_api_apart,
             print(f"  {t}: {a:.4g} +- {sa:.2g} / {b:.4g} +- {sb:.2g}")
     for f in figures:
         for m, (_, _, e) in f.items():
-            assert abs(e) < 0.5, (m, figures)
+            assert abs(e) < 0.35, (m, figures)
