@@ -279,3 +279,52 @@ def test_the_bootstrap_resamples_the_weighted_fit():
     assert fit_server._fit(X, y, weight)[0] == pytest.approx(1.0, rel=1e-3)
     boot = fit_server.bootstrap(X, y, request, n=20, weight=weight)
     assert np.median(boot["samples"][:, 0]) == pytest.approx(1.0, rel=1e-2)
+
+
+def test_a_profile_sent_in_passes_states_how_far_each_term_moved_between_them():
+    """Each pass fitted alone: a term's values per pass and the standard error of their mean, which
+    becomes its stated sd where it is larger than the bootstrap's; a term that moved between the
+    passes by over 10% and twice its scatter within one is said (mutation: the passes' sd not taken
+    into the stated sd, or the warning's condition flipped -> fails)."""
+    n = 30
+    X = np.zeros((2 * n, len(fit_server.TERMS)))
+    X[:, 0] = 1.0
+    X[:, 2] = np.tile(np.arange(1, n + 1), 2)  # decoding sequences
+    y = np.r_[0.01 + 0.002 * np.arange(1, n + 1), 0.01 + 0.0025 * np.arange(1, n + 1)]  # pass 2: 25% slower
+    passes = np.repeat([1, 2], n)
+    got = fit_server.pass_spread(X, y, np.ones(2 * n), passes)
+    assert got["passes"] == [1, 2]
+    assert got["coefficients"]["decode_seq_s"] == pytest.approx([0.002, 0.0025], rel=1e-3)
+    assert got["sd"]["decode_seq_s"] == pytest.approx(0.00025, rel=1e-3)  # |a - b| / 2 for two passes
+    assert fit_server.pass_spread(X, y, np.ones(2 * n), np.ones(2 * n, dtype=int)) is None  # one pass
+
+    def fit_with(sd_boot):
+        unc = {t: {"sd": sd_boot, "sd_bootstrap": sd_boot, "sd_passes": got["sd"][t],
+                   "passes": got["coefficients"][t]} for t in fit_server.TERMS}
+        terms = {t: {"identifiable": True} for t in fit_server.TERMS}
+        return {"heldout": {"median_abs_rel_err": 0.1}, "max_error": 0.2, "terms": terms, "uncertainty": unc}
+    _, warnings, _ = fit_server.verdict(fit_with(1e-5))
+    assert len(warnings) == 1 and warnings[0].startswith("the decoding sequence term moved 22% between the profile's")
+    assert fit_server.verdict(fit_with(1e-3))[1] == []  # within its scatter: nothing to say
+
+
+def test_the_stated_sd_takes_the_passes_spread(tmp_path):
+    """On the recorded profile relabelled as two passes (its first and second halves in issue order:
+    the stages differ, so the passes disagree), the file states each term's passes and an sd no smaller
+    than either the bootstrap's or theirs."""
+    d = _copy(PROFILE, tmp_path / "run")
+    rows = [json.loads(line) for line in (d / "trace.jsonl").read_text().splitlines()]
+    for k, r in enumerate(rows):
+        r["meta"]["pass"] = 1 if k < len(rows) // 2 else 2
+    (d / "trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = json.loads((d / "config.json").read_text())
+    config["trace"]["sha256"] = fit_server.file_sha256(str(d / "trace.jsonl"))
+    (d / "config.json").write_text(json.dumps(config))
+    doc = fit_server.fit_from_run(str(d))
+    unc = doc["fit"]["uncertainty"]
+    assert "passes" in unc["method"]
+    for t in fit_server.TERMS:
+        u = unc[t]
+        assert len(u["passes"]) == 2 and u["sd"] == max(u["sd_bootstrap"], u["sd_passes"]) and u["sd_passes"] >= 0
+        assert doc["fit"]["terms"][t]["sd"] == u["sd"]
+    assert any(unc[t]["sd_passes"] > unc[t]["sd_bootstrap"] for t in fit_server.TERMS)

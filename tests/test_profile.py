@@ -49,6 +49,33 @@ def test_the_profile_spans_every_term_within_the_servers_limits():
     assert order == [r.meta["stage"] for r in prof.requests]
 
 
+def test_the_load_is_sent_in_passes_each_with_prompts_of_its_own():
+    """With passes=2 the whole load twice in a row (the fit states how far each term moved between the
+    passes): the same stages, the idle requests shared out, every request and idle prompt new, each
+    request's pass and stage in its meta, trace times in the stages' order (mutation: a pass's idle
+    prompts drawn from the same index -> the second pass's repeat the first's -> fails)."""
+    one, two = P.profile(SERVER, seed=1, nonce="n1"), P.profile(SERVER, seed=1, nonce="n1", passes=2)
+    assert P.PASSES == 1 and two.passes == 2 and one.passes == 1
+    first = [s for s in two.stages if s.pass_ == 1]
+    second = [s for s in two.stages if s.pass_ == 2]
+    assert [(s.concurrency, s.long, s.idle) for s in first] == [(s.concurrency, s.long, s.idle) for s in second]
+    assert [(s.concurrency, s.long, s.requests) for s in first[1:]] == [(s.concurrency, s.long, s.requests)
+                                                                        for s in one.stages[1:]]
+    assert first[0].requests == second[0].requests == P.IDLE_REQUESTS // 2
+    assert second[0].name == "p2-idle" and second[5].name == "p2-c4-short"
+    assert len({r.id for r in two.requests}) == len(two.requests) == sum(s.requests for s in two.stages)
+    assert [r.meta["pass"] for r in two.requests] == [s.pass_ for s in two.stages for _ in range(s.requests)]
+    streams = TokenStreams()
+    idle = [tuple(_tokens(r, streams)) for r in two.requests if r.meta["stage"].endswith("idle")]
+    assert len(set(idle)) == len(idle) // 2  # each idle prompt twice in a row, none again in the other pass
+    assert len({t[:16] for t in idle}) == len(idle) // 2  # nor its start: its first send is a cache miss
+    order = [r.meta["stage"] for r in sorted(two.requests, key=lambda r: r.t)]
+    assert order == [r.meta["stage"] for r in two.requests]
+    assert "sent 2 times in a row" in two.describe() and "in a row" not in one.describe()
+    with pytest.raises(ValueError, match="passes"):
+        P.profile(SERVER, passes=0)
+
+
 def test_idle_prompts_come_twice_and_a_new_profile_shares_nothing_with_the_last():
     prof = P.profile(SERVER, seed=1, nonce="n1")
     streams = TokenStreams()

