@@ -20,8 +20,8 @@ A profiling load's stages (kvbench.engine.profile) weigh the same in the fit, ho
 each took: concurrency 64 sends 128 requests and concurrency 1 six, and unweighted the largest
 batches would decide a clock meant for every load between them. A profile sent in passes (the same
 load twice in a row) is also fitted pass by pass: a coefficient's stated spread is the larger of the
-bootstrap's and the passes' (the standard error of their mean), so a server whose speed moved while
-it was profiled says so in the file.
+bootstrap's and the passes' (their standard deviation: how far a calibration made at another time
+lands), so a server whose speed moved while it was profiled says so in the file.
 The replay is run again on the fitted clock, and the clock kept is the one that best fits the steps
 of its own replay. The requests are split by id into a training share and a held-out share; the error
 is stated on both, per span kind and per term. Each coefficient carries its spread over a bootstrap of
@@ -73,7 +73,8 @@ BLOCK_SHARE = 0.05  # of the run's requests, consecutive in issue order, drawn t
 MIN_INDEPENDENT = 0.1
 MAX_SPREAD = 0.25  # a term whose bootstrap spread moves a span it weighs in by more than this is too loose
 DRIFT = 0.1  # a term whose passes differ by more than this share of it, and
-DRIFT_SDS = 2.0  # by more than this many times its bootstrap sd, is said to have moved between the passes
+DRIFT_SDS = 3.0  # by more than this many times its bootstrap sd, is said to have moved between the passes
+MIN_PASS_SPANS = 3 * 7  # a pass with fewer training spans than this is not fitted alone (7 terms)
 
 
 @dataclass
@@ -263,7 +264,8 @@ def span_rows(rec: LiveRecord, steps: Steps, front: tuple[float, float] = (0.0, 
     request_ = np.array(request, dtype=object)
     excluded_ = np.array(excluded, dtype=bool)
     return Spans(np.array(X, dtype=np.float64).reshape(-1, len(TERMS)), np.array(y),
-                 stage_weights(request_, decode_, excluded_, stage_of or {}), np.array(held, dtype=bool),
+                 stage_weights(request_, decode_, excluded_ | np.array(held, dtype=bool), stage_of or {}),
+                 np.array(held, dtype=bool),
                  decode_, request_, excluded_)
 
 
@@ -274,14 +276,15 @@ def trace_passes(trace_path: str) -> dict[str, int]:
 
 def pass_spread(X: np.ndarray, y: np.ndarray, weight: np.ndarray, passes: np.ndarray) -> dict | None:
     """The fit repeated on each pass of a profile alone (``passes``: each span's pass): per term its
-    value in every pass and ``sd``, the standard error of their mean (their sd over the square root of
-    their count) -- what the bootstrap within one run cannot see, a server whose speed moved between
-    one pass and the next. None when the spans come from fewer than two passes."""
-    ps = sorted({int(p) for p in passes})
+    value in every pass and ``sd``, their standard deviation (how far a calibration made at another
+    time lands) -- what the bootstrap within one run cannot see, a server whose speed moved between
+    one pass and the next. A pass with fewer than MIN_PASS_SPANS spans is not fitted alone; None when
+    fewer than two passes are left."""
+    ps = sorted(p for p in {int(p) for p in passes} if (passes == p).sum() >= MIN_PASS_SPANS)
     if len(ps) < 2:
         return None
     coefs = np.array([_fit(X[passes == p], y[passes == p], weight[passes == p]) for p in ps])
-    sd = coefs.std(axis=0, ddof=1) / np.sqrt(len(ps))
+    sd = coefs.std(axis=0, ddof=1)
     return {"passes": ps, "coefficients": {t: [float(v) for v in coefs[:, j]] for j, t in enumerate(TERMS)},
             "sd": {t: float(sd[j]) for j, t in enumerate(TERMS)}}
 
@@ -298,9 +301,9 @@ def stage_weights(request: np.ndarray, decode: np.ndarray, excluded: np.ndarray,
     together weigh as many as they are; a span of a request outside any stage weighs 1. A profile
     visits regimes -- one sequence at a time, batches of 64, short and long contexts -- with as many
     requests as each needs to be seen (two per concurrency slot), so unweighted the largest batches
-    would decide the clock, and a linear clock fitted that way misses what lies between (on the CPU
-    vLLM server a decode's cost per key read grows with the batch's keys, and an unweighted fit moved
-    an agent trace's predicted TPOT by 17% between two profiles minutes apart)."""
+    would decide the clock, and where the server's cost is not linear (a CPU server's cost per key read
+    grows with the batch's keys) a linear clock fitted that way misses what lies between. Only the
+    spans the fit uses count (``excluded``: the ones it leaves out, the held-out ones among them)."""
     groups = [(stage_of.get(str(r)), bool(d)) for r, d in zip(request, decode)]
     counts: dict[tuple[str | None, bool], int] = {}
     for g, x in zip(groups, excluded):
@@ -408,13 +411,14 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
     pass_of = trace_passes(trace_path)
     passes = pass_spread(X[train], y[train], spans.weight[train],
                          np.array([pass_of.get(str(r), 1) for r in request[train]], dtype=int))
+    terms = identifiability(X[train], y[train], coef, boot)  # on the bootstrap's sd: drift is said apart
     for t, row in boot["summary"].items():  # the stated sd: the larger of the bootstrap's and the passes'
         row["sd_bootstrap"] = row["sd"]
         if passes is not None:
             row["sd_passes"] = passes["sd"][t]
             row["passes"] = passes["coefficients"][t]
             row["sd"] = max(row["sd"], passes["sd"][t])
-    terms = identifiability(X[train], y[train], coef, boot)
+        terms[t]["sd"] = row["sd"]
     fit: dict[str, Any] = {"kind": "live-run", "run": os.path.abspath(run_dir), "made_at": now_iso(),
            "model": "step = overhead + prefill tokens x a + decoding sequences x b + keys read x c + prefill "
                     "chunks x e; front end = request + prompt tokens x d, one request at a time",
@@ -431,7 +435,7 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
                                      f"of blocks of {BLOCK_SHARE:.0%} of them in issue order, the spans of a "
                                      "request drawn together" + (
                                          f"; sd the larger of the bootstrap's and the {len(passes['passes'])} "
-                                         "passes' (the standard error of their mean)" if passes else ""),
+                                         "passes' (their standard deviation)" if passes else ""),
                            **boot["summary"]},
            "terms": terms, "load": load_coverage(rec), "max_error": max_error,
            "replay_check": check, "server": rec.config.get("server") or {}, "endpoint": rec.config.get("endpoint"),
@@ -598,7 +602,7 @@ def verdict(fit: dict) -> tuple[list[str], list[str], list[str]]:
         moved = (max(vals) - min(vals)) / mid if mid > 0 else 0.0
         if moved > DRIFT and u["sd_passes"] > DRIFT_SDS * u["sd_bootstrap"]:
             warnings.append(f"the {TERM_NAMES[t]} term moved {moved:.0%} between the profile's passes, "
-                            f"{u['sd_passes'] / max(u['sd_bootstrap'], 1e-30):.1f}x its scatter within one (the "
+                            f"{u['sd_passes'] / max(u['sd_bootstrap'], 1e-30):.1f}x its bootstrap sd (the "
                             "server's speed changed while it was profiled; its sd says so)")
     for t, row in fit["terms"].items():
         if row["identifiable"]:

@@ -26,8 +26,8 @@ With ``passes`` above 1 the whole load is sent that many times in a row (each pa
 the idle stage's requests shared out between them), so the fit can say how far the server's speed
 moved from one pass to the next: a bootstrap over one run's requests sees their scatter, not a machine
 whose speed drifts by more than that between one calibration and the run it predicts. It doubles the
-profile's time, and on the CPU test server it did not make a calibration predict better (run 8 of
-benchmarks/live/RESULTS.md), so one pass is the default.
+profile's time, so one pass is the default. A later pass's idle requests go one at a time but back to
+back (their trace time is past when the pass starts): each still finds the server otherwise idle.
 
 Its tokens are new to the server: request ids (which seed a unique segment's tokens) and prefix names
 carry a nonce drawn per profile, so a second calibration against the same server finds nothing the
