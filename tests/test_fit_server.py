@@ -330,3 +330,33 @@ def test_the_stated_sd_takes_the_passes_spread(tmp_path):
         assert len(u["passes"]) == 2 and u["sd"] == max(u["sd_bootstrap"], u["sd_passes"]) and u["sd_passes"] >= 0
         assert doc["fit"]["terms"][t]["sd"] == u["sd"]
     assert any(unc[t]["sd_passes"] > unc[t]["sd_bootstrap"] for t in fit_server.TERMS)
+
+
+def test_a_stage_weight_counts_only_the_spans_the_fit_uses(run_dir):
+    """Held-out spans are judged, not fitted: a stage's weight is shared among its training spans, so
+    two stages with one training span each weigh the same whatever their held-out requests (mutation:
+    the held-out spans counted in a stage's weight -> the stage with one more weighs less -> fails)."""
+    rec = fit_server.read_live_run(str(run_dir))
+    ids = list(rec.requests["id"])
+    train = [i for i in ids if not fit_server.held_out(i)][:2]
+    held = [i for i in ids if fit_server.held_out(i)][:1]
+    rec.requests = rec.requests[rec.requests["id"].isin(train + held)].assign(arrival_s=0.0)
+    steps = fit_server.Steps(work=[(10, 0, 0, 1), (0, 3, 5, 0), (0, 3, 6, 0)], end_s=[0.1, 0.2, 0.3], emitted={})
+    for i in train + held:
+        steps.emitted[(i, 0)] = [0, 1, 2]
+    stage_of = {train[0]: "c1-short", held[0]: "c1-short", train[1]: "c8-long"}
+    sp = fit_server.span_rows(rec, steps, stage_of=stage_of)
+    fitted, _ = sp.split()
+    w = {(r, bool(d)): x for r, d, x in zip(sp.request[fitted], sp.decode[fitted], sp.weight[fitted])}
+    assert w[(train[0], True)] == pytest.approx(w[(train[1], True)])
+
+
+def test_a_trace_s_own_meta_is_not_taken_for_a_profile_s(tmp_path):
+    """A user's trace may carry a meta "stage" or "pass" of its own shape: only a profile's (a string
+    stage, an integer pass) is read, and nothing raises."""
+    rows = [{"id": "a", "t": 0, "output_len": 2, "prompt": [{"unique": 4}], "meta": {"stage": "c1-short", "pass": 2}},
+            {"id": "b", "t": 0, "output_len": 2, "prompt": [{"unique": 4}], "meta": {"stage": 3, "pass": "two"}},
+            {"id": "c", "t": 0, "output_len": 2, "prompt": [{"unique": 4}], "meta": {"pass": True}}]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert fit_server.profile_meta(str(path)) == ({"a": "c1-short"}, {"a": 2})

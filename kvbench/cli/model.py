@@ -192,7 +192,7 @@ def _calibrate_endpoint(endpoint: str, out: str, run_dir: str | None, server_log
     from kvbench.engine.config import ReplayConfig
     from kvbench.engine.fit_server import fit_from_run
     from kvbench.engine.live import LiveOptions, LiveRun
-    from kvbench.engine.profile import profile
+    from kvbench.engine.profile import PASSES, profile
     from kvbench.engine.records import claim_run_dir
     from kvbench.engine.server import base_url, server_settings_from_log, server_settings_from_server
     from kvbench.provenance import Invocation
@@ -212,7 +212,7 @@ def _calibrate_endpoint(endpoint: str, out: str, run_dir: str | None, server_log
         click.echo(f"kvbench: warning: the server does not tell its {' and '.join(unknown)} (vLLM tells them at "
                    "/server_info with VLLM_SERVER_DEV_MODE=1): the fit takes kvbench's defaults (and an unknown pool "
                    "bounds no stage of the profile); give --server-log LOG for the ones it started with", err=True)
-    prof = profile(server, seed=seed, quick=quick, **({} if passes is None else {"passes": passes}))
+    prof = profile(server, seed=seed, quick=quick, passes=PASSES if passes is None else passes)
     run_dir = claim_run_dir(run_dir or os.path.join("runs", f"calibrate-{time.strftime('%Y%m%d-%H%M%S')}"),
                             unique=run_dir is None)
     trace = os.path.join(run_dir, "profile.jsonl")

@@ -222,7 +222,7 @@ def span_rows(rec: LiveRecord, steps: Steps, front: tuple[float, float] = (0.0, 
               stage_of: dict[str, str] | None = None) -> Spans:
     """The spans of the run's requests over the replay's ``steps``; ``front``: the front end's current
     terms (request, per prompt token), which say how long a request waited behind others there;
-    ``stage_of``: request id -> its stage in a profiling load (``trace_stages``), for the weights."""
+    ``stage_of``: request id -> its stage in a profiling load (``profile_meta``), for the weights."""
     work = np.array(steps.work, dtype=np.float64).reshape(-1, STEP_TERMS - 1)
     cum = np.zeros((len(work) + 1, STEP_TERMS))
     cum[1:, 0] = np.arange(1, len(work) + 1)
@@ -269,11 +269,6 @@ def span_rows(rec: LiveRecord, steps: Steps, front: tuple[float, float] = (0.0, 
                  decode_, request_, excluded_)
 
 
-def trace_passes(trace_path: str) -> dict[str, int]:
-    """Request id -> the pass of a profiling load it belongs to (its ``meta["pass"]``)."""
-    return {r.id: int(r.meta["pass"]) for r in load_trace(trace_path) if r.meta and r.meta.get("pass") is not None}
-
-
 def pass_spread(X: np.ndarray, y: np.ndarray, weight: np.ndarray, passes: np.ndarray) -> dict | None:
     """The fit repeated on each pass of a profile alone (``passes``: each span's pass): per term its
     value in every pass and ``sd``, their standard deviation (how far a calibration made at another
@@ -289,9 +284,19 @@ def pass_spread(X: np.ndarray, y: np.ndarray, weight: np.ndarray, passes: np.nda
             "sd": {t: float(sd[j]) for j, t in enumerate(TERMS)}}
 
 
-def trace_stages(trace_path: str) -> dict[str, str]:
-    """Request id -> its stage, for a profiling load's requests (their ``meta["stage"]``)."""
-    return {r.id: str(r.meta["stage"]) for r in load_trace(trace_path) if r.meta and r.meta.get("stage") is not None}
+def profile_meta(trace_path: str) -> tuple[dict[str, str], dict[str, int]]:
+    """For a profiling load's requests, request id -> its stage and request id -> its pass (their
+    ``meta["stage"]`` and ``meta["pass"]``, as kvbench.engine.profile writes them); another trace's
+    requests, or a meta of another shape, are in neither."""
+    stage_of: dict[str, str] = {}
+    pass_of: dict[str, int] = {}
+    for r in load_trace(trace_path):
+        meta = r.meta if isinstance(r.meta, dict) else {}
+        if isinstance(meta.get("stage"), str):
+            stage_of[r.id] = meta["stage"]
+        if isinstance(meta.get("pass"), int) and not isinstance(meta["pass"], bool):
+            pass_of[r.id] = meta["pass"]
+    return stage_of, pass_of
 
 
 def stage_weights(request: np.ndarray, decode: np.ndarray, excluded: np.ndarray,
@@ -374,7 +379,7 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
         issued_trace(rec, trace_path, trace)
         clock = os.path.join(tmp, "clock.json")
 
-        stage_of = trace_stages(trace_path)
+        stage_of, pass_of = profile_meta(trace_path)
 
         def replay_on(c: np.ndarray, out: str) -> Spans:
             clock_file(c, clock)
@@ -408,7 +413,6 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
     train, test = spans.split()
     order = {rid: k for k, rid in enumerate(rec.requests.sort_values("arrival_s", kind="stable")["id"])}
     boot = bootstrap(X[train], y[train], request[train], seed=seed, order=order, weight=spans.weight[train])
-    pass_of = trace_passes(trace_path)
     passes = pass_spread(X[train], y[train], spans.weight[train],
                          np.array([pass_of.get(str(r), 1) for r in request[train]], dtype=int))
     terms = identifiability(X[train], y[train], coef, boot)  # on the bootstrap's sd: drift is said apart
@@ -423,8 +427,8 @@ def fit_from_run(run_dir: str, out_path: str | None = None, rounds: int = ROUNDS
            "model": "step = overhead + prefill tokens x a + decoding sequences x b + keys read x c + prefill "
                     "chunks x e; front end = request + prompt tokens x d, one request at a time",
            "held_out_share": HELD_OUT,
-           "weighting": ("each stage of the profiling load and span kind weighs the same" if len(set(
-               spans.weight[train].round(12))) > 1 else "every span the same"),
+           "weighting": ("each stage of the profiling load and span kind weighs the same"
+                         if any(str(r) in stage_of for r in request[train]) else "every span the same"),
            "rounds": history, "chosen_round": chosen,
            "train": error(X[train], y[train], coef),
            "heldout": error(X[test], y[test], coef),
@@ -653,7 +657,8 @@ def _replay_check(rec: LiveRecord, out_dir: str, stage_of: dict[str, str] | None
     live = rec.requests.set_index("id")
     both = live.index.intersection(sim.index[sim["rejected"].isna()])
     out: dict[str, dict] = {}
-    for part, ids in (("heldout", [i for i in both if held_out(i)]), ("all", list(both))):
+    held = [i for i in both if held_out(i)]
+    for part, ids in (("heldout", held), ("all", list(both))):
         row: dict[str, float | None] = {"requests": len(ids)}
         for name in ("ttft_ms", "tpot_ms"):
             a, b = sim.loc[ids, name].to_numpy(), live.loc[ids, name].to_numpy()
@@ -662,14 +667,15 @@ def _replay_check(rec: LiveRecord, out_dir: str, stage_of: dict[str, str] | None
             row[f"{name}_p50_sim"] = float(np.median(a[ok])) if ok.any() else None
             row[f"{name}_median_abs_rel_err"] = float(np.median(np.abs(a[ok] / b[ok] - 1))) if ok.any() else None
         out[part] = row
-    held = [i for i in both if held_out(i)]
-    stages: list[str] = []  # in the order the load sent them
+    in_stage: dict[str, list] = {}  # stage -> its held-out requests, stages in the order the load sent them
+    held_ids = set(held)
     for i in rec.requests.sort_values("arrival_s", kind="stable")["id"]:
-        if stage_of and i in stage_of and stage_of[i] not in stages:
-            stages.append(stage_of[i])
+        if stage_of and i in stage_of:
+            ids = in_stage.setdefault(stage_of[i], [])
+            if i in held_ids:
+                ids.append(i)
     by_stage: dict[str, dict] = {}
-    for st in stages:
-        ids = [i for i in held if stage_of and stage_of.get(i) == st]
+    for st, ids in in_stage.items():
         a, b = sim.loc[ids, "tpot_ms"].to_numpy(), live.loc[ids, "tpot_ms"].to_numpy()
         ok = np.isfinite(a) & np.isfinite(b) & (b > 0)
         if ok.any():
